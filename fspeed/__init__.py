@@ -1,0 +1,27 @@
+"""fspeed: DeepSpeed's training features as a functional library on torch.func.
+
+    import fspeed as fs
+    model = fs.models.gpt(fs.models.GPTConfig(vocab_size=256))
+    params = model.init(torch.Generator().manual_seed(0))
+    opt = fs.optim.chain(fs.optim.clip_by_global_norm(1.0),
+                         fs.optim.adamw(fs.optim.warmup_cosine(3e-4, total_num_steps=1000), weight_decay=0.1))
+    state = fs.init_train_state(params, opt, precision=fs.precision.bf16())
+    step = fs.make_train_step(model.loss, opt, grad_accum=4)
+    state, metrics = step(state, batch)
+"""
+
+from . import models, optim, precision
+from .flat import Flat, FlatLayout
+from .loss_scale import LossScaleAtMinimumError, LossScaleState
+from .models import Model, functionalize
+from .pytree import tree_flatten_with_paths, tree_map, tree_paths
+from .train_state import DonatedStateError, TrainState, init_train_state
+from .train_step import make_eval_step, make_train_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DonatedStateError", "Flat", "FlatLayout", "LossScaleAtMinimumError", "LossScaleState", "Model",
+    "TrainState", "functionalize", "init_train_state", "make_eval_step", "make_train_step", "models",
+    "optim", "precision", "tree_flatten_with_paths", "tree_map", "tree_paths",
+]

@@ -1,0 +1,1 @@
+"""Command-line entry points (the only layer that imports Hydra)."""

@@ -1,0 +1,167 @@
+"""The reference GPT, written as pure functions of a parameter dict (nanoGPT's model, functional).
+
+Pre-LayerNorm blocks, causal self-attention through `scaled_dot_product_attention`, a GELU MLP,
+learned positions, optional tied input/output embeddings. Dropout (embeddings and residual
+branches) draws from an explicit `torch.Generator`, so a step is a pure function of
+(params, batch, generator seed). Attention-probability dropout is not offered: SDPA's dropout uses
+the global RNG, which would make steps irreproducible.
+
+Parameter paths and logical axes:
+
+    wte [vocab, embed]          wpe [seq, embed]           head [embed, vocab] (untied only)
+    blocks.i.ln1.{weight,bias} [embed]                     ln_f.{weight,bias} [embed]
+    blocks.i.attn.wqkv [embed, qkv, heads]   bqkv [qkv, heads]   wo [heads, embed]   bo [embed]
+    blocks.i.mlp.w_in [embed, mlp]   b_in [mlp]   w_out [mlp, embed]   b_out [embed]
+
+"heads" is the flattened (head, head_dim) dim: sharding it in contiguous chunks splits whole heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from .model import LogicalAxes, Model
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    seq_len: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    d_ff: Optional[int] = None  # default 4 * d_model
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for key in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{key}={value!r} must be a positive integer")
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"GPTConfig: d_model={self.d_model} must be divisible by n_head={self.n_head}"
+            )
+        if self.d_ff is not None and self.d_ff < 1:
+            raise ValueError(f"GPTConfig.d_ff={self.d_ff} must be positive (or None for 4*d_model)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1)")
+        if self.init_std <= 0:
+            raise ValueError(f"GPTConfig.init_std={self.init_std} must be > 0")
+
+    @property
+    def hidden(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+
+def gpt(cfg: GPTConfig) -> Model:
+    """The reference GPT as a `Model`. Batches are dicts with `inputs` and `targets`, both [B, S] long."""
+
+    def init(generator: torch.Generator) -> dict:
+        D, F_, V = cfg.d_model, cfg.hidden, cfg.vocab_size
+
+        def normal(*shape, std=cfg.init_std):
+            return torch.randn(*shape, generator=generator) * std
+
+        residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale residual projections
+
+        def layer_norm():
+            return {"weight": torch.ones(D), "bias": torch.zeros(D)}
+
+        params = {
+            "wte": normal(V, D),
+            "wpe": normal(cfg.seq_len, D),
+            "blocks": [
+                {
+                    "ln1": layer_norm(),
+                    "attn": {
+                        "wqkv": normal(D, 3, D),
+                        "bqkv": torch.zeros(3, D),
+                        "wo": normal(D, D, std=residual_std),
+                        "bo": torch.zeros(D),
+                    },
+                    "ln2": layer_norm(),
+                    "mlp": {
+                        "w_in": normal(D, F_),
+                        "b_in": torch.zeros(F_),
+                        "w_out": normal(F_, D, std=residual_std),
+                        "b_out": torch.zeros(D),
+                    },
+                }
+                for _ in range(cfg.n_layer)
+            ],
+            "ln_f": layer_norm(),
+        }
+        if not cfg.tie_embeddings:
+            params["head"] = normal(D, V)
+        return params
+
+    def apply(params: dict, inputs: torch.Tensor, *, rng: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Logits [B, S, vocab] for token ids `inputs` [B, S]."""
+        B, S = inputs.shape
+        if S > cfg.seq_len:
+            raise ValueError(f"sequence length {S} exceeds the model's seq_len={cfg.seq_len}")
+        x = F.embedding(inputs, params["wte"]) + params["wpe"][:S]
+        x = _dropout(x, cfg.dropout, rng)
+        for block in params["blocks"]:
+            x = x + _dropout(_attention(block["attn"], _layer_norm(x, block["ln1"]), cfg.n_head), cfg.dropout, rng)
+            x = x + _dropout(_mlp(block["mlp"], _layer_norm(x, block["ln2"])), cfg.dropout, rng)
+        x = _layer_norm(x, params["ln_f"])
+        head = params["wte"].t() if cfg.tie_embeddings else params["head"]
+        return x @ head
+
+    def loss(params: dict, batch: dict, *, rng: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Mean next-token cross-entropy, computed in fp32 whatever the compute dtype."""
+        logits = apply(params, batch["inputs"], rng=rng)
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten())
+
+    return Model(init, apply, loss, gpt_logical_axes(cfg), name="gpt")
+
+
+def gpt_logical_axes(cfg: GPTConfig) -> LogicalAxes:
+    axes: LogicalAxes = {"wte": ("vocab", "embed"), "wpe": (None, "embed")}
+    for i in range(cfg.n_layer):
+        p = f"blocks.{i}"
+        axes.update({
+            f"{p}.ln1.weight": ("embed",), f"{p}.ln1.bias": ("embed",),
+            f"{p}.attn.wqkv": ("embed", None, "heads"), f"{p}.attn.bqkv": (None, "heads"),
+            f"{p}.attn.wo": ("heads", "embed"), f"{p}.attn.bo": ("embed",),
+            f"{p}.ln2.weight": ("embed",), f"{p}.ln2.bias": ("embed",),
+            f"{p}.mlp.w_in": ("embed", "mlp"), f"{p}.mlp.b_in": ("mlp",),
+            f"{p}.mlp.w_out": ("mlp", "embed"), f"{p}.mlp.b_out": ("embed",),
+        })
+    axes.update({"ln_f.weight": ("embed",), "ln_f.bias": ("embed",)})
+    if not cfg.tie_embeddings:
+        axes["head"] = ("embed", "vocab")
+    return axes
+
+
+def _layer_norm(x: torch.Tensor, p: dict) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), p["weight"], p["bias"], eps=1e-5)
+
+
+def _attention(p: dict, x: torch.Tensor, n_head: int) -> torch.Tensor:
+    D = x.shape[-1]
+    qkv = x @ p["wqkv"].reshape(D, -1) + p["bqkv"].reshape(-1)
+    q, k, v = rearrange(qkv, "b s (three h d) -> three b h s d", three=3, h=n_head)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return rearrange(y, "b h s d -> b s (h d)") @ p["wo"] + p["bo"]
+
+
+def _mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x @ p["w_in"] + p["b_in"]) @ p["w_out"] + p["b_out"]
+
+
+def _dropout(x: torch.Tensor, p: float, rng: Optional[torch.Generator]) -> torch.Tensor:
+    if rng is None or p == 0.0:
+        return x
+    keep = torch.rand(x.shape, generator=rng, device=x.device) >= p
+    return x * keep.to(x.dtype) / (1.0 - p)

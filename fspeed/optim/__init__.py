@@ -1,0 +1,38 @@
+"""Optax-style gradient transformations over parameter pytrees (flat buffers make them one pass)."""
+
+from .adam import AdamState, adam, adamw
+from .base import (
+    EmptyState,
+    GradientTransformation,
+    Schedule,
+    ScalarOrSchedule,
+    TransformInfo,
+    apply_updates,
+    chain,
+    global_norm,
+    learning_rate,
+    optimizer_step,
+    per_tensor_norms,
+)
+from .clipping import clip_by_global_norm
+from .lamb import LambState, lamb
+from .schedules import (
+    ONE_CYCLE_BETA2,
+    as_schedule,
+    constant,
+    lr_range_test,
+    one_cycle,
+    one_cycle_momentum,
+    warmup,
+    warmup_cosine,
+    warmup_decay,
+)
+from .sgd import SGDState, sgd
+
+__all__ = [
+    "AdamState", "EmptyState", "GradientTransformation", "LambState", "ONE_CYCLE_BETA2", "SGDState",
+    "ScalarOrSchedule", "Schedule", "TransformInfo", "adam", "adamw", "apply_updates", "as_schedule",
+    "chain", "clip_by_global_norm", "constant", "global_norm", "lamb", "learning_rate", "lr_range_test",
+    "one_cycle", "one_cycle_momentum", "optimizer_step", "per_tensor_norms", "sgd", "warmup",
+    "warmup_cosine", "warmup_decay",
+]

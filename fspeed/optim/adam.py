@@ -1,0 +1,150 @@
+"""Adam and AdamW with DeepSpeed FusedAdam's semantics.
+
+    L2 mode (adam_w_mode=False):  g += wd*p;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
+                                  p -= lr * (m/bc1) / (sqrt(v/bc2) + eps)
+    AdamW mode (adam_w_mode=True): m, v as above without wd in g;
+                                  p -= lr * ((m/bc1) / (sqrt(v/bc2) + eps) + wd*p)
+
+with bc1 = 1 - b1^t, bc2 = 1 - b2^t, or 1 when `bias_correction=False`. When b1 is a schedule
+(1Cycle momentum), bc1 uses the current b1, as FusedAdam does with its param group's betas.
+
+`apply` is the fused path: one `torch._fused_adam(w)_` call per flat buffer (a single pass over
+memory) when bias correction is on; otherwise an in-place torch sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from ..pytree import tensor_leaves, tree_map, tree_zeros_like
+from .base import GradientTransformation, ScalarOrSchedule, TransformInfo, resolve
+
+
+class AdamState(NamedTuple):
+    count: int  # updates applied so far
+    lr: float  # the lr the next update will use
+    mu: Any  # first moment, same structure as params
+    nu: Any  # second moment
+
+
+def check_hparams(name: str, **values: Any) -> None:
+    """Eager validation of the float hyperparameters shared by the Adam family."""
+    for key, value in values.items():
+        if callable(value) or value is None:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise TypeError(f"{name}: {key}={value!r} must be a finite number or a schedule")
+        if key in ("b1", "b2", "momentum") and not 0.0 <= value < 1.0:
+            raise ValueError(f"{name}: {key}={value} must be in [0, 1)")
+        if key in ("lr", "weight_decay", "eps", "dampening") and value < 0:
+            raise ValueError(f"{name}: {key}={value} must be >= 0")
+
+
+def adam(
+    lr: ScalarOrSchedule = 1e-3,
+    b1: ScalarOrSchedule = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    bias_correction: bool = True,
+    adam_w_mode: bool = False,
+) -> GradientTransformation:
+    """Adam; `adam_w_mode=True` makes weight decay decoupled (AdamW).
+
+    DeepSpeed gotcha: its config type "Adam" defaults to adam_w_mode=True (AdamW). fspeed's `adam`
+    defaults to classic L2 Adam; the DeepSpeed-config translator applies DeepSpeed's default.
+    """
+    name = "adamw" if adam_w_mode else "adam"
+    check_hparams(name, lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+
+    def init(params):
+        return AdamState(0, resolve(lr, 0), tree_zeros_like(params), tree_zeros_like(params))
+
+    def hparams(count: int) -> tuple[float, float, float, float]:
+        lr_t, b1_t = resolve(lr, count), resolve(b1, count)
+        t = count + 1
+        bc1 = 1.0 - b1_t**t if bias_correction else 1.0
+        bc2 = 1.0 - b2**t if bias_correction else 1.0
+        return lr_t, b1_t, bc1, bc2
+
+    def update(grads, state: AdamState, params=None):
+        lr_t, b1_t, bc1, bc2 = hparams(state.count)
+        if weight_decay and params is None:
+            raise ValueError(f"{name} with weight_decay needs params in update()")
+        if weight_decay and not adam_w_mode:
+            grads = tree_map(lambda g, p: g + weight_decay * p, grads, params)
+        mu = tree_map(lambda m, g: m.lerp(g.to(m.dtype), 1.0 - b1_t), state.mu, grads)
+        nu = tree_map(lambda v, g: v * b2 + (1.0 - b2) * g.to(v.dtype).square(), state.nu, grads)
+
+        def direction(m, v, p):
+            u = (m / bc1) / ((v / bc2).sqrt() + eps)
+            if weight_decay and adam_w_mode:
+                u = u + weight_decay * p
+            return -lr_t * u
+
+        if params is None:
+            updates = tree_map(lambda m, v: direction(m, v, None), mu, nu)
+        else:
+            updates = tree_map(direction, mu, nu, params)
+        return updates, AdamState(state.count + 1, resolve(lr, state.count + 1), mu, nu)
+
+    def apply(grads, state: AdamState, params):
+        lr_t, b1_t, bc1, bc2 = hparams(state.count)
+        p, g, m, v = (tensor_leaves(x) for x in (params, grads, state.mu, state.nu))
+        g = [gi if gi.dtype == pi.dtype else gi.to(pi.dtype) for gi, pi in zip(g, p)]
+        if bias_correction and _has_fused(p):
+            fused = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+            step = torch.tensor(float(state.count + 1), device=p[0].device)
+            fused(
+                p, g, m, v, [], [step] * len(p),
+                lr=lr_t, beta1=b1_t, beta2=b2, weight_decay=weight_decay, eps=eps,
+                amsgrad=False, maximize=False,
+            )
+        else:
+            for pi, gi, mi, vi in zip(p, g, m, v):
+                _adam_in_place(pi, gi, mi, vi, lr_t, b1_t, b2, eps, weight_decay, adam_w_mode, bc1, bc2)
+        return params, AdamState(state.count + 1, resolve(lr, state.count + 1), state.mu, state.nu)
+
+    info = TransformInfo(
+        name,
+        dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction),
+    )
+    return GradientTransformation(init, update, apply, info)
+
+
+def adamw(
+    lr: ScalarOrSchedule = 1e-3,
+    b1: ScalarOrSchedule = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    *,
+    bias_correction: bool = True,
+) -> GradientTransformation:
+    """AdamW: Adam with decoupled weight decay (DeepSpeed's adam_w_mode=True)."""
+    return adam(lr, b1, b2, eps, weight_decay, bias_correction=bias_correction, adam_w_mode=True)
+
+
+def _has_fused(tensors: list[torch.Tensor]) -> bool:
+    if not tensors or not hasattr(torch, "_fused_adam_"):
+        return False
+    first = tensors[0]
+    return first.device.type in ("cpu", "cuda") and all(
+        t.device == first.device and t.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        for t in tensors
+    )
+
+
+def _adam_in_place(p, g, m, v, lr, b1, b2, eps, wd, decoupled, bc1, bc2) -> None:
+    if wd and not decoupled:
+        g = g.add(p, alpha=wd)
+    m.lerp_(g, 1.0 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+    denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+    if wd and decoupled:
+        p.mul_(1.0 - lr * wd)
+    p.addcdiv_(m, denom, value=-lr / bc1)

@@ -1,0 +1,186 @@
+"""`make_train_step`: one optimizer step over `grad_accum` micro-batches, as a function.
+
+    step = make_train_step(model.loss, optimizer, grad_accum=4)
+    state, metrics = step(state, batch)
+
+Per micro-batch, `torch.func.grad_and_value` differentiates `loss * loss_scale / grad_accum` with
+respect to the flat compute buffer (split's backward is one concatenation, so the gradient
+arrives as a flat buffer too); gradients accumulate locally in `precision.grad_accum_dtype`.
+At the boundary, as DeepSpeed does:
+
+1. one norm of the scaled gradients gives both the overflow check and the grad norm;
+2. the loss scaler updates (every attempt counts); on overflow the step is skipped: params,
+   masters and optimizer state are untouched and the schedule does not advance;
+3. unscaling and clipping are one multiply: when the optimizer chain starts with
+   `clip_by_global_norm`, its coefficient is folded into the unscale factor;
+4. the optimizer updates the fp32 masters in place (fused single pass where available), and the
+   compute copy is cast from them.
+
+Metrics: loss (mean over micro-batches), lr (used by this step), grad_norm (unscaled, before
+clipping), loss_scale (that produced the gradients), skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable
+
+import torch
+
+from .flat import Flat
+from .loss_scale import update_loss_scale
+from .optim.base import GradientTransformation, chain, optimizer_step
+from .optim.clipping import clip_coefficient
+from .pytree import PyTree, tree_flatten_with_paths, tree_unflatten
+from .train_state import TrainState
+
+log = logging.getLogger("fspeed")
+
+LossFn = Callable[..., torch.Tensor]
+
+
+def split_micro_batches(batch: PyTree, n: int) -> list[PyTree]:
+    """Split every tensor of `batch` along dim 0 into `n` equal micro-batches (views)."""
+    paths, leaves, treedef = tree_flatten_with_paths(batch)
+    sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
+    if len(sizes) != 1:
+        shapes = {p: list(leaf.shape) for p, leaf in zip(paths, leaves) if isinstance(leaf, torch.Tensor)}
+        raise ValueError(f"batch tensors must share their leading (batch) dim; got shapes {shapes}")
+    rows = sizes.pop()
+    if rows % n:
+        raise ValueError(
+            f"batch has {rows} rows, which grad_accum={n} does not divide; "
+            f"pass a batch of grad_accum x micro_batch_size rows (e.g. {n * max(1, rows // n)})"
+        )
+    chunks = [leaf.split(rows // n) if isinstance(leaf, torch.Tensor) else [leaf] * n for leaf in leaves]
+    return [tree_unflatten(treedef, [chunk[i] for chunk in chunks]) for i in range(n)]
+
+
+def dropout_seed(rng_seed: int, step: int, micro: int) -> int:
+    """A 63-bit seed for (run seed, step, micro-batch): splitmix64 mixing, stable across processes."""
+    x = (rng_seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + micro * 0x94D049BB133111EB) & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) >> 1
+
+
+def _split_leading_clip(optimizer: GradientTransformation) -> tuple[float | None, GradientTransformation]:
+    """(max_norm, rest) when the chain starts with clip_by_global_norm; (None, optimizer) otherwise."""
+    info = optimizer.info
+    if info is not None and info.name == "chain" and info.children:
+        first = info.children[0].info
+        if first is not None and first.name == "clip_by_global_norm":
+            return float(first.hparams["max_norm"]), chain(*info.children[1:])
+    return None, optimizer
+
+
+def make_train_step(
+    loss_fn: LossFn, optimizer: GradientTransformation, *, grad_accum: int = 1
+) -> Callable[[TrainState, PyTree], tuple[TrainState, dict[str, Any]]]:
+    """Build `train_step(state, batch) -> (state, metrics)`; see the module docstring.
+
+    `loss_fn(params, micro_batch, *, rng)` returns a scalar loss; `params` is the structured tree of
+    compute-dtype parameters, `rng` a torch.Generator for dropout. `batch` holds
+    `grad_accum` micro-batches stacked along dim 0.
+    """
+    if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+        raise ValueError(f"grad_accum={grad_accum!r} must be a positive integer")
+    if not isinstance(optimizer, GradientTransformation):
+        raise TypeError(f"optimizer must be a GradientTransformation, got {type(optimizer).__name__}")
+    clip_norm, rest = _split_leading_clip(optimizer)
+
+    def micro_loss(params: Flat, micro_batch: PyTree, rng: torch.Generator, multiplier: float):
+        loss = loss_fn(params.tree(), micro_batch, rng=rng)
+        if loss.dim() != 0:
+            raise ValueError(f"loss_fn must return a scalar, got shape {list(loss.shape)}")
+        return loss.float() * multiplier, loss.detach().float()
+
+    grad_and_loss = torch.func.grad_and_value(micro_loss, has_aux=True)
+
+    def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
+        precision, params = state.precision, state.params
+        scaler = state.loss_scale
+        micro_batches = split_micro_batches(batch, grad_accum)
+        generator = torch.Generator(device=params.device)
+        acc, losses = None, []
+        for i, micro_batch in enumerate(micro_batches):
+            generator.manual_seed(dropout_seed(state.rng_seed, state.step, i))
+            grads, (_, loss) = grad_and_loss(params, micro_batch, generator, scaler.scale / grad_accum)
+            g = grads.buffer
+            if acc is None:
+                acc = g if g.dtype == precision.grad_accum_dtype else g.to(precision.grad_accum_dtype)
+            else:
+                acc.add_(g)
+            losses.append(loss)
+        mean_loss = float(torch.stack(losses).mean())
+
+        scaled_norm = float(torch.linalg.vector_norm(acc, dtype=torch.float32))
+        overflow = precision.check_overflow and not math.isfinite(scaled_norm)
+        new_scaler = update_loss_scale(precision.loss_scale, scaler, overflow)  # may raise at min scale
+        lr = state.lr
+        samples = state.samples + _rows(batch)
+        state.donate()  # from here on the input's buffers are reused
+        fields = {name: object.__getattribute__(state, name) for name in
+                  ("params", "master", "opt_state", "step", "skipped_steps", "rng_seed")}
+        metrics = dict(step=fields["step"] + 1, loss=mean_loss, lr=lr, loss_scale=scaler.scale, skipped=overflow)
+
+        if overflow:
+            log.warning(
+                "step %d: %s gradient overflow (inf/NaN); step skipped, loss scale %g -> %g",
+                fields["step"] + 1, precision.name, scaler.scale, new_scaler.scale,
+            )
+            metrics["grad_norm"] = scaled_norm
+            return _next_state(state, fields, new_scaler, samples, skipped=1), metrics
+
+        unscale = new_scaler.scale if precision.unscale_with_updated_scale else scaler.scale
+        grad_norm = scaled_norm / unscale
+        factor = 1.0 / unscale
+        if clip_norm is not None:
+            factor *= clip_coefficient(grad_norm, clip_norm)
+        if factor != 1.0:
+            acc.mul_(factor)  # unscale and clip in one pass
+        grads = params.with_buffer(acc)
+        master = fields["master"] if fields["master"] is not None else fields["params"]
+        opt_state = fields["opt_state"]
+        if clip_norm is not None:
+            master, rest_state = optimizer_step(rest, grads, opt_state[1:], master)
+            opt_state = (opt_state[0],) + tuple(rest_state)
+        else:
+            master, opt_state = optimizer_step(rest, grads, opt_state, master)
+        if fields["master"] is not None:
+            fields["params"].buffer.copy_(master.buffer)  # cast fp32 masters to the compute copy
+        fields["opt_state"] = opt_state
+        metrics["grad_norm"] = grad_norm
+        return _next_state(state, fields, new_scaler, samples, skipped=0), metrics
+
+    return train_step
+
+
+def _rows(batch: PyTree) -> int:
+    leaves = tree_flatten_with_paths(batch)[1]
+    return next(leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0)
+
+
+def _next_state(old: TrainState, fields: dict, scaler, samples: int, skipped: int) -> TrainState:
+    return TrainState(
+        params=fields["params"],
+        master=fields["master"],
+        opt_state=fields["opt_state"],
+        loss_scale=scaler,
+        step=fields["step"] + 1,
+        skipped_steps=fields["skipped_steps"] + skipped,
+        samples=samples,
+        rng_seed=fields["rng_seed"],
+        precision=old.precision,
+    )
+
+
+def make_eval_step(loss_fn: LossFn) -> Callable[[TrainState, PyTree], float]:
+    """`eval_step(state, batch) -> loss` without gradients or dropout (does not donate)."""
+
+    @torch.no_grad()
+    def eval_step(state: TrainState, batch: PyTree) -> float:
+        return float(loss_fn(state.params.tree(), batch, rng=None))
+
+    return eval_step
