@@ -1,0 +1,41 @@
+"""Datasets, tokenizers and deterministic, rank-aware batch loading."""
+
+from fspeed.data.corpus import DEFAULT_MAX_BYTES, stdlib_corpus, stdlib_dir, stdlib_files, text_corpus
+from fspeed.data.loader import (
+    Batch,
+    BatchSampler,
+    Loader,
+    TokenWindows,
+    eval_starts,
+    split_train_val,
+)
+from fspeed.data.tokenizer import (
+    TOKENIZER_KINDS,
+    ByteTokenizer,
+    CharTokenizer,
+    Tokenizer,
+    UnknownCharacterError,
+    make_tokenizer,
+    tokenizer_from_dict,
+)
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "TOKENIZER_KINDS",
+    "Batch",
+    "BatchSampler",
+    "ByteTokenizer",
+    "CharTokenizer",
+    "Loader",
+    "TokenWindows",
+    "Tokenizer",
+    "UnknownCharacterError",
+    "eval_starts",
+    "make_tokenizer",
+    "split_train_val",
+    "stdlib_corpus",
+    "stdlib_dir",
+    "stdlib_files",
+    "text_corpus",
+    "tokenizer_from_dict",
+]
