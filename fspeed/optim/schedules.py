@@ -283,17 +283,23 @@ def _one_cycle_shape(first_step_size: object, second_step_size: object, first_st
     decay_size = _integer("decay_step_size", decay_step_size, low=0)
     total = first + second
 
+    ratio = first / total
+
     def scale(count: int) -> float:
-        # DeepSpeed: b = it + 1 = count; position in the cycle b mod T; rising while <= first.
-        position = count % total
-        if position <= first:
-            if first_stairs > 0:
-                return (position * first_stairs // first) / first_stairs
-            return position / first
-        remaining = total - position
-        if second_stairs > 0:
-            return (remaining * second_stairs // second) / second_stairs
-        return remaining / second
+        # DeepSpeed's float arithmetic, kept as is so values match it to the last bit:
+        # b = it + 1 = count; x = position in the cycle as a fraction of T.
+        cycle = math.floor(1 + count / total)
+        x = 1.0 + count / total - cycle
+        if x <= ratio:
+            value, stairs = x / ratio, first_stairs
+        else:
+            value, stairs = (x - 1) / (ratio - 1), second_stairs
+        if stairs > 0:
+            in_cycle = count % total
+            if in_cycle <= first:
+                return math.floor(in_cycle * stairs / first) / stairs
+            return math.floor((total - in_cycle) * stairs / second) / stairs
+        return value
 
     return scale, total, decay_size
 
