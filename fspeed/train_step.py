@@ -89,9 +89,13 @@ def make_train_step(
     if not isinstance(optimizer, GradientTransformation):
         raise TypeError(f"optimizer must be a GradientTransformation, got {type(optimizer).__name__}")
     clip_norm, rest = _split_leading_clip(optimizer)
+    # Mutable module state (functionalize's BatchNorm statistics) must enter the transformed
+    # function as an input to be updated in place under torch.func.
+    buffers = getattr(loss_fn, "buffers", None)
+    extra = (lambda b: {"buffers": b}) if buffers is not None else (lambda b: {})
 
-    def micro_loss(params: Flat, micro_batch: PyTree, rng: torch.Generator, multiplier: float):
-        loss = loss_fn(params.tree(), micro_batch, rng=rng)
+    def micro_loss(params: Flat, micro_batch: PyTree, rng: torch.Generator, multiplier: float, buffers):
+        loss = loss_fn(params.tree(), micro_batch, rng=rng, **extra(buffers))
         if loss.dim() != 0:
             raise ValueError(f"loss_fn must return a scalar, got shape {list(loss.shape)}")
         return loss.float() * multiplier, loss.detach().float()
@@ -106,7 +110,7 @@ def make_train_step(
         acc, losses = None, []
         for i, micro_batch in enumerate(micro_batches):
             generator.manual_seed(dropout_seed(state.rng_seed, state.step, i))
-            grads, (_, loss) = grad_and_loss(params, micro_batch, generator, scaler.scale / grad_accum)
+            grads, (_, loss) = grad_and_loss(params, micro_batch, generator, scaler.scale / grad_accum, buffers)
             g = grads.buffer
             if acc is None:
                 acc = g if g.dtype == precision.grad_accum_dtype else g.to(precision.grad_accum_dtype)

@@ -49,6 +49,30 @@ def count_params(params: PyTree) -> int:
     return sum(leaf.numel() for leaf in tree_flatten_with_paths(params)[1])
 
 
+class ModuleLoss:
+    """`loss` of a functionalized module.
+
+    `buffers` (BatchNorm running statistics, ...) are updated in place by the module. Under a
+    torch.func transform, a tensor may only be mutated if it is an input of the transformed
+    function, so `train_step` passes `loss.buffers` in as an input (`buffers=` keyword).
+    """
+
+    def __init__(self, apply_fn, loss_fn, buffers: dict[str, torch.Tensor], name: str):
+        self.apply_fn, self.loss_fn, self.buffers, self.name = apply_fn, loss_fn, buffers, name
+
+    def __call__(self, params, batch, *, rng=None, buffers=None) -> torch.Tensor:
+        if self.loss_fn is None:
+            raise ValueError(
+                f"functionalize({self.name}) was given no loss_fn; pass "
+                "functionalize(module, loss_fn=lambda outputs, batch: ...)"
+            )
+        if isinstance(batch, dict):
+            inputs = {k: v for k, v in batch.items() if k != "targets"}
+        else:
+            inputs = batch[0]
+        return self.loss_fn(self.apply_fn(params, inputs, rng=rng, buffers=buffers), batch)
+
+
 def functionalize(
     module: nn.Module,
     loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
@@ -58,39 +82,28 @@ def functionalize(
     """A Model backed by `module` through `torch.func.functional_call`.
 
     Parameters are keyed by `module.named_parameters()` names (`layers.0.weight`), the same as the
-    module's state_dict. Buffers are taken from the module and passed to every call, so running
+    module's state_dict. Buffers are the module's own and are passed to every call, so running
     statistics (BatchNorm) keep updating in place as they would in eager PyTorch.
 
     `init(generator)` returns detached copies of the module's current parameters (the module's own
     initialization already ran when it was built). `apply(params, inputs)` calls the module with
-    `inputs` (a tuple is unpacked into positional arguments). `loss(params, batch)` needs `loss_fn`:
-    `loss_fn(outputs, batch)`, with `batch = (inputs, targets)` by default calling the module on
-    `batch[0]`; a dict batch is passed whole as keyword arguments minus the key "targets".
+    `inputs` (a tuple is unpacked into positional arguments, a dict into keyword arguments).
+    `loss(params, batch)` needs `loss_fn(outputs, batch)`; the module is called on `batch[0]`, or
+    on a dict batch minus its "targets" key.
     """
-    buffers = dict(module.named_buffers())
-    names = [name for name, _ in module.named_parameters()]
-    if not names:
+    module_buffers = dict(module.named_buffers())
+    if not any(True for _ in module.parameters()):
         raise ValueError(f"functionalize: {type(module).__name__} has no parameters")
 
     def init(generator: Optional[torch.Generator] = None) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in module.named_parameters()}
 
-    def apply(params, inputs, *, rng: Optional[torch.Generator] = None):
+    def apply(params, inputs, *, rng: Optional[torch.Generator] = None, buffers=None):
+        tensors = (params, module_buffers if buffers is None else buffers)
         if isinstance(inputs, dict):
-            return torch.func.functional_call(module, (params, buffers), args=(), kwargs=inputs)
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
-        return torch.func.functional_call(module, (params, buffers), args=args)
+            return torch.func.functional_call(module, tensors, args=(), kwargs=inputs)
+        return torch.func.functional_call(module, tensors, args=inputs if isinstance(inputs, tuple) else (inputs,))
 
-    def loss(params, batch, *, rng: Optional[torch.Generator] = None) -> torch.Tensor:
-        if loss_fn is None:
-            raise ValueError(
-                f"functionalize({type(module).__name__}) was given no loss_fn; pass "
-                "functionalize(module, loss_fn=lambda outputs, batch: ...)"
-            )
-        if isinstance(batch, dict):
-            inputs = {k: v for k, v in batch.items() if k != "targets"}
-        else:
-            inputs = batch[0]
-        return loss_fn(apply(params, inputs, rng=rng), batch)
-
-    return Model(init, apply, loss, dict(logical_axes or {}), name=type(module).__name__)
+    name = type(module).__name__
+    loss = ModuleLoss(apply, loss_fn, module_buffers, name)
+    return Model(init, apply, loss, dict(logical_axes or {}), name=name)

@@ -1,0 +1,64 @@
+"""Metric monitors: a CSV file of per-step metrics (more backends arrive with the monitoring issue).
+
+A monitor has `write(row: dict)` and `close()`. Rows are keyed by column name; missing columns
+are left blank, unknown ones are an error (a typo in a metric name should not vanish).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+TRAIN_COLUMNS = (
+    "step", "samples", "loss", "val_loss", "lr", "grad_norm", "loss_scale", "skipped",
+    "tokens_per_s", "elapsed_s",
+)
+
+
+class CSVMonitor:
+    """Append rows of metrics to a CSV file, flushing each row (a crash loses at most one row)."""
+
+    def __init__(self, path: str | os.PathLike, columns: Sequence[str] = TRAIN_COLUMNS):
+        self.path = Path(path)
+        self.columns = tuple(columns)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        resume = self.path.exists() and self.path.stat().st_size > 0
+        if resume:
+            with open(self.path, newline="") as f:
+                header = next(csv.reader(f), [])
+            if tuple(header) != self.columns:
+                raise ValueError(
+                    f"{self.path} exists with columns {header}, expected {list(self.columns)}; "
+                    "choose another path or remove the file"
+                )
+        self._file = open(self.path, "a", newline="")
+        self._writer = csv.DictWriter(self._file, fieldnames=self.columns)
+        if not resume:
+            self._writer.writeheader()
+            self._file.flush()
+
+    def write(self, row: dict[str, Any]) -> None:
+        unknown = set(row) - set(self.columns)
+        if unknown:
+            raise KeyError(f"unknown metric column(s) {sorted(unknown)}; columns are {list(self.columns)}")
+        self._writer.writerow({k: _format(v) for k, v in row.items()})
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "CSVMonitor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _format(value: Any) -> Any:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, bool):
+        return int(value)
+    return value
