@@ -283,7 +283,8 @@ def load_checkpoint(
 
     `template` is a state built the same way as the saved one (e.g. by `init_train_state`); it is
     donated. Precision may differ: fp32 masters are restored from the saved masters, or from the
-    saved params when the checkpoint had none. With `load_optimizer_states=False` only the weights
+    saved params when the checkpoint had none; the loss scaler is restored only when the precision is
+    the same. With `load_optimizer_states=False` only the weights
     are loaded and the optimizer state and counters stay as in `template`.
     Returns (state, client_state).
     """
@@ -325,8 +326,11 @@ def load_checkpoint(
 
     state = template
     if not weights_only:
-        saved_scalars = meta["scalars"]
-        missing_scalars = sorted(set(scalars) - set(saved_scalars))
+        saved_scalars = dict(meta["scalars"])
+        if meta.get("precision") != template.precision.name:
+            # a scaler from another precision (fp32's fixed 1.0) must not replace this one's
+            saved_scalars = {k: v for k, v in saved_scalars.items() if not k.startswith("loss_scale.")}
+        missing_scalars = sorted(k for k in set(scalars) - set(saved_scalars) if not k.startswith("loss_scale."))
         if missing_scalars:
             raise CheckpointError(f"{path / META_FILE} lacks state fields {missing_scalars[:4]}")
         state = _replace_scalars(template, saved_scalars)

@@ -1,0 +1,190 @@
+"""Checkpoints: exact resume across processes, atomicity under SIGKILL, corruption errors."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import fspeed as fs
+from fspeed.checkpoint import CheckpointError, latest_tag, load_checkpoint, save_checkpoint
+
+# A tiny but complete training setup shared by this process and the subprocesses below.
+SETUP = textwrap.dedent("""
+    import sys, torch, fspeed as fs
+    from fspeed.checkpoint import save_checkpoint, load_checkpoint
+    cfg = fs.models.GPTConfig(vocab_size=31, seq_len=8, n_layer=2, n_head=2, d_model=16, dropout=0.1)
+    model = fs.models.gpt(cfg)
+    opt = fs.optim.chain(fs.optim.clip_by_global_norm(0.5),
+                         fs.optim.adamw(fs.optim.warmup_cosine(3e-2, total_num_steps=12, num_steps=3), weight_decay=0.1))
+    step_fn = fs.make_train_step(model.loss, opt, grad_accum=2)
+
+    def batch(i):
+        x = torch.randint(0, 31, (4, 9), generator=torch.Generator().manual_seed(1000 + i))
+        return {"inputs": x[:, :-1], "targets": x[:, 1:]}
+
+    def fresh(precision=fs.precision.fp32()):
+        return fs.init_train_state(model.init(torch.Generator().manual_seed(0)), opt, precision=precision, seed=3)
+
+    def run(state, start, stop):
+        for i in range(start, stop):
+            state, _ = step_fn(state, batch(i))
+        return state
+""")
+exec(SETUP)  # noqa: S102 - defines model, opt, batch, fresh, run in this module too
+
+
+def python(code: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    return subprocess.run([sys.executable, "-c", SETUP + textwrap.dedent(code), *args],
+                          capture_output=True, text=True, env=env, check=check, timeout=120)
+
+
+def assert_states_equal(a, b):
+    ta, sa = fs.checkpoint.state_entries(a)
+    tb, sb = fs.checkpoint.state_entries(b)
+    assert sa == sb
+    assert ta.keys() == tb.keys()
+    for key in ta:
+        assert torch.equal(ta[key], tb[key]), key
+
+
+def test_resume_in_a_new_process_is_bit_exact(tmp_path):
+    straight = run(fresh(), 0, 10)
+    python("""
+        state = run(fresh(), 0, 4)
+        save_checkpoint(sys.argv[1], state, client_state={"note": "resume test", "t": torch.arange(3)})
+    """, str(tmp_path / "ck"))
+    python("""
+        state, client = load_checkpoint(sys.argv[1], fresh())
+        assert client["note"] == "resume test" and client["t"].tolist() == [0, 1, 2]
+        assert state.step == 4, state.step
+        state = run(state, 4, 10)
+        save_checkpoint(sys.argv[1], state, tag="final")
+    """, str(tmp_path / "ck"))
+    resumed, _ = load_checkpoint(tmp_path / "ck", fresh(), tag="final")
+    assert_states_equal(straight, resumed)
+
+
+@pytest.mark.parametrize("where", ["writing tensors", "before rename", "before latest"])
+def test_a_process_killed_during_save_leaves_the_last_checkpoint(tmp_path, where):
+    code = """
+        import os, signal, fspeed.checkpoint as ck
+        state = run(fresh(), 0, 2)
+        save_checkpoint(sys.argv[1], state, tag="good")
+        state = run(state, 2, 3)
+        die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        where = sys.argv[2]
+        if where == "writing tensors":
+            real_write = ck._write_safetensors
+            def half_write(path, tensors):
+                items = list(tensors.items())
+                real_write(path, dict(items[: len(items) // 2]))
+                die()
+            ck._write_safetensors = half_write
+        elif where == "before rename":
+            ck._fsync_dir = die
+        else:
+            ck._write_latest = die
+        save_checkpoint(sys.argv[1], state, tag="good" if where == "before rename" else "next")
+    """
+    proc = python(code, str(tmp_path), where, check=False)
+    assert proc.returncode == -9, proc.stderr
+    assert latest_tag(tmp_path) == "good"
+    state, _ = load_checkpoint(tmp_path, fresh())
+    assert state.step == 2
+    assert_states_equal(state, run(fresh(), 0, 2))
+
+
+def test_overwriting_a_tag_and_recovering_an_interrupted_overwrite(tmp_path):
+    save_checkpoint(tmp_path, run(fresh(), 0, 1), tag="t")
+    save_checkpoint(tmp_path, run(fresh(), 0, 2), tag="t")
+    assert load_checkpoint(tmp_path, fresh())[0].step == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "t"]
+    # simulate a crash between moving the old copy aside and renaming the new one in
+    aside = tmp_path / ".t.old-crash"
+    aside.mkdir()
+    os.rename(tmp_path / "t", aside / "t")
+    assert load_checkpoint(tmp_path, fresh())[0].step == 2
+
+
+def test_corrupted_and_truncated_files_name_the_file(tmp_path):
+    path = save_checkpoint(tmp_path, run(fresh(), 0, 1))
+    tensors = path / "tensors.safetensors"
+    data = tensors.read_bytes()
+
+    tensors.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="tensors.safetensors is truncated"):
+        load_checkpoint(tmp_path, fresh())
+
+    flipped = bytearray(data)
+    flipped[-100] ^= 0xFF
+    tensors.write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match="tensors.safetensors is corrupted"):
+        load_checkpoint(tmp_path, fresh())
+
+    tensors.write_bytes(data)
+    meta = path / "meta.json"
+    meta.write_text(meta.read_text()[:50])
+    with pytest.raises(CheckpointError, match="meta.json is truncated or corrupted"):
+        load_checkpoint(tmp_path, fresh())
+
+
+def test_unreadable_safetensors_header_names_the_file(tmp_path):
+    path = save_checkpoint(tmp_path, run(fresh(), 0, 1))
+    tensors = path / "tensors.safetensors"
+    garbage = b"\xff" * tensors.stat().st_size
+    tensors.write_bytes(garbage)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["files"]["tensors.safetensors"]["sha256"] = fs.checkpoint._sha256(tensors)  # pass the checksum
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="cannot be read as safetensors"):
+        load_checkpoint(tmp_path, fresh())
+
+
+def test_missing_checkpoint_and_mismatched_state(tmp_path):
+    with pytest.raises(CheckpointError, match="no 'latest' file"):
+        load_checkpoint(tmp_path, fresh())
+    save_checkpoint(tmp_path, run(fresh(), 0, 1))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path, fresh(), tag="nope")
+    sgd_state = fs.init_train_state(model.init(torch.Generator().manual_seed(0)), fs.optim.sgd(0.1, 0.9))
+    with pytest.raises(CheckpointError, match="tensors missing"):
+        load_checkpoint(tmp_path, sgd_state)
+    weights, _ = load_checkpoint(tmp_path, sgd_state, load_optimizer_states=False)
+    assert torch.equal(weights.params.buffer, run(fresh(), 0, 1).params.buffer)
+    with pytest.raises(ValueError, match="tag"):
+        save_checkpoint(tmp_path, fresh(), tag="../escape")
+    with pytest.raises(TypeError, match="client_state value"):
+        save_checkpoint(tmp_path, fresh(), client_state={"f": object()})
+
+
+def test_checkpoints_move_between_precisions(tmp_path):
+    bf16 = run(fresh(fs.precision.bf16()), 0, 2)
+    save_checkpoint(tmp_path / "bf16", bf16)
+    as_fp32, _ = load_checkpoint(tmp_path / "bf16", fresh())
+    assert torch.equal(as_fp32.params.buffer, bf16.master.buffer)  # fp32 masters are preferred
+
+    fp32 = run(fresh(), 0, 2)
+    save_checkpoint(tmp_path / "fp32", fp32)
+    as_fp16, _ = load_checkpoint(tmp_path / "fp32", fresh(fs.precision.fp16()))
+    assert torch.equal(as_fp16.master.buffer, fp32.params.buffer)
+    assert torch.equal(as_fp16.params.buffer, fp32.params.buffer.half())
+    assert as_fp16.loss_scale.scale == 2.0**16  # the fp32 run had no scaler to restore
+
+
+def test_files_store_tensors_by_parameter_path(tmp_path):
+    from safetensors import safe_open
+
+    path = save_checkpoint(tmp_path, run(fresh(), 0, 1))
+    with safe_open(str(path / "tensors.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        assert "params/blocks.1.attn.wqkv" in keys and "opt_state.1.mu/wte" in keys
+        assert list(f.get_tensor("params/wte").shape) == [31, 16]
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["scalars"]["step"] == 1 and meta["scalars"]["opt_state.1.count"] == 1
+    assert Path(path).name == "global_step1"
