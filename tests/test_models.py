@@ -8,57 +8,21 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fspeed as fs
+from fspeed.models.gpt_module import GPTModule, load_params_into_module, params_from_module
 
 
-class TorchGPTBlock(nn.Module):
-    """An nn.Module pre-LN block written independently of fspeed's functional GPT."""
-
-    def __init__(self, d, h):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.h = h
-
-    def forward(self, x):
-        B, S, D = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)
-        q, k, v = (t.view(B, S, self.h, D // self.h).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, D)
-        x = x + self.proj(y)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-def torch_block_to_fspeed(block):
-    d = block.ln1.weight.shape[0]
-    return {
-        "ln1": {"weight": block.ln1.weight, "bias": block.ln1.bias},
-        "attn": {"wqkv": block.qkv.weight.t().reshape(d, 3, d), "bqkv": block.qkv.bias.view(3, d),
-                 "wo": block.proj.weight.t(), "bo": block.proj.bias},
-        "ln2": {"weight": block.ln2.weight, "bias": block.ln2.bias},
-        "mlp": {"w_in": block.fc.weight.t(), "b_in": block.fc.bias, "w_out": block.out.weight.t(),
-                "b_out": block.out.bias},
-    }
-
-
-def test_gpt_matches_an_independent_torch_implementation():
+def test_gpt_matches_its_nn_module_twin_both_ways():
     torch.manual_seed(0)
-    V, S, D, H, L = 37, 10, 16, 4, 2
-    cfg = fs.models.GPTConfig(vocab_size=V, seq_len=S, n_layer=L, n_head=H, d_model=D)
-    blocks = [TorchGPTBlock(D, H) for _ in range(L)]
-    wte, wpe, ln_f = nn.Embedding(V, D), nn.Embedding(S, D), nn.LayerNorm(D)
-    params = {
-        "wte": wte.weight, "wpe": wpe.weight, "blocks": [torch_block_to_fspeed(b) for b in blocks],
-        "ln_f": {"weight": ln_f.weight, "bias": ln_f.bias},
-    }
-    params = fs.tree_map(lambda t: t.detach().clone(), params)
-    tokens = torch.randint(0, V, (3, S))
-    x = wte(tokens) + wpe.weight[:S]
-    for b in blocks:
-        x = b(x)
-    expected = ln_f(x) @ wte.weight.t()
-    got = fs.models.gpt(cfg).apply(params, tokens)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    cfg = fs.models.GPTConfig(vocab_size=37, seq_len=10, n_layer=2, n_head=4, d_model=16, tie_embeddings=False)
+    module = GPTModule(cfg)
+    params = params_from_module(module)
+    tokens = torch.randint(0, 37, (3, 10))
+    torch.testing.assert_close(fs.models.gpt(cfg).apply(params, tokens), module(tokens), rtol=1e-5, atol=1e-5)
+    other = fs.models.gpt(cfg).init(torch.Generator().manual_seed(1))
+    load_params_into_module(module, other)
+    torch.testing.assert_close(fs.models.gpt(cfg).apply(other, tokens), module(tokens), rtol=1e-5, atol=1e-5)
+    batch = {"inputs": tokens, "targets": tokens.roll(1, 1)}
+    assert module.loss(batch).item() == pytest.approx(float(fs.models.gpt(cfg).loss(other, batch)), rel=1e-6)
 
 
 @given(n_layer=st.integers(1, 3), n_head=st.sampled_from([1, 2, 4]), tie=st.booleans(), seed=st.integers(0, 99))
