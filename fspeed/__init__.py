@@ -10,7 +10,8 @@
     state, metrics = step(state, batch)
 """
 
-from . import models, optim, precision
+from . import checkpoint, data, models, optim, precision
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .flat import Flat, FlatLayout
 from .loss_scale import LossScaleAtMinimumError, LossScaleState
 from .models import Model, functionalize
@@ -21,6 +22,7 @@ from .train_step import make_eval_step, make_train_step
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError", "checkpoint", "data", "load_checkpoint", "save_checkpoint",
     "DonatedStateError", "Flat", "FlatLayout", "LossScaleAtMinimumError", "LossScaleState", "Model",
     "TrainState", "functionalize", "init_train_state", "make_eval_step", "make_train_step", "models",
     "optim", "precision", "tree_flatten_with_paths", "tree_map", "tree_paths",

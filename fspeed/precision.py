@@ -40,12 +40,18 @@ class LossScaleConfig:
     def __post_init__(self):
         if not math.isfinite(self.loss_scale) or self.loss_scale < 0 or isinstance(self.loss_scale, bool):
             raise ValueError(f"fp16.loss_scale={self.loss_scale!r} must be 0 (dynamic) or a positive finite number")
+        for key in ("loss_scale_window", "hysteresis", "initial_scale_power"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"fp16.{key}={value!r} must be an integer")
         if self.dynamic:
             for key in ("loss_scale_window", "hysteresis"):
                 if getattr(self, key) < 1:
                     raise ValueError(f"fp16.{key}={getattr(self, key)} must be >= 1 with dynamic loss scaling")
-            if self.min_loss_scale <= 0:
-                raise ValueError(f"fp16.min_loss_scale={self.min_loss_scale} must be > 0 with dynamic loss scaling")
+            if not math.isfinite(self.min_loss_scale) or self.min_loss_scale <= 0:
+                raise ValueError(
+                    f"fp16.min_loss_scale={self.min_loss_scale} must be a positive finite number with dynamic loss scaling"
+                )
             if not 0 <= self.initial_scale_power <= 64:
                 raise ValueError(f"fp16.initial_scale_power={self.initial_scale_power} must be in [0, 64]")
 

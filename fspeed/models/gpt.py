@@ -150,14 +150,14 @@ def _layer_norm(x: torch.Tensor, p: dict) -> torch.Tensor:
 
 def _attention(p: dict, x: torch.Tensor, n_head: int) -> torch.Tensor:
     D = x.shape[-1]
-    qkv = x @ p["wqkv"].reshape(D, -1) + p["bqkv"].reshape(-1)
+    qkv = F.linear(x, p["wqkv"].reshape(D, -1).t(), p["bqkv"].reshape(-1))
     q, k, v = rearrange(qkv, "b s (three h d) -> three b h s d", three=3, h=n_head)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return rearrange(y, "b h s d -> b s (h d)") @ p["wo"] + p["bo"]
+    return F.linear(rearrange(y, "b h s d -> b s (h d)"), p["wo"].t(), p["bo"])
 
 
 def _mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x @ p["w_in"] + p["b_in"]) @ p["w_out"] + p["b_out"]
+    return F.linear(F.gelu(F.linear(x, p["w_in"].t(), p["b_in"])), p["w_out"].t(), p["b_out"])
 
 
 def _dropout(x: torch.Tensor, p: float, rng: Optional[torch.Generator]) -> torch.Tensor:

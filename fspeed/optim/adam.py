@@ -30,13 +30,25 @@ class AdamState(NamedTuple):
     nu: Any  # second moment
 
 
+_SCHEDULABLE = ("lr", "b1", "momentum")
+
+
 def check_hparams(name: str, **values: Any) -> None:
-    """Eager validation of the float hyperparameters shared by the Adam family."""
+    """Eager validation of the float hyperparameters shared by the Adam family.
+
+    Only lr, b1 and momentum may be schedules; the others are used as numbers at every step.
+    """
     for key, value in values.items():
-        if callable(value) or value is None:
+        if value is None:
+            continue
+        schedulable = key in _SCHEDULABLE
+        if callable(value):
+            if not schedulable:
+                raise TypeError(f"{name}: {key} must be a number, not a schedule (only lr, b1, momentum)")
             continue
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            raise TypeError(f"{name}: {key}={value!r} must be a finite number or a schedule")
+            allowed = "a finite number or a schedule" if schedulable else "a finite number"
+            raise TypeError(f"{name}: {key}={value!r} must be {allowed}")
         if key in ("b1", "b2", "momentum") and not 0.0 <= value < 1.0:
             raise ValueError(f"{name}: {key}={value} must be in [0, 1)")
         if key in ("lr", "weight_decay", "eps", "dampening") and value < 0:

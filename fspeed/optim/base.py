@@ -122,10 +122,13 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 
 def _check_state(state: Any, n: int) -> None:
-    if not isinstance(state, tuple) or len(state) != n:
+    # A NamedTuple is one transform's state (e.g. AdamState), never a chain's tuple of states.
+    is_chain_state = isinstance(state, tuple) and not hasattr(state, "_fields")
+    if not is_chain_state or len(state) != n:
+        got = f"a tuple of {len(state)} states" if is_chain_state else type(state).__name__
         raise ValueError(
-            f"chain of {n} transforms got a state with {len(state) if isinstance(state, tuple) else type(state).__name__} "
-            "entries; pass the state returned by this optimizer's init/update"
+            f"chain of {n} transforms got {got} as its state, expected a tuple of {n} states; "
+            "pass the state returned by this optimizer's init/update"
         )
 
 

@@ -1,0 +1,203 @@
+"""`fspeed-train`: the Hydra app that trains the reference GPT from config.
+
+    fspeed-train                                        # the default job (char GPT on the stdlib)
+    fspeed-train optimizer=lamb precision=bf16 scheduler=one_cycle train.steps=500 train.grad_accum=4
+    fspeed-train deepspeed_config=ds_config.json        # a DeepSpeed config, translated
+    fspeed-train --cfg job                              # print the composed config
+
+Overrides are checked against fspeed's schema before Hydra composes them, and the composed
+config is validated again (types, ranges, unknown keys, the batch triad) before any work starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from ..config import ConfigError, prepare_overrides, to_run_config
+from ..config.schema import RunConfig
+
+log = logging.getLogger("fspeed")
+
+
+def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
+    """Train the configured GPT; returns a summary (val loss at start and end, paths, timing)."""
+    import torch
+
+    from .. import checkpoint, data, init_train_state, make_eval_step, make_train_step
+    from ..config.build import build_model_config, build_optimizer, build_precision
+    from ..models import count_params, gpt
+    from ..monitor import CSVMonitor
+
+    t = run.train
+    triad = run.batch
+    torch.manual_seed(t.seed)
+
+    t0 = time.perf_counter()
+    if run.data.corpus == "stdlib":
+        text = data.stdlib_corpus(run.data.max_bytes or 10**12)
+    else:
+        text = data.text_corpus(run.data.corpus)[: run.data.max_bytes or None]
+    ckpt_dir = Path(run.checkpoint.dir)
+    resume_tag = checkpoint.latest_tag(ckpt_dir) if run.checkpoint.resume else None
+    if resume_tag is not None:
+        saved = checkpoint.read_meta(ckpt_dir / resume_tag)["client_state"]
+        tokenizer = data.tokenizer_from_dict(saved["tokenizer"])
+    else:
+        tokenizer = data.make_tokenizer(run.data.tokenizer, text)
+    tokens = tokenizer.encode(text)
+    seq_len = run.model.seq_len
+    train_tokens, val_tokens = data.split_train_val(tokens, run.data.val_fraction, min_tokens=seq_len + 1)
+    train_windows = data.TokenWindows(train_tokens, seq_len)
+    val_windows = data.TokenWindows(val_tokens, seq_len)
+    loader = data.Loader(train_windows, data.BatchSampler(len(train_windows), triad.train_batch_size, t.seed))
+    val_batches = data.Loader(val_windows, data.BatchSampler(len(val_windows), triad.micro_batch_size, t.seed)) \
+        .eval_batches(t.eval_batches)
+
+    model_cfg = build_model_config(run, tokenizer.vocab_size)
+    model = gpt(model_cfg)
+    optimizer = build_optimizer(run)
+    precision = build_precision(run)
+    params = model.init(torch.Generator().manual_seed(t.seed))
+    state = init_train_state(params, optimizer, precision=precision, seed=t.seed)
+    if resume_tag is not None:
+        state, _ = checkpoint.load_checkpoint(ckpt_dir, state, tag=resume_tag)
+        log.info("resumed from %s at step %d", ckpt_dir / resume_tag, state.step)
+    log.info(
+        "%s: %s parameters, vocab %d (%s), %s tokens (%d train / %d val windows of %d), batch %s, "
+        "optimizer %s, precision %s; data ready in %.1fs",
+        model.name, f"{count_params(params):,}", tokenizer.vocab_size, run.data.tokenizer, f"{len(tokens):,}",
+        len(train_windows), len(val_windows), seq_len, triad.derivation, optimizer, precision.name,
+        time.perf_counter() - t0,
+    )
+
+    train_step = make_train_step(model.loss, optimizer, grad_accum=triad.grad_accum)
+    eval_step = make_eval_step(model.loss)
+
+    def evaluate(s) -> float:
+        return sum(eval_step(s, b) for b in val_batches) / len(val_batches)
+
+    client_state = {"tokenizer": tokenizer.to_dict(), "model": asdict(model_cfg)}
+    monitor = CSVMonitor(out_dir / "metrics.csv") if run.monitor.csv else None
+    val_start = evaluate(state)
+    log.info("step %d: val_loss %.4f", state.step, val_start)
+    if monitor:
+        monitor.write({"step": state.step, "samples": state.samples, "val_loss": val_start})
+
+    print_every = t.steps_per_print or t.log_every
+    tokens_per_step = triad.train_batch_size * seq_len
+    bar = _progress_bar(run, state.step)
+    val_loss, metrics = val_start, {}
+    window_start, window_steps = time.perf_counter(), 0
+    train_start = time.perf_counter()
+    try:
+        while state.step < t.steps:
+            state, metrics = train_step(state, loader.batch(state.step))
+            window_steps += 1
+            elapsed = time.perf_counter() - window_start
+            tokens_per_s = window_steps * tokens_per_step / elapsed
+            row = {k: metrics[k] for k in ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped")}
+            row.update(samples=state.samples, tokens_per_s=tokens_per_s,
+                       elapsed_s=time.perf_counter() - train_start)
+            last = state.step == t.steps
+            if (t.eval_every and state.step % t.eval_every == 0) or last:
+                val_loss = evaluate(state)
+                row["val_loss"] = val_loss
+            if monitor:
+                monitor.write(row)
+            if bar is not None:
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
+                                tok_s=f"{tokens_per_s:,.0f}", val=f"{val_loss:.3f}", refresh=False)
+                bar.update(1)
+            if state.step % print_every == 0 or last or "val_loss" in row:
+                _log_line(row, bar)
+                window_start, window_steps = time.perf_counter(), 0
+            if run.checkpoint.save_every and state.step % run.checkpoint.save_every == 0 and not last:
+                checkpoint.save_checkpoint(ckpt_dir, state, client_state=client_state)
+    finally:
+        if bar is not None:
+            bar.close()
+        if monitor:
+            monitor.close()
+    path = checkpoint.save_checkpoint(ckpt_dir, state, client_state=client_state)
+    train_time = time.perf_counter() - train_start
+    drop = 1.0 - val_loss / val_start
+    summary = {
+        "val_loss_start": val_start, "val_loss_end": val_loss, "val_loss_drop": drop,
+        "steps": state.step, "skipped_steps": state.skipped_steps, "train_seconds": train_time,
+        "checkpoint": str(path), "metrics_csv": str(out_dir / "metrics.csv") if run.monitor.csv else None,
+    }
+    print(f"\nval loss {val_start:.4f} -> {val_loss:.4f} ({drop:.0%} lower) after {state.step} steps "
+          f"({state.skipped_steps} skipped) in {train_time:.0f}s")
+    if summary["metrics_csv"]:
+        print(f"metrics:    {summary['metrics_csv']}")
+    print(f"checkpoint: {path}  (resume with checkpoint.resume=true checkpoint.dir={ckpt_dir})")
+    return summary
+
+
+def _progress_bar(run: RunConfig, start: int):
+    if not run.monitor.progress_bar:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=run.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
+                mininterval=0.5, file=sys.stderr)
+
+
+def _log_line(row: dict[str, Any], bar) -> None:
+    parts = [f"step {row['step']}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.3e}",
+             f"grad_norm {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s"]
+    if row.get("loss_scale", 1.0) != 1.0:
+        parts.append(f"loss_scale {row['loss_scale']:g}")
+    if row.get("skipped"):
+        parts.append("SKIPPED (overflow)")
+    if "val_loss" in row:
+        parts.append(f"val_loss {row['val_loss']:.4f}")
+    line = " | ".join(parts)
+    if bar is not None:
+        bar.write(line, file=sys.stderr)
+    else:
+        log.info(line)
+
+
+@hydra.main(config_path="pkg://fspeed.conf", config_name="train", version_base=None)
+def _hydra_app(cfg: DictConfig) -> Optional[float]:
+    try:
+        run = to_run_config(cfg)
+    except ConfigError as err:
+        print(f"fspeed-train: {err}", file=sys.stderr)
+        sys.exit(2)
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    summary = run_training(run, out_dir)
+    return summary["val_loss_end"]
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Console entry point: check (and expand DeepSpeed-config) overrides, then run the Hydra app."""
+    from hydra._internal.utils import get_args_parser
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = get_args_parser().parse_args(argv)
+    try:
+        overrides, translation = prepare_overrides(args.overrides)
+    except ConfigError as err:
+        print(f"fspeed-train: {err}", file=sys.stderr)
+        sys.exit(2)
+    if translation is not None:
+        print(translation.summary(), file=sys.stderr)
+    flags = [a for a in argv if a not in args.overrides]
+    sys.argv = [sys.argv[0], *flags, *overrides]
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _hydra_app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,455 @@
+"""Translate a DeepSpeed ``ds_config.json`` into Hydra overrides of fspeed's config.
+
+Translated: the batch triad, ``fp16`` / ``bf16`` (alias ``bfloat16``) and
+``data_types.grad_accum_dtype``, ``optimizer`` (Adam, AdamW, Lamb, SGD), ``scheduler``
+(LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR), ``gradient_clipping``,
+``steps_per_print`` and ``csv_monitor.enabled``. Every other key is accounted for by name:
+
+* unknown keys (typos) are errors with a did-you-mean;
+* known keys fspeed does not support yet are errors when set to a non-default or enabled value,
+  and are listed as "accepted, no effect" when at DeepSpeed's default or in a disabled block;
+* ``"auto"`` (a Hugging Face Trainer placeholder) is an error: resolve it first.
+
+All problems are reported together in one `DeepSpeedConfigError`. DeepSpeed semantics matched:
+optimizer type is case-insensitive; type "Adam" means AdamW unless ``adam_w_mode: false``;
+``torch_adam`` switches to torch.optim defaults (AdamW weight_decay 0.01); ``max_grad_norm`` in
+optimizer params is an error; absent ``gradient_clipping`` is 1.0; no scheduler block means a
+constant lr; no fp16/bf16 block means fp32. Deviations: an unknown ``warmup_type`` falls back to
+"log" as in DeepSpeed but is reported as a note; fspeed accumulates bf16/fp16 gradients in fp32
+unless ``data_types.grad_accum_dtype`` says otherwise (DeepSpeed #2768).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import deepspeed_keys as K
+from .errors import ConfigError, Problem, allowed_names, did_you_mean, show_value
+from .overrides import format_override
+
+AUTO_HINT = ('"auto" is a placeholder the Hugging Face Trainer fills in; fspeed reads the file as it is, '
+             "so replace it with a value")
+
+
+class DeepSpeedConfigError(ConfigError):
+    """A ds_config.json that fspeed cannot translate; lists every offending key."""
+
+    title = "cannot use this DeepSpeed config"
+
+
+@dataclass(frozen=True)
+class DeepSpeedTranslation:
+    """Hydra overrides equivalent to a ds_config, and an account of every key in it."""
+
+    overrides: tuple[str, ...]
+    mapping: tuple[tuple[str, str], ...]  # (DeepSpeed key, fspeed override it became)
+    no_effect: tuple[str, ...]  # keys accepted without effect, with the reason
+    notes: tuple[str, ...]  # semantic remarks (DeepSpeed defaults and quirks applied)
+    superseded: tuple[str, ...] = ()  # overrides the command line replaced
+
+    def summary(self) -> str:
+        lines = [f"DeepSpeed config translated into {len(self.overrides)} overrides:"]
+        lines += [f"  {ds_key} -> {override}" for ds_key, override in self.mapping]
+        if self.superseded:
+            lines.append("superseded by the command line: " + ", ".join(self.superseded))
+        if self.no_effect:
+            lines.append("accepted, no effect:")
+            lines += [f"  {item}" for item in self.no_effect]
+        if self.notes:
+            lines.append("notes:")
+            lines += [f"  {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+@dataclass
+class _Ledger:
+    """What the translation has produced so far, and every key accounted for."""
+
+    overrides: list[str] = field(default_factory=list)
+    mapping: list[tuple[str, str]] = field(default_factory=list)
+    no_effect: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+
+    def emit(self, ds_key: str, fspeed_key: str, value: Any) -> None:
+        if _has_auto(value):
+            self.problems.append(Problem(ds_key, "unresolved placeholder", value, hint=AUTO_HINT))
+            return
+        if isinstance(value, (Mapping, set)):
+            self.problems.append(Problem(ds_key, "expected a single value, not a mapping", value))
+            return
+        try:
+            override = format_override(fspeed_key, list(value) if isinstance(value, tuple) else value)
+        except TypeError:
+            self.problems.append(Problem(ds_key, "expected a number, string, boolean or list of those", value))
+            return
+        self.overrides.append(override)
+        self.mapping.append((ds_key, override))
+
+    def accept(self, ds_key: str, value: Any, reason: str) -> None:
+        self.no_effect.append(f"{ds_key} = {show_value(value)} ({reason})")
+
+    def unsupported(self, ds_key: str, value: Any, allowed: str, what: str = "not supported by fspeed yet") -> None:
+        self.problems.append(Problem(ds_key, what, value, allowed, AUTO_HINT if _has_auto(value) else None))
+
+    def unknown(self, ds_key: str, value: Any, known: Any) -> None:
+        self.problems.append(Problem(ds_key, "unknown DeepSpeed key", value, allowed_names(known),
+                                     suggestion=did_you_mean(ds_key.rsplit(".", 1)[-1], known)))
+
+    def block(self, ds_key: str, value: Any) -> Mapping[str, Any] | None:
+        """`value` if it is a mapping, else a problem and None."""
+        if isinstance(value, Mapping):
+            return value
+        self.problems.append(Problem(ds_key, "expected a mapping (JSON object)", value))
+        return None
+
+
+def _has_auto(value: Any) -> bool:
+    if isinstance(value, str):
+        return value == "auto"
+    if isinstance(value, (list, tuple)):
+        return any(_has_auto(v) for v in value)
+    return False
+
+
+def _same(value: Any, default: Any) -> bool:
+    if isinstance(default, Mapping):
+        return isinstance(value, Mapping) and set(value) <= set(default) and all(
+            _same(v, default[k]) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and isinstance(default, (list, tuple)):
+        return list(value) == list(default)
+    def is_number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if is_number(value) and is_number(default):
+        return value == default  # 1 == 1.0, as JSON means it
+    return type(value) is type(default) and value == default
+
+
+def _at_default(w: _Ledger, ds_key: str, value: Any, default: Any, reason: str,
+                allowed_note: str = "DeepSpeed's default") -> None:
+    """Accept `value` if it equals `default` (listed as no effect), else report it unsupported."""
+    if _same(value, default):
+        w.accept(ds_key, value, reason)
+    else:
+        w.unsupported(ds_key, value, f"{show_value(default)} ({allowed_note})")
+
+
+# ------------------------------------------------------------------------------ sections
+
+
+def _batch(ds: Mapping[str, Any], w: _Ledger) -> None:
+    if not any(k in ds for k in K.TRIAD):
+        w.notes.append("no batch-size keys: fspeed's train.micro_batch_size / grad_accum are used "
+                       "(DeepSpeed itself needs train_batch_size or train_micro_batch_size_per_gpu)")
+        return
+    for ds_key, fspeed_key in K.TRIAD.items():  # absent ones are derived, so they are emitted as null
+        w.emit(ds_key if ds_key in ds else f"{ds_key} (absent)", fspeed_key, ds.get(ds_key))
+
+
+def _train_scalars(ds: Mapping[str, Any], w: _Ledger) -> None:
+    if "gradient_clipping" not in ds:
+        w.notes.append(f"gradient_clipping absent: DeepSpeed's current default {K.GRADIENT_CLIPPING_DEFAULT} is "
+                       "used (it was 0.0, i.e. off, before DeepSpeed PR #8068)")
+    w.emit("gradient_clipping", "train.gradient_clipping", ds.get("gradient_clipping", K.GRADIENT_CLIPPING_DEFAULT))
+    w.emit("steps_per_print", "train.steps_per_print", ds.get("steps_per_print"))
+
+
+def _precision(ds: Mapping[str, Any], w: _Ledger) -> None:
+    if "bf16" in ds and "bfloat16" in ds:
+        w.problems.append(Problem("bfloat16", "both bf16 and its legacy alias bfloat16 are set; DeepSpeed reads only "
+                                  "bf16 and ignores bfloat16: keep one", ds["bfloat16"]))
+    bf16_name = "bf16" if "bf16" in ds else "bfloat16"
+    blocks = {"fp16": (ds.get("fp16"), K.FP16_KEYS, K.FP16_UNSUPPORTED, {}),
+              bf16_name: (ds.get(bf16_name), K.BF16_KEYS, K.BF16_UNSUPPORTED, K.BF16_NO_EFFECT)}
+    enabled: list[str] = []
+    for name, (raw, keys, unsupported, no_effect) in blocks.items():
+        if raw is None or (block := w.block(name, raw)) is None:
+            continue
+        for key, value in block.items():
+            if key not in keys and key not in unsupported and key not in no_effect:
+                w.unknown(f"{name}.{key}", value, [*keys, *unsupported, *no_effect])
+        on = block.get("enabled", False)
+        if _has_auto(on):
+            w.problems.append(Problem(f"{name}.enabled", "unresolved placeholder", on, hint=AUTO_HINT))
+        elif on is True:
+            enabled.append(name)
+        elif on is not False:
+            w.problems.append(Problem(f"{name}.enabled", "expected true or false", on))
+        elif block:
+            w.accept(name, dict(block), "block disabled")
+    if len(enabled) > 1:
+        w.problems.append(Problem("fp16.enabled", "fp16 and bf16 cannot both be enabled (DeepSpeed asserts this too)", True))
+        return
+    mode = {"fp16": "fp16", bf16_name: "bf16"}[enabled[0]] if enabled else "fp32"
+    w.overrides.insert(0, format_override("precision", mode))
+    w.mapping.insert(0, (f"{enabled[0]}.enabled" if enabled else "fp16/bf16 (absent or disabled)",
+                         f"precision={mode}"))
+    if enabled:
+        name = enabled[0]
+        raw, keys, unsupported, no_effect = blocks[name]
+        for key, default in keys.items():
+            if key != "enabled":
+                w.emit(f"{name}.{key}", f"precision.{key}", raw.get(key, default))
+        for key, default in unsupported.items():
+            if key in raw:
+                _at_default(w, f"{name}.{key}", raw[key], default, "DeepSpeed's default")
+        for key, reason in no_effect.items():
+            if key in raw:
+                w.accept(f"{name}.{key}", raw[key], reason)
+    _data_types(ds, mode, w)
+
+
+def _dtype(w: _Ledger, ds_key: str, value: Any) -> str | None:
+    name = K.DTYPE_ALIASES.get(value) if isinstance(value, str) else None
+    if name is None:
+        w.unsupported(ds_key, value, "fp32, fp16, bf16", "unknown dtype")
+    return name
+
+
+def _data_types(ds: Mapping[str, Any], mode: str, w: _Ledger) -> None:
+    block = w.block("data_types", ds["data_types"]) if "data_types" in ds else {}
+    if block is None:
+        return
+    for key, value in block.items():
+        if key not in K.DATA_TYPES_KEYS:
+            w.unknown(f"data_types.{key}", value, K.DATA_TYPES_KEYS)
+    accum = block.get("grad_accum_dtype")
+    if accum is None:
+        if mode != "fp32":
+            w.notes.append(f"data_types.grad_accum_dtype unset: DeepSpeed would accumulate gradients in {mode}; "
+                           f"fspeed accumulates in fp32 (DeepSpeed #2768). Set it to \"{mode}\" to match DeepSpeed")
+    elif (name := _dtype(w, "data_types.grad_accum_dtype", accum)) is not None:
+        if mode == "fp32":
+            _at_default(w, "data_types.grad_accum_dtype", name, "fp32", "fp32 training accumulates in fp32",
+                        "fp32 training accumulates in fp32")
+        else:
+            w.emit("data_types.grad_accum_dtype", "precision.grad_accum_dtype", name)
+    for key in ("param_dtype", "buffer_dtype"):
+        value = block.get(key)
+        if value is not None and (name := _dtype(w, f"data_types.{key}", value)) is not None:
+            _at_default(w, f"data_types.{key}", name, mode, f"matches the {mode} precision mode",
+                        f"must match the {mode} precision mode")
+
+
+def _optimizer(ds: Mapping[str, Any], w: _Ledger) -> None:
+    if "optimizer" not in ds:
+        w.notes.append("no optimizer block (DeepSpeed would expect a client optimizer): fspeed's configured "
+                       "optimizer is used")
+        return
+    block = w.block("optimizer", ds["optimizer"])
+    if block is None:
+        return
+    for key, value in block.items():
+        if key not in K.OPTIMIZER_BLOCK_KEYS:
+            w.unknown(f"optimizer.{key}", value, K.OPTIMIZER_BLOCK_KEYS)
+    if "legacy_fusion" in block:
+        _at_default(w, "optimizer.legacy_fusion", block["legacy_fusion"], False, "DeepSpeed's default")
+    ds_type = block.get("type")
+    params = w.block("optimizer.params", block.get("params") or {})
+    if params is None:
+        return
+    if "type" not in block:
+        w.problems.append(Problem("optimizer.type", "missing", allowed="Adam, AdamW, Lamb, SGD"))
+        return
+    if not isinstance(ds_type, str):
+        w.problems.append(Problem("optimizer.type", "expected a string", ds_type, "Adam, AdamW, Lamb, SGD"))
+        return
+    if "max_grad_norm" in params:
+        w.problems.append(Problem("optimizer.params.max_grad_norm", "not supported as an optimizer parameter "
+                                  "(DeepSpeed rejects it too); use the top-level gradient_clipping",
+                                  params["max_grad_norm"]))
+    lower = ds_type.lower()
+    consumed: set[str] = set()
+    if lower in ("adam", "adamw"):
+        consumed = {"torch_adam", "adam_w_mode", "max_grad_norm"}
+        torch_adam = params.get("torch_adam", False)
+        adam_w_mode = params.get("adam_w_mode", True)
+        kind = "adamw" if lower == "adamw" or adam_w_mode else "adam"
+        if lower == "adam" and "adam_w_mode" not in params:
+            w.notes.append('optimizer type "Adam" without adam_w_mode is AdamW in DeepSpeed (adam_w_mode defaults to '
+                           'true): translated to optimizer=adamw; set "adam_w_mode": false for classic L2 Adam')
+        if lower == "adamw" and adam_w_mode is False:
+            w.notes.append('optimizer type "AdamW" is AdamW in DeepSpeed whatever adam_w_mode says')
+        family = "adam"
+        defaults = dict(K.OPTIMIZER_PARAMS[kind])
+        if torch_adam:
+            defaults = {**K.TORCH_ADAM_PARAMS, "weight_decay": K.TORCH_ADAM_WEIGHT_DECAY[kind], "bias_correction": True}
+            w.notes.append(f"torch_adam: true uses torch.optim.{'AdamW' if kind == 'adamw' else 'Adam'} defaults "
+                           f"(weight_decay {defaults['weight_decay']}); numerics match fspeed's {kind}")
+            if "bias_correction" in params:
+                w.problems.append(Problem("optimizer.params.bias_correction", "not a parameter of torch.optim's "
+                                          "Adam/AdamW (torch_adam: true); DeepSpeed would fail too",
+                                          params["bias_correction"]))
+    elif lower in ("lamb", "sgd"):
+        kind = family = lower
+        defaults = dict(K.OPTIMIZER_PARAMS[kind])
+        consumed = {"max_grad_norm"}
+        if lower == "sgd" and ds_type != "SGD":
+            w.notes.append(f"optimizer type {ds_type!r} read as SGD (DeepSpeed looks up torch.optim.SGD case-sensitively)")
+    else:
+        what = ("a DeepSpeed optimizer fspeed does not translate yet" if lower in K.DEEPSPEED_ONLY_OPTIMIZERS
+                else "unknown optimizer type")
+        guess = did_you_mean(ds_type, ["Adam", "AdamW", "Lamb", "SGD"])
+        w.problems.append(Problem("optimizer.type", what, ds_type, "Adam, AdamW, Lamb, SGD (case-insensitive)",
+                                  f"did you mean {guess!r}?" if guess and lower not in K.DEEPSPEED_ONLY_OPTIMIZERS else None))
+        return
+    w.overrides.insert(0, format_override("optimizer", kind))
+    w.mapping.insert(0, ("optimizer.type", f"optimizer={kind}"))
+    unsupported = K.OPTIMIZER_UNSUPPORTED_PARAMS[family]
+    no_effect = K.OPTIMIZER_NO_EFFECT_PARAMS[family]
+    for key, value in params.items():
+        ds_key = f"optimizer.params.{key}"
+        if key in consumed or key in defaults:
+            continue
+        if key in unsupported:
+            _at_default(w, ds_key, value, unsupported[key], "DeepSpeed's default")
+        elif key in no_effect:
+            w.accept(ds_key, value, no_effect[key])
+        else:
+            w.unknown(ds_key, value, [*defaults, *unsupported, *no_effect, *(consumed - {"max_grad_norm"})])
+    for key, default in defaults.items():
+        value = params.get(key, default)
+        if key == "lr" and isinstance(value, list):
+            w.unsupported(f"optimizer.params.{key}", value, "a single number", "per-parameter-group values are not supported")
+            continue
+        w.emit(f"optimizer.params.{key}" if key in params else f"optimizer.params.{key} (default)", f"optimizer.{key}", value)
+    if kind == "adam":
+        w.emit("optimizer.params.adam_w_mode", "optimizer.adam_w_mode", False)
+
+
+def _scheduler(ds: Mapping[str, Any], w: _Ledger) -> None:
+    if "scheduler" not in ds:
+        w.overrides.insert(0, format_override("scheduler", "constant"))
+        w.mapping.insert(0, ("scheduler (absent)", "scheduler=constant"))
+        w.notes.append("no scheduler block: DeepSpeed keeps the optimizer's lr constant, so scheduler=constant")
+        return
+    block = w.block("scheduler", ds["scheduler"])
+    if block is None:
+        return
+    for key, value in block.items():
+        if key not in K.SCHEDULER_BLOCK_KEYS:
+            w.unknown(f"scheduler.{key}", value, K.SCHEDULER_BLOCK_KEYS)
+    ds_type = block.get("type")
+    params = w.block("scheduler.params", block.get("params") or {})
+    if params is None:
+        return
+    if ds_type not in K.SCHEDULERS:
+        guess = did_you_mean(str(ds_type), K.SCHEDULERS)
+        w.problems.append(Problem("scheduler.type", "not a scheduler fspeed translates (DeepSpeed matches the name "
+                                  "exactly, then tries torch.optim.lr_scheduler)", ds_type, ", ".join(K.SCHEDULERS),
+                                  f"did you mean {guess!r}?" if guess else None))
+        return
+    option, defaults = K.SCHEDULERS[ds_type]
+    w.overrides.insert(0, format_override("scheduler", option))
+    w.mapping.insert(0, ("scheduler.type", f"scheduler={option}"))
+    for key, value in params.items():
+        if key == "last_batch_iteration":
+            _at_default(w, f"scheduler.params.{key}", value, -1, "a fresh schedule; resume with checkpoint.resume")
+        elif key not in defaults:
+            w.unknown(f"scheduler.params.{key}", value, [*defaults, "last_batch_iteration"])
+    for key, default in defaults.items():
+        ds_key = f"scheduler.params.{key}"
+        if key not in params:
+            if default is K.REQUIRED:
+                w.problems.append(Problem(ds_key, f"missing; DeepSpeed's {ds_type} requires it"))
+                continue
+            ds_key += " (default)"
+        value = params.get(key, default)
+        if key in K.SCHEDULER_PER_GROUP and isinstance(value, list):
+            if len(value) != 1:
+                w.unsupported(ds_key, value, "a single number", "per-parameter-group values are not supported")
+                continue
+            value = value[0]
+        if key == "warmup_type" and isinstance(value, str) and value not in K.WARMUP_TYPES and value != "auto":
+            w.notes.append(f"{ds_key} = {value!r} is not 'log' or 'linear'; DeepSpeed warns and uses 'log', so does fspeed")
+            value = "log"
+        w.emit(ds_key, f"scheduler.{key}", value)
+
+
+def _zero(ds: Mapping[str, Any], w: _Ledger) -> None:
+    raw = ds["zero_optimization"]
+    if isinstance(raw, bool):  # legacy form
+        _at_default(w, "zero_optimization", raw, False, "ZeRO disabled")
+        return
+    block = w.block("zero_optimization", raw)
+    if block is None:
+        return
+    for key, value in block.items():
+        if key not in K.ZERO_KEYS:
+            w.unknown(f"zero_optimization.{key}", value, K.ZERO_KEYS)
+    stage = block.get("stage", 0)
+    if _same(stage, 0):
+        w.accept("zero_optimization", dict(block), "stage 0: ZeRO disabled, its other keys do nothing")
+    else:
+        w.unsupported("zero_optimization.stage", stage, "0 (ZeRO stages 1-3 are not translated yet)")
+
+
+def _csv_monitor(ds: Mapping[str, Any], w: _Ledger) -> None:
+    block = w.block("csv_monitor", ds["csv_monitor"])
+    if block is None:
+        return
+    for key, value in block.items():
+        if key not in K.CSV_MONITOR_KEYS:
+            w.unknown(f"csv_monitor.{key}", value, K.CSV_MONITOR_KEYS)
+        elif key != "enabled":
+            _at_default(w, f"csv_monitor.{key}", value, K.CSV_MONITOR_KEYS[key], "DeepSpeed's default")
+    w.emit("csv_monitor.enabled", "monitor.csv", block.get("enabled", False))
+
+
+def _other(key: str, value: Any, w: _Ledger) -> None:
+    if key in K.NO_EFFECT:
+        w.accept(key, value, K.NO_EFFECT[key])
+    elif key in K.SCALAR_DEFAULTS:
+        _at_default(w, key, value, K.SCALAR_DEFAULTS[key], "DeepSpeed's default")
+    elif key in K.ENABLED_BLOCKS:
+        if value is None or value == {} or (isinstance(value, Mapping) and value.get("enabled") is False):
+            w.accept(key, value, "disabled")
+        else:
+            shown = value.get("enabled", value) if isinstance(value, Mapping) else value
+            w.unsupported(f"{key}.enabled" if isinstance(value, Mapping) else key, shown, "false (disabled)")
+    elif key in K.BLOCK_DEFAULTS:
+        block = w.block(key, value)
+        if block is None:
+            return
+        defaults = K.BLOCK_DEFAULTS[key]
+        for inner, inner_value in block.items():
+            if inner not in defaults:
+                w.unknown(f"{key}.{inner}", inner_value, defaults)
+            elif not _same(inner_value, defaults[inner]):
+                w.unsupported(f"{key}.{inner}", inner_value, f"{show_value(defaults[inner])} (DeepSpeed's default)")
+        if all(_same(v, defaults.get(k)) for k, v in block.items()):
+            w.accept(key, dict(block), "all at DeepSpeed's defaults")
+    else:
+        w.unknown(key, value, K.ALL_TOP_LEVEL)
+
+
+_HANDLED = {*K.TRIAD, "gradient_clipping", "steps_per_print", "fp16", "bf16", "bfloat16", "data_types",
+            "optimizer", "scheduler"}
+
+
+def translate_deepspeed_config(ds: Mapping[str, Any]) -> DeepSpeedTranslation:
+    """Hydra overrides equivalent to the DeepSpeed config `ds` (group choices first).
+
+    Raises `DeepSpeedConfigError` listing every unknown, unsupported or unresolved ("auto") key.
+    """
+    if not isinstance(ds, Mapping):
+        raise DeepSpeedConfigError([Problem("", "a DeepSpeed config is a JSON object", ds)])
+    w = _Ledger()
+    _batch(ds, w)
+    _train_scalars(ds, w)
+    _optimizer(ds, w)
+    _scheduler(ds, w)
+    _precision(ds, w)
+    for key, value in ds.items():
+        if key == "zero_optimization":
+            _zero(ds, w)
+        elif key == "csv_monitor":
+            _csv_monitor(ds, w)
+        elif key not in _HANDLED:
+            _other(key, value, w)
+    if w.problems:
+        raise DeepSpeedConfigError(w.problems)
+    return DeepSpeedTranslation(tuple(w.overrides), tuple(w.mapping), tuple(w.no_effect), tuple(w.notes))

@@ -1,0 +1,370 @@
+"""The run configuration as frozen dataclasses: what keys exist, their types, defaults and ranges.
+
+This is the single source of truth for validation; the Hydra tree in ``conf/`` supplies the
+values of the default job (its option files must match these classes, a test checks it). Key
+names follow DeepSpeed wherever DeepSpeed has the concept (``bias_correction``, ``warmup_num_steps``,
+``loss_scale_window``, ...). Defaults of the optimizer, scheduler and precision classes are
+DeepSpeed's code defaults; the YAML options tune a few of them for the small default job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+from ..batch_triad import BatchTriad, BatchTriadError, resolve_batch_triad
+from .errors import ConfigError, Problem
+from .fields import (
+    NON_EMPTY,
+    NON_NEGATIVE,
+    OPEN_UNIT_INTERVAL,
+    POSITIVE,
+    UNIT_INTERVAL,
+    ValidatedConfig,
+    at_most,
+    each,
+    required,
+    setting,
+)
+
+Betas = tuple[float, float]
+WarmupType = Literal["log", "linear"]
+
+# ----------------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(ValidatedConfig):
+    """A decoder-only GPT. vocab_size is not configured: it comes from the tokenizer."""
+
+    name: str = "char_gpt"
+    n_layer: int = setting(4, POSITIVE)
+    n_head: int = setting(4, POSITIVE)
+    d_model: int = setting(128, POSITIVE)
+    d_ff: Optional[int] = setting(None, POSITIVE)  # None = 4 * d_model
+    seq_len: int = setting(128, POSITIVE)
+    dropout: float = setting(0.0, UNIT_INTERVAL)
+    tie_embeddings: bool = True
+    init_std: float = setting(0.02, POSITIVE)
+
+    def relation_problems(self) -> list[Problem]:
+        if self.d_model % self.n_head:
+            return [Problem("d_model", f"must be divisible by n_head={self.n_head}", self.d_model)]
+        return []
+
+
+# ------------------------------------------------------------------------------- optimizers
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamConfig(ValidatedConfig):
+    """Adam (FusedAdam params). Classic L2 decay unless adam_w_mode; DeepSpeed's own "Adam" type
+    defaults to adam_w_mode=True, which the ds_config translator maps to `adamw`."""
+
+    name: Literal["adam"] = "adam"
+    lr: float = setting(1e-3, POSITIVE)
+    betas: Betas = setting((0.9, 0.999), each(UNIT_INTERVAL))
+    eps: float = setting(1e-8, POSITIVE)
+    weight_decay: float = setting(0.0, NON_NEGATIVE)
+    bias_correction: bool = True
+    adam_w_mode: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamWConfig(ValidatedConfig):
+    """AdamW: Adam with decoupled weight decay (FusedAdam with adam_w_mode=True)."""
+
+    name: Literal["adamw"] = "adamw"
+    lr: float = setting(1e-3, POSITIVE)
+    betas: Betas = setting((0.9, 0.999), each(UNIT_INTERVAL))
+    eps: float = setting(1e-8, POSITIVE)
+    weight_decay: float = setting(0.01, NON_NEGATIVE)
+    bias_correction: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class LambConfig(ValidatedConfig):
+    """LAMB with FusedLamb's parameters (trust ratio clamped to [min_coeff, max_coeff])."""
+
+    name: Literal["lamb"] = "lamb"
+    lr: float = setting(1e-3, POSITIVE)
+    betas: Betas = setting((0.9, 0.999), each(UNIT_INTERVAL))
+    eps: float = setting(1e-8, POSITIVE)
+    weight_decay: float = setting(0.0, NON_NEGATIVE)
+    bias_correction: bool = True
+    eps_inside_sqrt: bool = False
+    max_coeff: float = setting(10.0, POSITIVE)
+    min_coeff: float = setting(0.01, POSITIVE)
+
+    def relation_problems(self) -> list[Problem]:
+        if self.min_coeff > self.max_coeff:
+            return [Problem("min_coeff", f"must be <= max_coeff={self.max_coeff}", self.min_coeff)]
+        return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGDConfig(ValidatedConfig):
+    """SGD with torch.optim.SGD semantics (DeepSpeed forwards "SGD" to torch.optim)."""
+
+    name: Literal["sgd"] = "sgd"
+    lr: float = setting(1e-3, POSITIVE)
+    momentum: float = setting(0.0, UNIT_INTERVAL)
+    dampening: float = setting(0.0, NON_NEGATIVE)
+    weight_decay: float = setting(0.0, NON_NEGATIVE)
+    nesterov: bool = False
+
+    def relation_problems(self) -> list[Problem]:
+        if self.nesterov and (self.momentum == 0 or self.dampening != 0):
+            return [Problem("nesterov", "needs momentum > 0 and dampening == 0 "
+                            f"(got momentum={self.momentum}, dampening={self.dampening})", True)]
+        return []
+
+
+OptimizerConfig = Union[AdamConfig, AdamWConfig, LambConfig, SGDConfig]
+
+# ------------------------------------------------------------------------------- schedulers
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConstantConfig(ValidatedConfig):
+    """Constant lr = optimizer.lr (DeepSpeed with no scheduler block)."""
+
+    name: Literal["constant"] = "constant"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarmupConfig(ValidatedConfig):
+    """DeepSpeed WarmupLR. warmup_max_lr None = the optimizer's lr (DeepSpeed code default)."""
+
+    name: Literal["warmup"] = "warmup"
+    warmup_min_lr: float = setting(0.0, NON_NEGATIVE)
+    warmup_max_lr: Optional[float] = setting(None, NON_NEGATIVE)
+    warmup_num_steps: int = setting(1000, POSITIVE)
+    warmup_type: WarmupType = "log"
+
+    def relation_problems(self) -> list[Problem]:
+        if self.warmup_max_lr is not None and self.warmup_min_lr > self.warmup_max_lr:
+            return [Problem("warmup_min_lr", f"must be <= warmup_max_lr={self.warmup_max_lr}", self.warmup_min_lr)]
+        return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarmupDecayConfig(WarmupConfig):
+    """DeepSpeed WarmupDecayLR: WarmupLR then linear decay; total_num_steps None = train.steps."""
+
+    name: Literal["warmup_decay"] = "warmup_decay"
+    total_num_steps: Optional[int] = setting(None, POSITIVE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarmupCosineConfig(ValidatedConfig):
+    """DeepSpeed WarmupCosineLR (ratios of the optimizer's lr); total_num_steps None = train.steps."""
+
+    name: Literal["warmup_cosine"] = "warmup_cosine"
+    total_num_steps: Optional[int] = setting(None, POSITIVE)
+    warmup_min_ratio: float = setting(0.0, NON_NEGATIVE, at_most(1.0))
+    warmup_num_steps: int = setting(1000, POSITIVE)
+    cos_min_ratio: float = setting(1e-4, NON_NEGATIVE, at_most(1.0))
+    warmup_type: WarmupType = "log"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OneCycleConfig(ValidatedConfig):
+    """DeepSpeed OneCycle. cycle_first_step_size None = train.steps // 2 (fspeed addition)."""
+
+    name: Literal["one_cycle"] = "one_cycle"
+    cycle_min_lr: float = required(NON_NEGATIVE)
+    cycle_max_lr: float = required(NON_NEGATIVE)
+    decay_lr_rate: float = setting(0.0, NON_NEGATIVE)
+    cycle_first_step_size: Optional[int] = setting(2000, POSITIVE)
+    cycle_second_step_size: Optional[int] = setting(None, POSITIVE)
+    cycle_first_stair_count: int = setting(0, NON_NEGATIVE)
+    cycle_second_stair_count: Optional[int] = setting(None, NON_NEGATIVE)
+    decay_step_size: int = setting(0, NON_NEGATIVE)
+    cycle_momentum: bool = True
+    cycle_min_mom: float = setting(0.8, UNIT_INTERVAL)
+    cycle_max_mom: float = setting(0.9, UNIT_INTERVAL)
+    decay_mom_rate: float = setting(0.0, NON_NEGATIVE)
+
+    def relation_problems(self) -> list[Problem]:
+        problems = []
+        if self.cycle_min_lr > self.cycle_max_lr:
+            problems.append(Problem("cycle_min_lr", f"must be <= cycle_max_lr={self.cycle_max_lr}", self.cycle_min_lr))
+        if self.cycle_min_mom > self.cycle_max_mom:
+            problems.append(Problem("cycle_min_mom", f"must be <= cycle_max_mom={self.cycle_max_mom}", self.cycle_min_mom))
+        return problems
+
+
+@dataclass(frozen=True, kw_only=True)
+class LRRangeTestConfig(ValidatedConfig):
+    """DeepSpeed LRRangeTest: lr = min_lr * (1 + step_rate * interval), linear growth."""
+
+    name: Literal["lr_range_test"] = "lr_range_test"
+    lr_range_test_min_lr: float = setting(1e-3, POSITIVE)
+    lr_range_test_step_size: int = setting(2000, POSITIVE)
+    lr_range_test_step_rate: float = setting(1.0, NON_NEGATIVE)
+    lr_range_test_staircase: bool = False
+
+
+SchedulerConfig = Union[ConstantConfig, WarmupConfig, WarmupDecayConfig, WarmupCosineConfig, OneCycleConfig,
+                        LRRangeTestConfig]
+
+# -------------------------------------------------------------------------------- precision
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp32Config(ValidatedConfig):
+    name: Literal["fp32"] = "fp32"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bf16Config(ValidatedConfig):
+    """DeepSpeed's bf16 block plus data_types.grad_accum_dtype (fp32 by default: DeepSpeed #2768)."""
+
+    name: Literal["bf16"] = "bf16"
+    grad_accum_dtype: Literal["fp32", "bf16"] = "fp32"
+    check_grad_overflow: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp16Config(ValidatedConfig):
+    """DeepSpeed's fp16 block (dynamic loss scaling when loss_scale == 0).
+
+    unscale_with_updated_scale=True reproduces DeepSpeed's ordering quirk (gradients unscaled
+    with the scale after update_scale, halving the update on a growth step); fspeed's default
+    unscales with the scale that produced the gradients.
+    """
+
+    name: Literal["fp16"] = "fp16"
+    loss_scale: float = setting(0.0, NON_NEGATIVE)
+    initial_scale_power: int = setting(16, NON_NEGATIVE, at_most(64))
+    loss_scale_window: int = setting(1000, POSITIVE)
+    hysteresis: int = setting(2, POSITIVE)
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = setting(1.0, POSITIVE)
+    raise_at_min_scale: bool = True
+    grad_accum_dtype: Literal["fp32", "fp16"] = "fp32"
+    unscale_with_updated_scale: bool = False
+
+
+PrecisionConfig = Union[Fp32Config, Bf16Config, Fp16Config]
+
+# --------------------------------------------------------------------------- plain sections
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(ValidatedConfig):
+    """Step budget, batch triad (DeepSpeed names in comments), seed, clipping and logging cadence."""
+
+    steps: int = setting(600, POSITIVE)
+    train_batch_size: Optional[int] = setting(None, POSITIVE)  # train_batch_size
+    micro_batch_size: Optional[int] = setting(32, POSITIVE)  # train_micro_batch_size_per_gpu
+    grad_accum: Optional[int] = setting(None, POSITIVE)  # gradient_accumulation_steps
+    seed: int = setting(0, NON_NEGATIVE)
+    gradient_clipping: float = setting(1.0, NON_NEGATIVE)  # 0 disables; DeepSpeed's default is 1.0
+    steps_per_print: Optional[int] = setting(None, POSITIVE)
+    eval_every: int = setting(100, NON_NEGATIVE)  # 0 = only at the end
+    eval_batches: int = setting(8, POSITIVE)
+    log_every: int = setting(10, POSITIVE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig(ValidatedConfig):
+    """Corpus ("stdlib" = the Python standard library's sources, or a text file path) and tokenizer."""
+
+    corpus: str = setting("stdlib", NON_EMPTY)
+    max_bytes: Optional[int] = setting(4_000_000, POSITIVE)  # None = the whole corpus
+    tokenizer: Literal["char", "byte"] = "char"
+    val_fraction: float = setting(0.05, OPEN_UNIT_INTERVAL)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig(ValidatedConfig):
+    """Where and how often to save; resume loads `latest` from dir when present."""
+
+    dir: str = required(NON_EMPTY)
+    save_every: int = setting(0, NON_NEGATIVE)  # 0 = only at the end
+    resume: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitorConfig(ValidatedConfig):
+    """Metric sinks: a CSV file under the run directory and a progress bar."""
+
+    csv: bool = True
+    progress_bar: bool = True
+
+
+# ---------------------------------------------------------------------------------- the run
+
+OPTIMIZERS: dict[str, type] = {"adam": AdamConfig, "adamw": AdamWConfig, "lamb": LambConfig, "sgd": SGDConfig}
+SCHEDULERS: dict[str, type] = {
+    "constant": ConstantConfig,
+    "warmup": WarmupConfig,
+    "warmup_decay": WarmupDecayConfig,
+    "warmup_cosine": WarmupCosineConfig,
+    "one_cycle": OneCycleConfig,
+    "lr_range_test": LRRangeTestConfig,
+}
+PRECISIONS: dict[str, type] = {"fp32": Fp32Config, "bf16": Bf16Config, "fp16": Fp16Config}
+
+KINDS: dict[str, dict[str, type]] = {"optimizer": OPTIMIZERS, "scheduler": SCHEDULERS, "precision": PRECISIONS}
+"""Config groups whose option is picked by the node's `name` field, and the class for each name."""
+
+GROUPS: tuple[str, ...] = ("model", *KINDS)
+"""The Hydra config groups of the fspeed tree (choose an option with group=option)."""
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "monitor": MonitorConfig,
+}
+"""Sections with one fixed class (model is a Hydra group, but every option is a ModelConfig)."""
+
+
+def option_schema(group: str, option_name: str) -> type | None:
+    """The config class for `group`'s option named `option_name`; None if fspeed does not know it."""
+    if group in KINDS:
+        return KINDS[group].get(option_name)
+    return SECTIONS.get(group)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig(ValidatedConfig):
+    """A validated training run. `batch` is the batch triad resolved for `dp_world_size`
+    (a runtime value, not a config key); changing either re-resolves it (dataclasses.replace)."""
+
+    model: ModelConfig
+    optimizer: OptimizerConfig
+    scheduler: SchedulerConfig
+    precision: PrecisionConfig
+    train: TrainConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    monitor: MonitorConfig
+    deepspeed_config: Optional[str] = None
+    dp_world_size: int = setting(1, POSITIVE)
+    batch: BatchTriad = field(init=False)
+
+    def relation_problems(self) -> list[Problem]:
+        sched, lr = self.scheduler, getattr(self.optimizer, "lr", None)
+        if isinstance(sched, WarmupConfig) and sched.warmup_max_lr is None and lr is not None \
+                and sched.warmup_min_lr > lr:
+            return [Problem("scheduler.warmup_min_lr", f"must be <= the lr it warms up to (warmup_max_lr is null, "
+                            f"so optimizer.lr={lr})", sched.warmup_min_lr)]
+        return []
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        t = self.train
+        try:
+            batch = resolve_batch_triad(t.train_batch_size, t.micro_batch_size, t.grad_accum, self.dp_world_size)
+        except BatchTriadError as err:
+            raise ConfigError([Problem("train", str(err))]) from None
+        object.__setattr__(self, "batch", batch)
+
+
+RUNTIME_FIELDS = frozenset({"dp_world_size"})
+"""RunConfig fields that come from the launch, not from the config file."""

@@ -1,0 +1,389 @@
+"""DeepSpeed ds_config.json translation: every key translated or accounted for, CLI wins over the file."""
+
+import copy
+import functools
+import json
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hypothesis import given
+from hypothesis import strategies as st
+from omegaconf import OmegaConf
+
+from fspeed.config import (
+    ConfigError,
+    DeepSpeedConfigError,
+    check_overrides,
+    expand_deepspeed_config,
+    format_override,
+    load_deepspeed_config,
+    merge_overrides,
+    prepare_overrides,
+    to_run_config,
+    translate_deepspeed_config,
+)
+from fspeed.config.schema import (
+    GROUPS,
+    AdamConfig,
+    AdamWConfig,
+    Fp16Config,
+    LambConfig,
+    LRRangeTestConfig,
+    OneCycleConfig,
+    SGDConfig,
+    WarmupConfig,
+    WarmupCosineConfig,
+    WarmupDecayConfig,
+)
+
+CKPT = "checkpoint.dir=/tmp/fspeed-test-ckpt"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def hydra_tree():
+    with initialize_config_module("fspeed.conf", version_base=None):
+        yield
+
+
+@functools.lru_cache(maxsize=None)
+def composed_options(choices: tuple[str, ...]):
+    return compose("train", overrides=[CKPT, *choices])
+
+
+def quick_compose(overrides: list[str]):
+    """Hydra's composition, with the group choices composed once per combination (composing is
+    slow) and value overrides applied the way Hydra applies them (OmegaConf.update on the result)."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    cfg = copy.deepcopy(composed_options(tuple(o.input_line for o in parsed if o.key_or_group in GROUPS)))
+    for override in parsed:
+        if override.key_or_group not in GROUPS:
+            OmegaConf.update(cfg, override.key_or_group, override.value(), merge=True)
+    return cfg
+
+
+def run_from(ds: dict, *cli: str, dp_world_size: int = 1):
+    """Translate `ds`, check and compose it (file overrides first, then `cli`) and validate."""
+    overrides = merge_overrides(translate_deepspeed_config(ds).overrides, cli)
+    check_overrides(overrides)  # the translator only emits keys of fspeed's schema
+    return to_run_config(quick_compose(overrides), dp_world_size=dp_world_size)
+
+
+def problems_of(ds: dict) -> str:
+    with pytest.raises(DeepSpeedConfigError) as info:
+        translate_deepspeed_config(ds)
+    return str(info.value)
+
+
+BASE = {"train_micro_batch_size_per_gpu": 8}
+
+
+# ------------------------------------------------------------------------------- optimizers
+
+
+@pytest.mark.parametrize("block, cls, expected", [
+    # DeepSpeed gotcha: "Adam" means AdamW because adam_w_mode defaults to true
+    ({"type": "Adam", "params": {"lr": 3e-4, "weight_decay": 0.1}}, AdamWConfig, {"lr": 3e-4, "weight_decay": 0.1}),
+    ({"type": "adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}, AdamConfig,
+     {"adam_w_mode": False, "weight_decay": 0.1, "lr": 1e-3}),
+    ({"type": "AdamW", "params": {"adam_w_mode": False}}, AdamWConfig, {"weight_decay": 0.0}),  # AdamW wins
+    ({"type": "ADAMW", "params": {"betas": [0.8, 0.9], "eps": 1e-6, "bias_correction": False}}, AdamWConfig,
+     {"betas": (0.8, 0.9), "eps": 1e-6, "bias_correction": False}),
+    ({"type": "AdamW", "params": {"torch_adam": True}}, AdamWConfig, {"weight_decay": 0.01}),  # torch's default
+    ({"type": "Adam", "params": {"torch_adam": True, "adam_w_mode": False}}, AdamConfig, {"weight_decay": 0.0}),
+    ({"type": "Lamb", "params": {"lr": 2e-3, "max_coeff": 0.3, "min_coeff": 0.01, "eps_inside_sqrt": True}}, LambConfig,
+     {"lr": 2e-3, "max_coeff": 0.3, "eps_inside_sqrt": True, "weight_decay": 0.0}),
+    ({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": True}}, SGDConfig,
+     {"lr": 0.1, "momentum": 0.9, "nesterov": True, "dampening": 0.0}),
+])
+def test_each_optimizer_type(block, cls, expected):
+    run = run_from({**BASE, "optimizer": block})
+    assert type(run.optimizer) is cls
+    for key, value in expected.items():
+        assert getattr(run.optimizer, key) == pytest.approx(value)
+
+
+def test_adam_gotcha_is_explained():
+    notes = translate_deepspeed_config({"optimizer": {"type": "Adam"}}).notes
+    assert any('"Adam" without adam_w_mode is AdamW' in note for note in notes)
+
+
+@pytest.mark.parametrize("block, expected", [
+    ({"type": "Adam", "params": {"max_grad_norm": 1.0}}, "max_grad_norm = 1.0: not supported as an optimizer parameter"),
+    ({"type": "OneBitAdam"}, "a DeepSpeed optimizer fspeed does not translate yet"),
+    ({"type": "Adamm"}, "unknown optimizer type; allowed: Adam, AdamW, Lamb, SGD (case-insensitive); did you mean 'Adam'?"),
+    ({"type": "Adam", "params": {"amsgrad": True}}, "optimizer.params.amsgrad = true: not supported by fspeed yet"),
+    ({"type": "Adam", "params": {"weight_decy": 0.1}}, "did you mean 'optimizer.params.weight_decay'?"),
+    ({"type": "AdamW", "params": {"torch_adam": True, "bias_correction": False}}, "not a parameter of torch.optim"),
+    ({"type": "Adam", "params": {"lr": [1e-3, 1e-4]}}, "per-parameter-group values are not supported"),
+    ({"params": {}}, "optimizer.type: missing; allowed: Adam, AdamW, Lamb, SGD"),
+    ({"type": 3}, "optimizer.type = 3: expected a string"),
+])
+def test_optimizer_problems(block, expected):
+    assert expected in problems_of({"optimizer": block})
+
+
+def test_optimizer_no_effect_params_are_listed():
+    t = translate_deepspeed_config({"optimizer": {"type": "Adam", "params": {"set_grad_none": True, "amsgrad": False}}})
+    assert any(item.startswith("optimizer.params.set_grad_none = true") for item in t.no_effect)
+    assert any(item.startswith("optimizer.params.amsgrad = false") for item in t.no_effect)
+
+
+# ------------------------------------------------------------------------------- schedulers
+
+
+@pytest.mark.parametrize("block, cls, expected", [
+    ({"type": "LRRangeTest", "params": {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": 50,
+                                        "lr_range_test_staircase": True}},
+     LRRangeTestConfig, {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": 50, "lr_range_test_step_rate": 1.0}),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": [1e-3], "cycle_first_step_size": 100}},
+     OneCycleConfig, {"cycle_max_lr": 1e-3, "cycle_first_step_size": 100, "cycle_second_step_size": None,
+                      "cycle_min_mom": 0.8, "cycle_max_mom": 0.9, "cycle_momentum": True}),
+    ({"type": "WarmupLR", "params": {"warmup_num_steps": 10}}, WarmupConfig,
+     {"warmup_max_lr": None, "warmup_min_lr": 0.0, "warmup_type": "log", "warmup_num_steps": 10}),
+    ({"type": "WarmupDecayLR", "params": {"total_num_steps": 500, "warmup_type": "linear"}}, WarmupDecayConfig,
+     {"warmup_max_lr": 0.001, "total_num_steps": 500, "warmup_num_steps": 1000, "warmup_type": "linear"}),
+    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 500, "warmup_num_steps": 20, "last_batch_iteration": -1}},
+     WarmupCosineConfig, {"cos_min_ratio": 1e-4, "warmup_min_ratio": 0.0, "total_num_steps": 500}),
+])
+def test_each_scheduler_type(block, cls, expected):
+    run = run_from({**BASE, "scheduler": block})
+    assert type(run.scheduler) is cls
+    for key, value in expected.items():
+        actual = getattr(run.scheduler, key)
+        assert actual == (pytest.approx(value) if isinstance(value, float) else value)
+
+
+def test_no_scheduler_block_means_constant_lr():
+    assert run_from(BASE).scheduler.name == "constant"
+
+
+@pytest.mark.parametrize("block, expected", [
+    ({"type": "WarmupDecayLR", "params": {}}, "total_num_steps: missing; DeepSpeed's WarmupDecayLR requires it"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4}}, "cycle_max_lr: missing"),
+    ({"type": "WarmupLr"}, "did you mean 'WarmupLR'?"),
+    ({"type": "StepLR", "params": {"step_size": 10}}, "not a scheduler fspeed translates"),
+    ({"type": "WarmupLR", "params": {"warmup_num_step": 10}}, "did you mean 'scheduler.params.warmup_num_steps'?"),
+    ({"type": "WarmupLR", "params": {"last_batch_iteration": 99}}, "last_batch_iteration = 99: not supported"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": [1e-4, 1e-5], "cycle_max_lr": 1e-3}}, "per-parameter-group"),
+])
+def test_scheduler_problems(block, expected):
+    assert expected in problems_of({"scheduler": block})
+
+
+def test_unknown_warmup_type_falls_back_to_log_like_deepspeed():
+    t = translate_deepspeed_config({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}})
+    assert "scheduler.warmup_type=log" in t.overrides
+    assert any("DeepSpeed warns and uses 'log'" in note for note in t.notes)
+
+
+# ------------------------------------------------------------------------------- precision
+
+
+def test_fp16_block():
+    run = run_from({**BASE, "fp16": {"enabled": True, "loss_scale_window": 500, "hysteresis": 4, "min_loss_scale": 2,
+                                     "initial_scale_power": 12}})
+    assert run.precision == Fp16Config(loss_scale_window=500, hysteresis=4, min_loss_scale=2.0, initial_scale_power=12)
+
+
+@pytest.mark.parametrize("key", ["bf16", "bfloat16"])
+def test_bf16_block_and_its_legacy_alias(key):
+    run = run_from({**BASE, key: {"enabled": True, "check_grad_overflow": False},
+                    "data_types": {"grad_accum_dtype": "bf16"}})
+    assert (run.precision.name, run.precision.check_grad_overflow, run.precision.grad_accum_dtype) == ("bf16", False, "bf16")
+
+
+def test_disabled_or_absent_precision_blocks_mean_fp32():
+    t = translate_deepspeed_config({"fp16": {"enabled": False, "loss_scale": 128}})
+    assert "precision=fp32" in t.overrides
+    assert any(item.startswith("fp16 = {enabled: false") and "block disabled" in item for item in t.no_effect)
+    assert run_from(BASE).precision.name == "fp32"
+
+
+def test_grad_accum_dtype_default_difference_is_noted():
+    notes = translate_deepspeed_config({"bf16": {"enabled": True}}).notes
+    assert any("DeepSpeed would accumulate gradients in bf16; fspeed accumulates in fp32" in n for n in notes)
+
+
+@pytest.mark.parametrize("ds, expected", [
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16 and bf16 cannot both be enabled"),
+    ({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, "both bf16 and its legacy alias bfloat16 are set"),
+    ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast = true: not supported by fspeed yet"),
+    ({"fp16": {"enabled": True, "loss_scale_windw": 10}}, "did you mean 'fp16.loss_scale_window'?"),
+    ({"fp16": {"enabled": "auto"}}, "fp16.enabled = 'auto': unresolved placeholder"),
+    ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16_optimizer_states = true: not supported"),
+    ({"data_types": {"grad_accum_dtype": "fp8"}}, "data_types.grad_accum_dtype = 'fp8': unknown dtype"),
+    ({"data_types": {"grad_accum_dtype": "bf16"}}, "fp32 training accumulates in fp32"),
+])
+def test_precision_problems(ds, expected):
+    assert expected in problems_of(ds)
+
+
+def test_bad_precision_values_fail_validation_with_fspeed_keys():
+    with pytest.raises(ConfigError, match="precision.hysteresis = 0: must be > 0"):
+        run_from({**BASE, "fp16": {"enabled": True, "hysteresis": 0}})
+
+
+# ------------------------------------------------------------------------------- batch triad
+
+
+@pytest.mark.parametrize("ds, dp, expected", [
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8}, 1, (64, 8, 8)),
+    ({"train_batch_size": 64, "gradient_accumulation_steps": 4}, 2, (64, 8, 4)),
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 2, (24, 4, 3)),
+    ({"train_batch_size": 32}, 1, (32, 32, 1)),
+    ({"train_batch_size": 32.0, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4}, 1, (32, 8, 4)),
+])
+def test_batch_triad_combinations(ds, dp, expected):
+    assert run_from(ds, dp_world_size=dp).batch[:3] == expected
+
+
+def test_inconsistent_batch_triad_from_the_file():
+    with pytest.raises(ConfigError, match=r"64 != 8 x 3 x 1 = 24"):
+        run_from({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 3})
+
+
+def test_without_batch_keys_fspeed_defaults_are_kept():
+    t = translate_deepspeed_config({})
+    assert not any(o.startswith("train.micro_batch_size") for o in t.overrides)
+    assert any("no batch-size keys" in note for note in t.notes)
+
+
+# --------------------------------------------------------------------- other keys, policy
+
+
+def test_gradient_clipping_and_steps_per_print():
+    assert run_from(BASE).train.gradient_clipping == 1.0  # DeepSpeed's current default, emitted explicitly
+    run = run_from({**BASE, "gradient_clipping": 0.0, "steps_per_print": 10})
+    assert (run.train.gradient_clipping, run.train.steps_per_print) == (0.0, 10)
+
+
+def test_unknown_keys_are_all_reported_with_suggestions():
+    message = problems_of({"train_batch_sise": 8, "optimiser": {}, "zero_optimization": {"stage": 0, "overlap_com": True}})
+    assert "3 problems" in message
+    assert "did you mean 'train_batch_size'?" in message
+    assert "did you mean 'optimizer'?" in message
+    assert "did you mean 'zero_optimization.overlap_comm'?" in message
+
+
+def test_unsupported_keys_error_only_when_not_default():
+    ds = {**BASE, "wall_clock_breakdown": False, "zero_optimization": {"stage": 0, "reduce_bucket_size": 5e8},
+          "activation_checkpointing": {"partition_activations": False}, "tensorboard": {"enabled": False},
+          "zero_allow_untested_optimizer": True, "pipeline": {"stages": "auto"}}
+    no_effect = translate_deepspeed_config(ds).no_effect
+    for key in ("wall_clock_breakdown", "zero_optimization", "activation_checkpointing", "tensorboard",
+                "zero_allow_untested_optimizer", "pipeline"):
+        assert any(item.startswith(f"{key} = ") for item in no_effect), key
+    message = problems_of({"wall_clock_breakdown": True, "zero_optimization": {"stage": 2},
+                           "activation_checkpointing": {"partition_activations": True}, "tensorboard": {"enabled": True},
+                           "prescale_gradients": True})
+    assert "5 problems" in message
+    for key in ("wall_clock_breakdown = true", "zero_optimization.stage = 2", "partition_activations = true",
+                "tensorboard.enabled = true", "prescale_gradients = true"):
+        assert key in message
+
+
+def test_auto_values_are_refused_with_a_hint():
+    message = problems_of({"train_batch_size": "auto", "gradient_clipping": "auto",
+                           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}}})
+    assert message.count("unresolved placeholder") == 4
+    assert "Hugging Face Trainer" in message
+
+
+def test_csv_monitor_enabled_is_translated():
+    assert run_from({**BASE, "csv_monitor": {"enabled": False}}).monitor.csv is False
+    assert "csv_monitor.output_path = 'logs': not supported" in problems_of({"csv_monitor": {"enabled": True,
+                                                                                           "output_path": "logs"}})
+
+
+def test_summary_accounts_for_every_key():
+    ds = {"train_batch_size": 16, "optimizer": {"type": "Adam"}, "wall_clock_breakdown": False}
+    text = translate_deepspeed_config(ds).summary()
+    for needle in ("optimizer.type -> optimizer=adamw", "train_batch_size -> train.train_batch_size=16",
+                   "wall_clock_breakdown = false", "notes:"):
+        assert needle in text
+
+
+# ------------------------------------------------------------------- the file and the CLI
+
+
+def write(tmp_path, ds) -> str:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ds))
+    return str(path)
+
+
+DS_FILE = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.05}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+
+
+def test_cli_overrides_beat_the_file(tmp_path):
+    cli = [f"deepspeed_config={write(tmp_path, DS_FILE)}", "optimizer.lr=0.01", "train.grad_accum=8"]
+    overrides, translation = expand_deepspeed_config(cli)
+    assert overrides[-3:] == cli and "optimizer.lr=0.0001" in translation.superseded
+    run = to_run_config(compose("train", overrides=[CKPT, *overrides]))
+    assert run.optimizer.lr == 0.01 and run.optimizer.weight_decay == 0.05  # explicit lr wins, the rest stays
+    assert run.batch[:3] == (64, 8, 8) and run.scheduler.warmup_num_steps == 10
+    assert run.deepspeed_config.endswith("ds_config.json")
+
+
+def test_cli_group_switch_drops_the_file_values_for_that_group(tmp_path):
+    overrides, translation = expand_deepspeed_config([f"deepspeed_config={write(tmp_path, DS_FILE)}", "optimizer=sgd"])
+    assert "optimizer=adamw" in translation.superseded and "optimizer.weight_decay=0.05" in translation.superseded
+    run = to_run_config(compose("train", overrides=[CKPT, *overrides]))
+    assert isinstance(run.optimizer, SGDConfig) and run.scheduler.name == "warmup"
+
+
+def test_prepare_checks_cli_keys_against_the_options_the_file_chose(tmp_path):
+    path = write(tmp_path, {**BASE, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    overrides, translation = prepare_overrides([f"deepspeed_config={path}", "optimizer.momentum=0.5"])
+    assert translation is not None and overrides[-1] == "optimizer.momentum=0.5"
+    assert to_run_config(quick_compose(overrides)).optimizer == SGDConfig(lr=0.1, momentum=0.5)
+    with pytest.raises(ConfigError, match="unknown key for optimizer option 'sgd'"):
+        prepare_overrides([f"deepspeed_config={path}", "optimizer.betas=[0.9,0.99]"])
+    with pytest.raises(ConfigError, match="did you mean 'train.steps'"):
+        prepare_overrides(["train.stepz=3"])
+
+
+def test_quick_compose_agrees_with_hydra(tmp_path):
+    overrides, _ = expand_deepspeed_config([f"deepspeed_config={write(tmp_path, DS_FILE)}", "train.steps=7"])
+    assert quick_compose(overrides) == compose("train", overrides=[CKPT, *overrides])
+
+
+def test_expansion_is_idempotent(tmp_path):
+    once, _ = expand_deepspeed_config([f"deepspeed_config={write(tmp_path, DS_FILE)}", "optimizer.lr=0.5"])
+    twice, _ = expand_deepspeed_config(once)
+    assert compose("train", overrides=[CKPT, *once]) == compose("train", overrides=[CKPT, *twice])
+
+
+def test_no_deepspeed_config_leaves_overrides_alone():
+    assert expand_deepspeed_config(["train.steps=5"]) == (["train.steps=5"], None)
+    assert expand_deepspeed_config(["deepspeed_config=null"]) == (["deepspeed_config=null"], None)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(DeepSpeedConfigError, match="cannot read the file"):
+        load_deepspeed_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_batch_size": 8,}')
+    with pytest.raises(DeepSpeedConfigError, match="not valid JSON"):
+        load_deepspeed_config(bad)
+    bad.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
+    with pytest.raises(DeepSpeedConfigError, match="duplicate keys: train_batch_size"):
+        load_deepspeed_config(bad)
+    bad.write_text("[1, 2]")
+    with pytest.raises(DeepSpeedConfigError, match="expected a JSON object"):
+        load_deepspeed_config(bad)
+    with pytest.raises(ConfigError, match="cannot be swept"):
+        expand_deepspeed_config(["deepspeed_config=a.json,b.json"])
+
+
+scalars = (st.none() | st.booleans() | st.integers(-10**12, 10**12)
+           | st.floats(allow_nan=False) | st.text(st.characters(exclude_categories=["Cs"]), max_size=12))
+
+
+@given(st.one_of(scalars, st.lists(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False), max_size=4)))
+def test_override_values_read_back_exactly(value):
+    parsed = OverridesParser.create().parse_override(format_override("train.x", value)).value()
+    assert parsed == value and type(parsed) is type(value)
