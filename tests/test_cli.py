@@ -1,0 +1,87 @@
+"""fspeed-train end to end, in subprocesses: a short run, resume, config errors, --cfg job, DeepSpeed configs."""
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+EXE = shutil.which("fspeed-train") or ""
+
+
+def fspeed_train(*args: str, cwd, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [EXE, *args] if EXE else [sys.executable, "-m", "fspeed.cli.train", *args]
+    env = dict(os.environ, HYDRA_FULL_ERROR="1")
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_short_run_writes_metrics_and_checkpoint_then_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = fspeed_train("train.steps=20", "train.eval_every=10", "data.max_bytes=400000",
+                        f"hydra.run.dir={run_dir}", "monitor.progress_bar=false", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(run_dir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == [str(i) for i in range(21)]  # step 0 = validation before training
+    assert rows[10]["val_loss"] and rows[20]["val_loss"] and not rows[5]["val_loss"]
+    assert float(rows[20]["val_loss"]) < float(rows[0]["val_loss"])
+    assert all(float(r["tokens_per_s"]) > 0 for r in rows[1:])
+    ckpt = run_dir / "checkpoints"
+    assert (ckpt / "latest").read_text() == "global_step20"
+    assert "metrics:" in proc.stdout and "checkpoint:" in proc.stdout and str(ckpt) in proc.stdout
+
+    proc = fspeed_train("train.steps=24", "train.eval_every=0", "data.max_bytes=400000", f"checkpoint.dir={ckpt}",
+                        "checkpoint.resume=true", f"hydra.run.dir={tmp_path / 'resumed'}",
+                        "monitor.progress_bar=false", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logs = proc.stdout + proc.stderr  # Hydra routes logging to stdout
+    assert "resumed from" in logs and "at step 20" in logs
+    assert (ckpt / "latest").read_text() == "global_step24"
+    with open(tmp_path / "resumed" / "metrics.csv") as f:
+        assert [r["step"] for r in csv.DictReader(f)] == ["20", "21", "22", "23", "24"]
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.stepz=5", ["train.stepz", "steps"]),
+        ("+typo=1", ["typo"]),
+        ("optimizer.lr=-0.1", ["optimizer.lr", "-0.1"]),
+        ("optimizer=adamz", ["adamz", "adamw", "lamb", "sgd"]),
+        ("train.train_batch_size=100", ["100", "divisible"]),
+    ],
+)
+def test_bad_config_fails_before_training_with_a_clear_message(tmp_path, override, expected):
+    proc = fspeed_train(override, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0
+    for text in expected:
+        assert text in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "metrics.csv").exists()
+
+
+def test_cfg_job_prints_the_composed_config_with_a_deepspeed_file(tmp_path):
+    ds = {
+        "train_batch_size": 64, "train_micro_batch_size_per_gpu": 16, "gradient_clipping": 0.5,
+        "optimizer": {"type": "Lamb", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 20}},
+        "bf16": {"enabled": True},
+    }
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ds))
+    proc = fspeed_train(f"deepspeed_config={path}", "optimizer.lr=1e-3", "--cfg", "job", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "name: lamb" in out and "lr: 0.001" in out  # the command line wins over the file
+    assert "name: bf16" in out and "train_batch_size: 64" in out and "gradient_clipping: 0.5" in out
+    assert "DeepSpeed config translated" in proc.stderr
+
+    ds["zero_optimization"] = {"stage": 2}
+    ds["gradient_clippping"] = 1.0
+    path.write_text(json.dumps(ds))
+    proc = fspeed_train(f"deepspeed_config={path}", "--cfg", "job", cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert "zero_optimization" in proc.stderr and "gradient_clippping" in proc.stderr
+    assert "gradient_clipping" in proc.stderr  # did-you-mean
