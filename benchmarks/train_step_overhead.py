@@ -1,21 +1,29 @@
 """What does fspeed's functional train_step cost over a hand-written PyTorch loop?
 
-One process, same data, same initial weights: the reference GPT (~10.8M params, seq 256)
- - through fspeed: `make_train_step` (torch.func.grad over a flat buffer, fused flat AdamW), and
+The reference GPT (~10.8M params, seq 256), same data and same initial weights:
+ - through fspeed: `make_train_step` (torch.func over flat buffers, fused flat AdamW);
  - as an nn.Module (`GPTModule`, same math) in a plain loop with `torch.optim.AdamW` (foreach,
    PyTorch's default) and, for reference, `fused=True`.
-Steps are interleaved (A, B, C, A, B, C, ...) so machine noise hits every variant alike.
-A second table times the optimizer alone on the same 10.8M parameters.
 
-    python benchmarks/train_step_overhead.py [--steps 8] [--batch 8] [--threads 2]
+Each variant trains in its own process (a training job owns its process; sharing one would let
+each variant's frees and allocations change the others' page-fault costs), for several rounds
+whose order rotates (A B C, B C A, ...). The headline is the median over rounds of each round's
+median step-time ratio, so slow drifts of this shared machine cancel. A second table times the
+optimizer step alone on the same parameters, in this process.
 
-Last line: overhead_ratio=<fspeed step time / plain PyTorch (foreach AdamW) step time>.
+    python benchmarks/train_step_overhead.py [--rounds 3] [--steps 4] [--batch 8] [--threads 2]
+
+Last line: overhead_ratio=<fspeed step time / plain PyTorch loop (AdamW foreach) step time>.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import resource
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -23,94 +31,114 @@ import torch
 import fspeed as fs
 from fspeed.models.gpt_module import GPTModule, params_from_module
 
+VARIANTS = {
+    "fspeed": "fspeed train_step (flat fused AdamW)",
+    "torch_foreach": "PyTorch loop, AdamW foreach (default)",
+    "torch_fused": "PyTorch loop, AdamW fused=True",
+}
+CONFIG = fs.models.GPTConfig(vocab_size=256, seq_len=256, n_layer=6, n_head=6, d_model=384)
+HPARAMS = dict(lr=3e-4, weight_decay=0.1)
+
+
+def run_variant(name: str, steps: int, warmup: int, batch_size: int) -> dict:
+    """Train `steps + warmup` steps with one variant; per-step wall times and minor page faults."""
+    torch.manual_seed(0)
+    module = GPTModule(CONFIG)
+    data = torch.randint(0, 256, (batch_size, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    batch = {"inputs": data[:, :-1], "targets": data[:, 1:]}
+    if name == "fspeed":
+        model = fs.models.gpt(CONFIG)
+        opt = fs.optim.adamw(**HPARAMS)
+        state = fs.init_train_state(params_from_module(module), opt)
+        train_step = fs.make_train_step(model.loss, opt)
+
+        def step() -> float:
+            nonlocal state
+            state, metrics = train_step(state, batch)
+            return metrics["loss"]
+    else:
+        optimizer = torch.optim.AdamW(module.parameters(), foreach=name == "torch_foreach",
+                                      fused=name == "torch_fused", **HPARAMS)
+
+        def step() -> float:
+            optimizer.zero_grad(set_to_none=True)
+            loss = module.loss(batch)
+            loss.backward()
+            optimizer.step()
+            return loss.item()
+
+    times, faults, losses = [], [], []
+    for i in range(warmup + steps):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0 = time.perf_counter()
+        losses.append(step())
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return {"times": times, "faults": faults, "first_loss": losses[0], "last_loss": losses[-1]}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per variant")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per variant per round")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # child mode
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    if args.variant:
+        print(json.dumps(run_variant(args.variant, args.steps, args.warmup, args.batch)))
+        return
 
-    cfg = fs.models.GPTConfig(vocab_size=256, seq_len=256, n_layer=6, n_head=6, d_model=384)
-    model = fs.models.gpt(cfg)
-    module = GPTModule(cfg)
-    params = params_from_module(module)
-    n_params = fs.models.count_params(params)
-    hp = dict(lr=3e-4, weight_decay=0.1)
+    n_params = fs.models.count_params(params_from_module(GPTModule(CONFIG)))
+    print(f"GPT {n_params / 1e6:.1f}M params, batch {args.batch} x seq {CONFIG.seq_len}, {args.threads} threads; "
+          f"{args.rounds} rounds x {len(VARIANTS)} processes, {args.warmup} warmup + {args.steps} timed steps each")
+    results: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    names = list(VARIANTS)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            cmd = [sys.executable, __file__, "--variant", name, "--steps", str(args.steps), "--warmup",
+                   str(args.warmup), "--batch", str(args.batch), "--threads", str(args.threads)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            results[name].append(json.loads(out.strip().splitlines()[-1]))
+            print(f"  round {r + 1}: {name:<14} {statistics.median(results[name][-1]['times']) * 1e3:8.1f} ms/step",
+                  flush=True)
 
-    data = torch.randint(0, 256, (args.batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
-    batch = {"inputs": data[:, :-1], "targets": data[:, 1:]}
-
-    opt = fs.optim.adamw(hp["lr"], weight_decay=hp["weight_decay"])
-    state = fs.init_train_state(params, opt)
-    fspeed_step = fs.make_train_step(model.loss, opt)
-
-    modules = {"foreach": module, "fused": GPTModule(cfg)}
-    modules["fused"].load_state_dict(module.state_dict())
-    torch_opts = {
-        "foreach": torch.optim.AdamW(modules["foreach"].parameters(), foreach=True, **hp),
-        "fused": torch.optim.AdamW(modules["fused"].parameters(), fused=True, **hp),
-    }
-
-    def torch_step(kind: str) -> float:
-        torch_opts[kind].zero_grad(set_to_none=True)
-        loss = modules[kind].loss(batch)
-        loss.backward()
-        torch_opts[kind].step()
-        return loss.item()
-
-    def run_fspeed() -> float:
-        nonlocal state
-        state, metrics = fspeed_step(state, batch)
-        return metrics["loss"]
-
-    variants = {
-        "fspeed train_step (flat fused AdamW)": run_fspeed,
-        "PyTorch loop, AdamW foreach (default)": lambda: torch_step("foreach"),
-        "PyTorch loop, AdamW fused=True": lambda: torch_step("fused"),
-    }
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    losses: dict[str, list[float]] = {name: [] for name in variants}
-    print(f"GPT {n_params / 1e6:.1f}M params, batch {args.batch} x seq {cfg.seq_len}, "
-          f"{args.threads} threads, {args.warmup} warmup + {args.steps} timed steps each")
-    for i in range(args.warmup + args.steps):
-        for name, fn in variants.items():
-            t0 = time.perf_counter()
-            losses[name].append(fn())
-            if i >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
-
-    first = {name: values[0] for name, values in losses.items()}
-    spread = max(first.values()) - min(first.values())
-    tokens = args.batch * cfg.seq_len
-    base = statistics.median(times["PyTorch loop, AdamW foreach (default)"])
+    first = [res[0]["first_loss"] for res in results.values()]
+    spread = max(first) - min(first)
+    tokens = args.batch * CONFIG.seq_len
+    base = [statistics.median(res["times"]) for res in results["torch_foreach"]]
     print(f"\nfirst-step loss agrees across variants: max difference {spread:.2e}")
-    print(f"\n{'variant':<40} {'ms/step':>9} {'tokens/s':>10} {'vs PyTorch':>11}")
-    for name, values in times.items():
-        median = statistics.median(values)
-        print(f"{name:<40} {median * 1e3:>9.1f} {tokens / median:>10.0f} {median / base:>10.3f}x")
+    print(f"\n{'variant':<40} {'median ms':>10} {'min ms':>8} {'tokens/s':>9} {'faults/step':>12} {'ratio':>7}")
+    ratios = {}
+    for name, runs in results.items():
+        all_times = [t for res in runs for t in res["times"]]
+        faults = statistics.median(f for res in runs for f in res["faults"])
+        ratios[name] = statistics.median(statistics.median(res["times"]) / b for res, b in zip(runs, base))
+        median = statistics.median(all_times)
+        print(f"{VARIANTS[name]:<40} {median * 1e3:>10.1f} {min(all_times) * 1e3:>8.1f} {tokens / median:>9.0f} "
+              f"{faults:>12.0f} {ratios[name]:>6.3f}x")
 
-    optimizer_table(params, hp, args.threads)
-    ratio = statistics.median(times["fspeed train_step (flat fused AdamW)"]) / base
+    optimizer_table(args.threads)
     print(f"\nfirst_step_loss_spread={spread:.3e}")
-    print(f"overhead_ratio={ratio:.3f}")
+    print(f"fused_torch_loop_ratio={ratios['torch_fused']:.3f}")
+    print(f"overhead_ratio={ratios['fspeed']:.3f}")
 
 
-def optimizer_table(params: dict, hp: dict, threads: int, repeats: int = 7) -> None:
+def optimizer_table(threads: int, repeats: int = 7) -> None:
     """The optimizer step alone on the same parameters: fspeed's flat fused apply vs torch.optim."""
-    flat = fs.Flat.from_tree(params)
+    flat = fs.Flat.from_tree(params_from_module(GPTModule(CONFIG)))
     grads = fs.tree_map(torch.randn_like, flat)
-    opt = fs.optim.adamw(**hp)
+    opt = fs.optim.adamw(**HPARAMS)
     opt_state = opt.init(flat)
     leaves = [p.clone().requires_grad_() for p in flat.segments()]
     for p, g in zip(leaves, grads.segments()):
         p.grad = g.clone()
     torch_opts = {
-        "torch.optim.AdamW foreach": torch.optim.AdamW(leaves, foreach=True, **hp),
-        "torch.optim.AdamW fused": torch.optim.AdamW(leaves, fused=True, **hp),
+        "torch.optim.AdamW foreach": torch.optim.AdamW(leaves, foreach=True, **HPARAMS),
+        "torch.optim.AdamW fused": torch.optim.AdamW(leaves, fused=True, **HPARAMS),
     }
 
     def fspeed_apply():

@@ -4,8 +4,11 @@
     state, metrics = step(state, batch)
 
 Per micro-batch, `torch.func.grad_and_value` differentiates `loss * loss_scale / grad_accum` with
-respect to the flat compute buffer (split's backward is one concatenation, so the gradient
-arrives as a flat buffer too); gradients accumulate locally in `precision.grad_accum_dtype`.
+respect to the parameter views of the flat compute buffer; the gradients are copied (first
+micro-batch) or added into one flat accumulation buffer in `precision.grad_accum_dtype`, reused
+from step to step. (Differentiating the flat buffer itself would make split's backward
+concatenate 4 bytes/param into fresh memory while activations are still alive: measured ~40 ms
+per step on a 10M-param GPT, 3% of the step.)
 At the boundary, as DeepSpeed does:
 
 1. one norm of the scaled gradients gives both the overflow check and the grad norm;
@@ -32,7 +35,7 @@ from .flat import Flat
 from .loss_scale import update_loss_scale
 from .optim.base import GradientTransformation, chain, optimizer_step
 from .optim.clipping import clip_coefficient
-from .pytree import PyTree, tree_flatten_with_paths, tree_unflatten
+from .pytree import PyTree, tree_flatten_with_paths, tree_leaves, tree_unflatten
 from .train_state import TrainState
 
 log = logging.getLogger("fspeed")
@@ -94,28 +97,38 @@ def make_train_step(
     buffers = getattr(loss_fn, "buffers", None)
     extra = (lambda b: {"buffers": b}) if buffers is not None else (lambda b: {})
 
-    def micro_loss(params: Flat, micro_batch: PyTree, rng: torch.Generator, multiplier: float, buffers):
-        loss = loss_fn(params.tree(), micro_batch, rng=rng, **extra(buffers))
+    def micro_loss(params: PyTree, micro_batch: PyTree, rng: torch.Generator, multiplier: float, buffers):
+        loss = loss_fn(params, micro_batch, rng=rng, **extra(buffers))
         if loss.dim() != 0:
             raise ValueError(f"loss_fn must return a scalar, got shape {list(loss.shape)}")
         return loss.float() * multiplier, loss.detach().float()
 
     grad_and_loss = torch.func.grad_and_value(micro_loss, has_aux=True)
+    workspace: dict[tuple, torch.Tensor] = {}  # the flat gradient buffer, reused across steps
+
+    def grad_buffer(params: Flat, dtype: torch.dtype) -> torch.Tensor:
+        key = (params.layout, dtype, params.device)
+        if key not in workspace:
+            workspace.clear()
+            workspace[key] = torch.empty(params.numel, dtype=dtype, device=params.device)
+        return workspace[key]
 
     def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         precision, params = state.precision, state.params
         scaler = state.loss_scale
         micro_batches = split_micro_batches(batch, grad_accum)
         generator = torch.Generator(device=params.device)
-        acc, losses = None, []
+        acc = grad_buffer(params, precision.grad_accum_dtype)
+        acc_segments, losses = params.layout.segments(acc), []
+        views = params.tree()
         for i, micro_batch in enumerate(micro_batches):
             generator.manual_seed(dropout_seed(state.rng_seed, state.step, i))
-            grads, (_, loss) = grad_and_loss(params, micro_batch, generator, scaler.scale / grad_accum, buffers)
-            g = grads.buffer
-            if acc is None:
-                acc = g if g.dtype == precision.grad_accum_dtype else g.to(precision.grad_accum_dtype)
+            grads, (_, loss) = grad_and_loss(views, micro_batch, generator, scaler.scale / grad_accum, buffers)
+            flat_grads = [g.reshape(-1) for g in tree_leaves(grads)]
+            if i == 0:
+                torch._foreach_copy_(acc_segments, flat_grads)
             else:
-                acc.add_(g)
+                torch._foreach_add_(acc_segments, flat_grads)
             losses.append(loss)
         mean_loss = float(torch.stack(losses).mean())
 

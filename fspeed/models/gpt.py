@@ -8,12 +8,14 @@ the global RNG, which would make steps irreproducible.
 
 Parameter paths and logical axes:
 
-    wte [vocab, embed]          wpe [seq, embed]           head [embed, vocab] (untied only)
+    wte [vocab, embed]          wpe [seq, embed]           head [vocab, embed] (untied only)
     blocks.i.ln1.{weight,bias} [embed]                     ln_f.{weight,bias} [embed]
-    blocks.i.attn.wqkv [embed, qkv, heads]   bqkv [qkv, heads]   wo [heads, embed]   bo [embed]
-    blocks.i.mlp.w_in [embed, mlp]   b_in [mlp]   w_out [mlp, embed]   b_out [embed]
+    blocks.i.attn.wqkv [qkv, heads, embed]   bqkv [qkv, heads]   wo [embed, heads]   bo [embed]
+    blocks.i.mlp.w_in [mlp, embed]   b_in [mlp]   w_out [embed, mlp]   b_out [embed]
 
-"heads" is the flattened (head, head_dim) dim: sharding it in contiguous chunks splits whole heads.
+Weights are stored [out, in] as in `nn.Linear`, so their gradients come out contiguous and the
+flat gradient buffer is assembled by plain copies. "heads" is the flattened (head, head_dim) dim:
+sharding it in contiguous chunks splits whole heads.
 """
 
 from __future__ import annotations
@@ -83,16 +85,16 @@ def gpt(cfg: GPTConfig) -> Model:
                 {
                     "ln1": layer_norm(),
                     "attn": {
-                        "wqkv": normal(D, 3, D),
+                        "wqkv": normal(3, D, D),
                         "bqkv": torch.zeros(3, D),
                         "wo": normal(D, D, std=residual_std),
                         "bo": torch.zeros(D),
                     },
                     "ln2": layer_norm(),
                     "mlp": {
-                        "w_in": normal(D, F_),
+                        "w_in": normal(F_, D),
                         "b_in": torch.zeros(F_),
-                        "w_out": normal(F_, D, std=residual_std),
+                        "w_out": normal(D, F_, std=residual_std),
                         "b_out": torch.zeros(D),
                     },
                 }
@@ -101,7 +103,7 @@ def gpt(cfg: GPTConfig) -> Model:
             "ln_f": layer_norm(),
         }
         if not cfg.tie_embeddings:
-            params["head"] = normal(D, V)
+            params["head"] = normal(V, D)
         return params
 
     def apply(params: dict, inputs: torch.Tensor, *, rng: Optional[torch.Generator] = None) -> torch.Tensor:
@@ -115,8 +117,7 @@ def gpt(cfg: GPTConfig) -> Model:
             x = x + _dropout(_attention(block["attn"], _layer_norm(x, block["ln1"]), cfg.n_head), cfg.dropout, rng)
             x = x + _dropout(_mlp(block["mlp"], _layer_norm(x, block["ln2"])), cfg.dropout, rng)
         x = _layer_norm(x, params["ln_f"])
-        head = params["wte"].t() if cfg.tie_embeddings else params["head"]
-        return x @ head
+        return F.linear(x, params["wte"] if cfg.tie_embeddings else params["head"])
 
     def loss(params: dict, batch: dict, *, rng: Optional[torch.Generator] = None) -> torch.Tensor:
         """Mean next-token cross-entropy, computed in fp32 whatever the compute dtype."""
@@ -132,15 +133,15 @@ def gpt_logical_axes(cfg: GPTConfig) -> LogicalAxes:
         p = f"blocks.{i}"
         axes.update({
             f"{p}.ln1.weight": ("embed",), f"{p}.ln1.bias": ("embed",),
-            f"{p}.attn.wqkv": ("embed", None, "heads"), f"{p}.attn.bqkv": (None, "heads"),
-            f"{p}.attn.wo": ("heads", "embed"), f"{p}.attn.bo": ("embed",),
+            f"{p}.attn.wqkv": (None, "heads", "embed"), f"{p}.attn.bqkv": (None, "heads"),
+            f"{p}.attn.wo": ("embed", "heads"), f"{p}.attn.bo": ("embed",),
             f"{p}.ln2.weight": ("embed",), f"{p}.ln2.bias": ("embed",),
-            f"{p}.mlp.w_in": ("embed", "mlp"), f"{p}.mlp.b_in": ("mlp",),
-            f"{p}.mlp.w_out": ("mlp", "embed"), f"{p}.mlp.b_out": ("embed",),
+            f"{p}.mlp.w_in": ("mlp", "embed"), f"{p}.mlp.b_in": ("mlp",),
+            f"{p}.mlp.w_out": ("embed", "mlp"), f"{p}.mlp.b_out": ("embed",),
         })
     axes.update({"ln_f.weight": ("embed",), "ln_f.bias": ("embed",)})
     if not cfg.tie_embeddings:
-        axes["head"] = ("embed", "vocab")
+        axes["head"] = ("vocab", "embed")
     return axes
 
 
@@ -149,15 +150,14 @@ def _layer_norm(x: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 def _attention(p: dict, x: torch.Tensor, n_head: int) -> torch.Tensor:
-    D = x.shape[-1]
-    qkv = F.linear(x, p["wqkv"].reshape(D, -1).t(), p["bqkv"].reshape(-1))
+    qkv = F.linear(x, p["wqkv"].flatten(0, 1), p["bqkv"].reshape(-1))
     q, k, v = rearrange(qkv, "b s (three h d) -> three b h s d", three=3, h=n_head)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.linear(rearrange(y, "b h s d -> b s (h d)"), p["wo"].t(), p["bo"])
+    return F.linear(rearrange(y, "b h s d -> b s (h d)"), p["wo"], p["bo"])
 
 
 def _mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.gelu(F.linear(x, p["w_in"].t(), p["b_in"])), p["w_out"].t(), p["b_out"])
+    return F.linear(F.gelu(F.linear(x, p["w_in"], p["b_in"])), p["w_out"], p["b_out"])
 
 
 def _dropout(x: torch.Tensor, p: float, rng: Optional[torch.Generator]) -> torch.Tensor:

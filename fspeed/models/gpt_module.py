@@ -72,17 +72,17 @@ def params_from_module(module: GPTModule) -> dict:
         "blocks": [
             {
                 "ln1": ln(b.ln1),
-                "attn": {"wqkv": b.qkv.weight.t().reshape(d, 3, d), "bqkv": b.qkv.bias.view(3, d),
-                         "wo": b.proj.weight.t(), "bo": b.proj.bias},
+                "attn": {"wqkv": b.qkv.weight.view(3, d, d), "bqkv": b.qkv.bias.view(3, d),
+                         "wo": b.proj.weight, "bo": b.proj.bias},
                 "ln2": ln(b.ln2),
-                "mlp": {"w_in": b.fc.weight.t(), "b_in": b.fc.bias, "w_out": b.out.weight.t(), "b_out": b.out.bias},
+                "mlp": {"w_in": b.fc.weight, "b_in": b.fc.bias, "w_out": b.out.weight, "b_out": b.out.bias},
             }
             for b in module.blocks
         ],
         "ln_f": ln(module.ln_f),
     }
     if module.head is not None:
-        params["head"] = module.head.weight.t()
+        params["head"] = module.head.weight
     return tree_map(lambda t: t.detach().clone().contiguous(), params)
 
 
@@ -96,16 +96,16 @@ def load_params_into_module(module: GPTModule, params: dict) -> None:
             for m, key in ((b.ln1, "ln1"), (b.ln2, "ln2")):
                 m.weight.copy_(p[key]["weight"])
                 m.bias.copy_(p[key]["bias"])
-            b.qkv.weight.copy_(p["attn"]["wqkv"].reshape(d, 3 * d).t())
+            b.qkv.weight.copy_(p["attn"]["wqkv"].reshape(3 * d, d))
             b.qkv.bias.copy_(p["attn"]["bqkv"].reshape(-1))
-            b.proj.weight.copy_(p["attn"]["wo"].t())
+            b.proj.weight.copy_(p["attn"]["wo"])
             b.proj.bias.copy_(p["attn"]["bo"])
-            b.fc.weight.copy_(p["mlp"]["w_in"].t())
+            b.fc.weight.copy_(p["mlp"]["w_in"])
             b.fc.bias.copy_(p["mlp"]["b_in"])
-            b.out.weight.copy_(p["mlp"]["w_out"].t())
+            b.out.weight.copy_(p["mlp"]["w_out"])
             b.out.bias.copy_(p["mlp"]["b_out"])
         module.ln_f.weight.copy_(params["ln_f"]["weight"])
         module.ln_f.bias.copy_(params["ln_f"]["bias"])
         if module.head is not None:
-            module.head.weight.copy_(params["head"].t())
+            module.head.weight.copy_(params["head"])
 
