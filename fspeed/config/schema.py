@@ -57,41 +57,38 @@ class ModelConfig(ValidatedConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class AdamConfig(ValidatedConfig):
+class AdamFamilyConfig(ValidatedConfig):
+    """The FusedAdam/FusedLamb parameters Adam, AdamW and LAMB share."""
+
+    lr: float = setting(1e-3, POSITIVE)
+    betas: Betas = setting((0.9, 0.999), each(UNIT_INTERVAL))
+    eps: float = setting(1e-8, POSITIVE)
+    weight_decay: float = setting(0.0, NON_NEGATIVE)
+    bias_correction: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamConfig(AdamFamilyConfig):
     """Adam (FusedAdam params). Classic L2 decay unless adam_w_mode; DeepSpeed's own "Adam" type
     defaults to adam_w_mode=True, which the ds_config translator maps to `adamw`."""
 
     name: Literal["adam"] = "adam"
-    lr: float = setting(1e-3, POSITIVE)
-    betas: Betas = setting((0.9, 0.999), each(UNIT_INTERVAL))
-    eps: float = setting(1e-8, POSITIVE)
-    weight_decay: float = setting(0.0, NON_NEGATIVE)
-    bias_correction: bool = True
     adam_w_mode: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
-class AdamWConfig(ValidatedConfig):
+class AdamWConfig(AdamFamilyConfig):
     """AdamW: Adam with decoupled weight decay (FusedAdam with adam_w_mode=True)."""
 
     name: Literal["adamw"] = "adamw"
-    lr: float = setting(1e-3, POSITIVE)
-    betas: Betas = setting((0.9, 0.999), each(UNIT_INTERVAL))
-    eps: float = setting(1e-8, POSITIVE)
     weight_decay: float = setting(0.01, NON_NEGATIVE)
-    bias_correction: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
-class LambConfig(ValidatedConfig):
+class LambConfig(AdamFamilyConfig):
     """LAMB with FusedLamb's parameters (trust ratio clamped to [min_coeff, max_coeff])."""
 
     name: Literal["lamb"] = "lamb"
-    lr: float = setting(1e-3, POSITIVE)
-    betas: Betas = setting((0.9, 0.999), each(UNIT_INTERVAL))
-    eps: float = setting(1e-8, POSITIVE)
-    weight_decay: float = setting(0.0, NON_NEGATIVE)
-    bias_correction: bool = True
     eps_inside_sqrt: bool = False
     max_coeff: float = setting(10.0, POSITIVE)
     min_coeff: float = setting(0.01, POSITIVE)
