@@ -19,24 +19,26 @@ from pathlib import Path
 from typing import Any, Optional
 
 import hydra
+import torch
+from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+from tqdm import tqdm
 
+from .. import checkpoint, data
 from ..config import ConfigError, prepare_overrides, to_run_config
+from ..config.build import build_model_config, build_optimizer, build_precision
 from ..config.schema import RunConfig
+from ..models import count_params, gpt
+from ..monitor import CSVMonitor
+from ..train_state import init_train_state
+from ..train_step import make_eval_step, make_train_step
 
 log = logging.getLogger("fspeed")
 
 
 def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     """Train the configured GPT; returns a summary (val loss at start and end, paths, timing)."""
-    import torch
-
-    from .. import checkpoint, data, init_train_state, make_eval_step, make_train_step
-    from ..config.build import build_model_config, build_optimizer, build_precision
-    from ..models import count_params, gpt
-    from ..monitor import CSVMonitor
-
     t = run.train
     triad = run.batch
     torch.manual_seed(t.seed)
@@ -146,8 +148,6 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
 def _progress_bar(run: RunConfig, start: int):
     if not run.monitor.progress_bar:
         return None
-    from tqdm import tqdm
-
     return tqdm(total=run.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                 mininterval=0.5, file=sys.stderr)
 
@@ -182,8 +182,6 @@ def _hydra_app(cfg: DictConfig) -> Optional[float]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Console entry point: check (and expand DeepSpeed-config) overrides, then run the Hydra app."""
-    from hydra._internal.utils import get_args_parser
-
     argv = list(sys.argv[1:] if argv is None else argv)
     args = get_args_parser().parse_args(argv)
     try:
