@@ -12,7 +12,12 @@
 
 from . import checkpoint, data, models, optim, precision
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .comm import CommError, CommLog
 from .flat import Flat, FlatLayout
+from .mesh import Mesh, init_distributed
+from .plan import Plan, ZeroConfig, explain, tensor_slicing, zero
+from .sharding import P, PartitionSpec
+from .zero import gather_params
 from .loss_scale import LossScaleAtMinimumError, LossScaleState
 from .models import Model, functionalize
 from .pytree import tree_flatten_with_paths, tree_map, tree_paths
@@ -22,6 +27,8 @@ from .train_step import make_eval_step, make_train_step
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommError", "CommLog", "Mesh", "P", "PartitionSpec", "Plan", "ZeroConfig", "explain", "gather_params",
+    "init_distributed", "tensor_slicing", "zero",
     "CheckpointError", "checkpoint", "data", "load_checkpoint", "save_checkpoint",
     "DonatedStateError", "Flat", "FlatLayout", "LossScaleAtMinimumError", "LossScaleState", "Model",
     "TrainState", "functionalize", "init_train_state", "make_eval_step", "make_train_step", "models",

@@ -60,7 +60,9 @@ class FlatLayout:
         return {path: i for i, path in enumerate(self.paths)}
 
     def segments(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """The 1-D view of each leaf in `buffer` (differentiable: split's backward is one cat)."""
+        """The 1-D view of each leaf in `buffer` (elements past `numel` are padding)."""
+        if buffer.numel() != self.numel:
+            buffer = buffer.narrow(0, 0, self.numel)
         return list(torch.split(buffer, self.sizes))
 
     def unflatten(self, buffer: torch.Tensor) -> PyTree:
@@ -95,25 +97,32 @@ def _describe_mismatch(expected: FlatLayout, got: FlatLayout) -> str:
 
 
 class Flat:
-    """Tensors of one dtype and device stored contiguously, addressed by parameter path."""
+    """Tensors of one dtype and device stored contiguously, addressed by parameter path.
+
+    The buffer may be longer than the layout (zero padding at the end, so that ZeRO can split it
+    into equal slices); leaf-wise math over the padding is harmless by construction (zeros).
+    """
 
     __slots__ = ("buffer", "layout")
 
     def __init__(self, buffer: torch.Tensor, layout: FlatLayout):
-        if buffer.dim() != 1 or buffer.numel() != layout.numel:
+        if buffer.dim() != 1 or buffer.numel() < layout.numel:
             raise ValueError(
-                f"a Flat buffer must be 1-D with {layout.numel} elements, got shape {list(buffer.shape)}"
+                f"a Flat buffer must be 1-D with at least {layout.numel} elements, got shape {list(buffer.shape)}"
             )
         self.buffer = buffer
         self.layout = layout
 
     @classmethod
     def from_tree(
-        cls, tree: PyTree, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+        cls, tree: PyTree, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+        padded_numel: int | None = None,
     ) -> "Flat":
-        """Copy the tensors of `tree` into one new contiguous buffer."""
+        """Copy the tensors of `tree` into one new contiguous buffer (zero-padded to `padded_numel`)."""
         layout = FlatLayout.of_tree(tree)
         buffer = layout.flatten(tree, dtype=dtype)
+        if padded_numel is not None and padded_numel > buffer.numel():
+            buffer = torch.cat([buffer, buffer.new_zeros(padded_numel - buffer.numel())])
         if device is not None:
             buffer = buffer.to(device)
         return cls(buffer, layout)

@@ -22,7 +22,9 @@ import torch
 from .flat import Flat
 from .loss_scale import LossScaleState, init_loss_scale
 from .optim.base import GradientTransformation, learning_rate
+from .plan import Layout, Plan, resolve
 from .precision import Precision, fp32
+from .zero import build_param_state
 from .pytree import PyTree, register_node
 
 _FIELDS = ("params", "master", "opt_state", "loss_scale", "step", "skipped_steps", "samples", "rng_seed")
@@ -36,7 +38,7 @@ class DonatedStateError(RuntimeError):
 class TrainState:
     """The state of a training run (see the module docstring)."""
 
-    __slots__ = _FIELDS + ("precision", "_donated_at")
+    __slots__ = _FIELDS + ("precision", "layout", "_donated_at")
 
     def __init__(
         self,
@@ -49,10 +51,12 @@ class TrainState:
         samples: int = 0,
         rng_seed: int = 0,
         precision: Precision = fp32(),
+        layout: Optional[Layout] = None,
     ):
         for name, value in zip(_FIELDS, (params, master, opt_state, loss_scale, step, skipped_steps, samples, rng_seed)):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "precision", precision)
+        object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "_donated_at", None)
 
     def __getattribute__(self, name: str):
@@ -74,7 +78,7 @@ class TrainState:
         if unknown:
             raise TypeError(f"TrainState has no field(s) {sorted(unknown)}; fields are {list(_FIELDS)}")
         values = {name: changes.get(name, getattr(self, name)) for name in _FIELDS}
-        return TrainState(**values, precision=self.precision)
+        return TrainState(**values, precision=self.precision, layout=self.layout)
 
     def donate(self) -> None:
         """Mark this state as consumed (train_step calls this before reusing its buffers)."""
@@ -87,7 +91,7 @@ class TrainState:
 
     @property
     def master_params(self) -> Flat:
-        """The fp32 weights the optimizer updates (the master copy, or params in fp32)."""
+        """The fp32 weights the optimizer updates: the masters (a ZeRO slice or shard), or params in fp32."""
         return self.master if self.master is not None else self.params
 
     @property
@@ -106,9 +110,9 @@ class TrainState:
 
 register_node(
     TrainState,
-    lambda s: (tuple(getattr(s, name) for name in _FIELDS), s.precision),
-    lambda precision, children: TrainState(*children, precision=precision),
-    child_names=lambda precision: _FIELDS,
+    lambda s: (tuple(getattr(s, name) for name in _FIELDS), (s.precision, s.layout)),
+    lambda aux, children: TrainState(*children, precision=aux[0], layout=aux[1]),
+    child_names=lambda aux: _FIELDS,
 )
 
 
@@ -119,10 +123,28 @@ def init_train_state(
     precision: Precision = fp32(),
     seed: int = 0,
     device: Optional[torch.device | str] = None,
+    plan: Optional[Plan] = None,
+    mesh=None,
+    logical_axes: Optional[dict] = None,
 ) -> TrainState:
-    """A fresh TrainState: params copied into flat buffers, fp32 masters, optimizer state, scaler."""
+    """A fresh TrainState: params copied into flat buffers, fp32 masters, optimizer state, scaler.
+
+    With a `plan` and a `mesh`, every rank keeps only its part (see `fspeed.zero`): its
+    tensor-parallel slice and, by ZeRO stage, its slice or shard of masters, optimizer state and
+    parameters. `params` are the full (global) parameters, identical on every rank;
+    `logical_axes` (the model's) are needed for tensor slicing.
+    """
     if not isinstance(optimizer, GradientTransformation):
         raise TypeError(f"optimizer must be a GradientTransformation, got {type(optimizer).__name__}")
+    if (plan is None) != (mesh is None):
+        raise ValueError("init_train_state: pass both plan= and mesh= (or neither)")
+    if plan is not None:
+        layout = resolve(plan, params, mesh.sizes, mesh.coords, logical_axes)
+        check_optimizer_for_layout(optimizer, layout)
+        compute, master, target = build_param_state(params, layout, precision, device)
+        return TrainState(params=compute, master=master, opt_state=optimizer.init(target),
+                          loss_scale=init_loss_scale(precision.loss_scale), rng_seed=int(seed),
+                          precision=precision, layout=layout)
     master = Flat.from_tree(params, dtype=torch.float32, device=device)
     compute = master.to(precision.param_dtype) if precision.has_master else master
     return TrainState(
@@ -133,3 +155,20 @@ def init_train_state(
         rng_seed=int(seed),
         precision=precision,
     )
+
+
+def _transform_names(opt: GradientTransformation) -> list[str]:
+    info = opt.info
+    if info is None:
+        return []
+    return [info.name] + [n for child in info.children for n in _transform_names(child)]
+
+
+def check_optimizer_for_layout(optimizer: GradientTransformation, layout: Layout) -> None:
+    """Refuse optimizers whose math needs whole tensors on a layout that splits them."""
+    if "lamb" in _transform_names(optimizer) and (layout.stage >= 1 or layout.model_size > 1):
+        raise ValueError(
+            "lamb's per-tensor trust ratio needs whole tensors; it cannot run on ZeRO stage >= 1 slices or "
+            "tensor-sliced parameters yet (DeepSpeed likewise rejects LAMB under ZeRO). Use adam/adamw/sgd, "
+            "or zero stage 0 without tensor slicing."
+        )

@@ -16,8 +16,10 @@ At the boundary, as DeepSpeed does:
    masters and optimizer state are untouched and the schedule does not advance;
 3. unscaling and clipping are one multiply: when the optimizer chain starts with
    `clip_by_global_norm`, its coefficient is folded into the unscale factor;
-4. the optimizer updates the fp32 masters in place (fused single pass where available), and the
-   compute copy is cast from them.
+4. the optimizer updates the fp32 masters in place and, when the compute copy is the masters'
+   local image, writes it, cast, in the same pass (`cast_to`: the CPU Adam kernel fuses both and
+   reads bf16/fp16 accumulated gradients as they are, with no fp32 copy); ZeRO-1/2 instead cast
+   the updated partition and all-gather it.
 
 Metrics: loss (mean over micro-batches), lr (used by this step), grad_norm (unscaled, before
 clipping), loss_scale (that produced the gradients), skipped.
@@ -25,9 +27,10 @@ clipping), loss_scale (that produced the gradients), skipped.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -35,8 +38,11 @@ from .flat import Flat
 from .loss_scale import update_loss_scale
 from .optim.base import GradientTransformation, chain, optimizer_step
 from .optim.clipping import clip_coefficient
-from .pytree import PyTree, tree_flatten_with_paths, tree_leaves, tree_unflatten
+from .plan import Plan, ShardedUnit
+from .pytree import PyTree, tree_flatten_with_paths, tree_leaves, tree_map, tree_unflatten
+from .sharded_ops import ShardedOps
 from .train_state import TrainState
+from .zero import LocalRuntime, ZeroRuntime
 
 log = logging.getLogger("fspeed")
 
@@ -79,26 +85,62 @@ def _split_leading_clip(optimizer: GradientTransformation) -> tuple[float | None
 
 
 def make_train_step(
-    loss_fn: LossFn, optimizer: GradientTransformation, *, grad_accum: int = 1
+    loss_fn: LossFn, optimizer: GradientTransformation, *, grad_accum: int = 1,
+    plan: Optional[Plan] = None, mesh=None,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict[str, Any]]]:
     """Build `train_step(state, batch) -> (state, metrics)`; see the module docstring.
 
     `loss_fn(params, micro_batch, *, rng)` returns a scalar loss; `params` is the structured tree of
     compute-dtype parameters, `rng` a torch.Generator for dropout. `batch` holds
-    `grad_accum` micro-batches stacked along dim 0.
+    `grad_accum` micro-batches stacked along dim 0 (this data rank's share of the global batch).
+
+    With a `plan` and `mesh` (the same as the state was built with), gradients are reduced over the
+    `data` axis as the ZeRO stage says (`fspeed.zero`), and a loss that accepts `ops=` gets the
+    plan's `ShardedOps` (tensor slicing, ZeRO-3 just-in-time gathering). Metrics are global:
+    the loss is averaged over data ranks, the grad norm counts every element once.
     """
     if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
         raise ValueError(f"grad_accum={grad_accum!r} must be a positive integer")
     if not isinstance(optimizer, GradientTransformation):
         raise TypeError(f"optimizer must be a GradientTransformation, got {type(optimizer).__name__}")
+    if (plan is None) != (mesh is None):
+        raise ValueError("make_train_step: pass both plan= and mesh= (or neither)")
     clip_norm, rest = _split_leading_clip(optimizer)
+    accepts_ops = _accepts_keyword(loss_fn, "ops")
+    runtimes: dict = {}
+
+    def runtime_for(state: TrainState):
+        layout = state.layout
+        if layout is None:
+            if plan is not None:
+                raise ValueError("make_train_step was given a plan, but the state was built without one; "
+                                 "pass the same plan= and mesh= to init_train_state")
+            return LocalRuntime(), None
+        if mesh is None:
+            raise ValueError(f"this state was built with a plan (zero stage {layout.stage}); pass plan= and "
+                             "mesh= to make_train_step too")
+        if plan.stage != layout.stage or dict(mesh.sizes) != dict(layout.mesh_sizes):
+            raise ValueError(f"make_train_step's plan {plan!r} on mesh {mesh.sizes} does not match the state's "
+                             f"(zero stage {layout.stage}, mesh {dict(layout.mesh_sizes)})")
+        if layout not in runtimes:
+            if layout.tensor_axes and not accepts_ops:
+                raise ValueError("tensor slicing needs a parallel-aware loss (one that accepts ops=, like the "
+                                 "reference GPT's); functionalize(nn.Module) models support ZeRO stages 0-3 only")
+            runtimes.clear()
+            runtimes[layout] = (ZeroRuntime(layout, mesh), ShardedOps(layout, mesh, layout.tensor_axes))
+        return runtimes[layout]
     # Mutable module state (functionalize's BatchNorm statistics) must enter the transformed
     # function as an input to be updated in place under torch.func.
     buffers = getattr(loss_fn, "buffers", None)
     extra = (lambda b: {"buffers": b}) if buffers is not None else (lambda b: {})
 
-    def micro_loss(params: PyTree, micro_batch: PyTree, rng: torch.Generator, multiplier: float, buffers):
-        loss = loss_fn(params, micro_batch, rng=rng, **extra(buffers))
+    def micro_loss(params: PyTree, micro_batch: PyTree, rng: torch.Generator, multiplier: float, buffers, ops):
+        if ops is not None and accepts_ops:
+            loss = loss_fn(params, micro_batch, rng=rng, ops=ops, **extra(buffers))
+        else:
+            if ops is not None:  # a plain model under ZeRO-3: gather every sharded unit up front
+                params = tree_map(ops.param, params, is_leaf=lambda x: isinstance(x, ShardedUnit))
+            loss = loss_fn(params, micro_batch, rng=rng, **extra(buffers))
         if loss.dim() != 0:
             raise ValueError(f"loss_fn must return a scalar, got shape {list(loss.shape)}")
         return loss.float() * multiplier, loss.detach().float()
@@ -109,13 +151,15 @@ def make_train_step(
     def grad_buffer(params: Flat, dtype: torch.dtype) -> torch.Tensor:
         key = (params.layout, dtype, params.device)
         if key not in workspace:
-            workspace.clear()
-            workspace[key] = torch.empty(params.numel, dtype=dtype, device=params.device)
+            workspace.clear()  # zeros: the padding of ZeRO's equal slices must stay zero
+            workspace[key] = torch.zeros(params.buffer.numel(), dtype=dtype, device=params.device)
         return workspace[key]
 
     def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         precision, params = state.precision, state.params
         scaler = state.loss_scale
+        runtime, ops = runtime_for(state)
+        multiplier = scaler.scale / (grad_accum * runtime.n)  # summed over data ranks = the mean
         micro_batches = split_micro_batches(batch, grad_accum)
         generator = torch.Generator(device=params.device)
         acc = grad_buffer(params, precision.grad_accum_dtype)
@@ -123,20 +167,21 @@ def make_train_step(
         views = params.tree()
         for i, micro_batch in enumerate(micro_batches):
             generator.manual_seed(dropout_seed(state.rng_seed, state.step, i))
-            grads, (_, loss) = grad_and_loss(views, micro_batch, generator, scaler.scale / grad_accum, buffers)
+            grads, (_, loss) = grad_and_loss(views, micro_batch, generator, multiplier, buffers, ops)
             flat_grads = [g.reshape(-1) for g in tree_leaves(grads)]
             if i == 0:
                 torch._foreach_copy_(acc_segments, flat_grads)
             else:
                 torch._foreach_add_(acc_segments, flat_grads)
             losses.append(loss)
-        mean_loss = float(torch.stack(losses).mean())
+        mean_loss = runtime.mean_over_data(float(torch.stack(losses).mean()))
 
-        scaled_norm = float(torch.linalg.vector_norm(acc, dtype=torch.float32))
+        grads = runtime.reduce(acc, params.layout)
+        scaled_norm = runtime.grad_norm(grads)
         overflow = precision.check_overflow and not math.isfinite(scaled_norm)
         new_scaler = update_loss_scale(precision.loss_scale, scaler, overflow)  # may raise at min scale
         lr = state.lr
-        samples = state.samples + _rows(batch)
+        samples = state.samples + _rows(batch) * runtime.n
         state.donate()  # from here on the input's buffers are reused
         fields = {name: object.__getattribute__(state, name) for name in
                   ("params", "master", "opt_state", "step", "skipped_steps", "rng_seed")}
@@ -156,17 +201,17 @@ def make_train_step(
         if clip_norm is not None:
             factor *= clip_coefficient(grad_norm, clip_norm)
         if factor != 1.0:
-            acc.mul_(factor)  # unscale and clip in one pass
-        grads = params.with_buffer(acc)
+            grads.buffer.mul_(factor)  # unscale and clip in one pass
         master = fields["master"] if fields["master"] is not None else fields["params"]
+        cast_to = _local_image(master, fields["params"])
         opt_state = fields["opt_state"]
         if clip_norm is not None:
-            master, rest_state = optimizer_step(rest, grads, opt_state[1:], master)
+            master, rest_state = optimizer_step(rest, grads, opt_state[1:], master, cast_to=cast_to)
             opt_state = (opt_state[0],) + tuple(rest_state)
         else:
-            master, opt_state = optimizer_step(rest, grads, opt_state, master)
-        if fields["master"] is not None:
-            fields["params"].buffer.copy_(master.buffer)  # cast fp32 masters to the compute copy
+            master, opt_state = optimizer_step(rest, grads, opt_state, master, cast_to=cast_to)
+        if cast_to is None:
+            runtime.write_back(master, fields["params"])  # cast masters to the compute copy (all-gather: ZeRO-1/2)
         fields["opt_state"] = opt_state
         metrics["grad_norm"] = grad_norm
         return _next_state(state, fields, new_scaler, samples, skipped=0), metrics
@@ -190,7 +235,24 @@ def _next_state(old: TrainState, fields: dict, scaler, samples: int, skipped: in
         samples=samples,
         rng_seed=fields["rng_seed"],
         precision=old.precision,
+        layout=old.layout,
     )
+
+
+def _local_image(master: Flat, params: Flat) -> Optional[Flat]:
+    """`params` when it is a separate, same-layout copy of `master` (then the optimizer writes it,
+    cast, in its update pass); None when there is nothing to cast (fp32) or when the runtime must
+    write it back itself (ZeRO-1/2 all-gather the updated partitions)."""
+    same = master.buffer.data_ptr() == params.buffer.data_ptr()
+    return params if not same and master.layout == params.layout and master.buffer.shape == params.buffer.shape else None
+
+
+def _accepts_keyword(fn: Callable, name: str) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 def make_eval_step(loss_fn: LossFn) -> Callable[[TrainState, PyTree], float]:

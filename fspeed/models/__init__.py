@@ -1,6 +1,12 @@
 """Models as pure functions of parameter pytrees."""
 
-from .gpt import GPTConfig, gpt, gpt_logical_axes
+from .gpt import GPT_RULES, GPTConfig, gpt, gpt_logical_axes
 from .model import LogicalAxes, Model, count_params, functionalize
+from .ops import DENSE, DenseOps
 
-__all__ = ["GPTConfig", "LogicalAxes", "Model", "count_params", "functionalize", "gpt", "gpt_logical_axes"]
+gpt_rules = GPT_RULES  # the name used in plans: fs.tensor_slicing(fs.models.gpt_rules)
+
+__all__ = [
+    "DENSE", "DenseOps", "GPT_RULES", "GPTConfig", "LogicalAxes", "Model", "count_params", "functionalize",
+    "gpt", "gpt_logical_axes", "gpt_rules",
+]

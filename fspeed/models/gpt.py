@@ -20,6 +20,7 @@ sharding it in contiguous chunks splits whole heads.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from .model import LogicalAxes, Model
+from .ops import DENSE, DenseOps
 
 
 @dataclass(frozen=True)
@@ -106,25 +108,32 @@ def gpt(cfg: GPTConfig) -> Model:
             params["head"] = normal(V, D)
         return params
 
-    def apply(params: dict, inputs: torch.Tensor, *, rng: Optional[torch.Generator] = None) -> torch.Tensor:
-        """Logits [B, S, vocab] for token ids `inputs` [B, S]."""
+    def apply(params: dict, inputs: torch.Tensor, *, rng: Optional[torch.Generator] = None,
+              ops: DenseOps = DENSE) -> torch.Tensor:
+        """Logits [B, S, vocab] for token ids `inputs` [B, S] (vocab-local under tensor slicing)."""
         B, S = inputs.shape
         if S > cfg.seq_len:
             raise ValueError(f"sequence length {S} exceeds the model's seq_len={cfg.seq_len}")
-        x = F.embedding(inputs, params["wte"]) + params["wpe"][:S]
+        wte = ops.param(params["wte"])
+        x = ops.embedding(inputs, wte, vocab_axis="vocab") + ops.param(params["wpe"])[:S]
         x = _dropout(x, cfg.dropout, rng)
-        for block in params["blocks"]:
-            x = x + _dropout(_attention(block["attn"], _layer_norm(x, block["ln1"]), cfg.n_head), cfg.dropout, rng)
-            x = x + _dropout(_mlp(block["mlp"], _layer_norm(x, block["ln2"])), cfg.dropout, rng)
-        x = _layer_norm(x, params["ln_f"])
-        return F.linear(x, params["wte"] if cfg.tie_embeddings else params["head"])
+        x = ops.scan(functools.partial(_block, n_head=cfg.n_head, dropout=cfg.dropout, ops=ops),
+                     params["blocks"], x, rng)
+        x = _layer_norm(x, ops.param(params["ln_f"]))
+        head = wte if cfg.tie_embeddings else ops.param(params["head"])
+        return ops.linear(x, head, out_axis="vocab", in_axis="embed")
 
-    def loss(params: dict, batch: dict, *, rng: Optional[torch.Generator] = None) -> torch.Tensor:
+    def loss(params: dict, batch: dict, *, rng: Optional[torch.Generator] = None,
+             ops: DenseOps = DENSE) -> torch.Tensor:
         """Mean next-token cross-entropy, computed in fp32 whatever the compute dtype."""
-        logits = apply(params, batch["inputs"], rng=rng)
-        return F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten())
+        logits = apply(params, batch["inputs"], rng=rng, ops=ops)
+        return ops.cross_entropy(logits, batch["targets"], vocab_axis="vocab")
 
     return Model(init, apply, loss, gpt_logical_axes(cfg), name="gpt")
+
+
+GPT_RULES = (("heads", "model"), ("mlp", "model"), ("vocab", "model"))
+"""Megatron's tensor slicing of the GPT: attention heads, the MLP hidden dim and the vocabulary."""
 
 
 def gpt_logical_axes(cfg: GPTConfig) -> LogicalAxes:
@@ -149,15 +158,17 @@ def _layer_norm(x: torch.Tensor, p: dict) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), p["weight"], p["bias"], eps=1e-5)
 
 
-def _attention(p: dict, x: torch.Tensor, n_head: int) -> torch.Tensor:
-    qkv = F.linear(x, p["wqkv"].flatten(0, 1), p["bqkv"].reshape(-1))
-    q, k, v = rearrange(qkv, "b s (three h d) -> three b h s d", three=3, h=n_head)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.linear(rearrange(y, "b h s d -> b s (h d)"), p["wo"], p["bo"])
-
-
-def _mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.gelu(F.linear(x, p["w_in"], p["b_in"])), p["w_out"], p["b_out"])
+def _block(p: dict, x: torch.Tensor, rng: Optional[torch.Generator], *, n_head: int, dropout: float,
+           ops: DenseOps) -> torch.Tensor:
+    """One pre-LN block: x + attn(ln1(x)), then + mlp(ln2(x)). Heads and the MLP hidden dim are
+    the logical axes tensor slicing shards (column-parallel in, row-parallel out)."""
+    attn, mlp = p["attn"], p["mlp"]
+    qkv = ops.linear(_layer_norm(x, p["ln1"]), attn["wqkv"], attn["bqkv"], out_axis="heads", in_axis="embed")
+    q, k, v = rearrange(qkv, "b s (three h d) -> three b h s d", three=3, h=ops.local(n_head, "heads"))
+    y = rearrange(F.scaled_dot_product_attention(q, k, v, is_causal=True), "b h s d -> b s (h d)")
+    x = x + _dropout(ops.linear(y, attn["wo"], attn["bo"], out_axis="embed", in_axis="heads"), dropout, rng)
+    h = F.gelu(ops.linear(_layer_norm(x, p["ln2"]), mlp["w_in"], mlp["b_in"], out_axis="mlp", in_axis="embed"))
+    return x + _dropout(ops.linear(h, mlp["w_out"], mlp["b_out"], out_axis="embed", in_axis="mlp"), dropout, rng)
 
 
 def _dropout(x: torch.Tensor, p: float, rng: Optional[torch.Generator]) -> torch.Tensor:

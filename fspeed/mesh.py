@@ -1,0 +1,159 @@
+"""The device mesh: named axes `pipe`, `data`, `model` over the process group, and their sub-groups.
+
+Ranks are laid out with `model` varying fastest, then `data`, then `pipe` (Megatron's order: the
+ranks of one tensor-parallel group are neighbours). A `Mesh` holds one `AxisComm` per axis, so
+every collective is issued on an explicit axis and recorded in the mesh's `CommLog`. It also
+serves Megatron's `mpu` interface, so Megatron-style code can be handed a Mesh.
+
+    fs.init_distributed()                 # from torchrun's environment (RANK, WORLD_SIZE, ...)
+    mesh = fs.Mesh(data=2, model=2)       # -1 for one axis means "the rest of the world"
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .comm import AxisComm, CommLog
+
+AXES = ("pipe", "data", "model")
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) -> None:
+    """Initialize the default process group from torchrun's environment, if not done already.
+
+    `backend` defaults to nccl with CUDA, gloo otherwise. A collective that waits longer than
+    `timeout_s` fails with `CommError` instead of hanging.
+    """
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError(
+            "init_distributed: RANK/WORLD_SIZE are not set; launch with `fspeed --num_gpus N script.py` or "
+            "`torchrun --nproc_per_node N script.py` (a single process needs no process group)"
+        )
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class Mesh:
+    """Named axes over the default process group (see module docstring)."""
+
+    def __init__(self, data: int = -1, model: int = 1, pipe: int = 1, *, log: Optional[CommLog] = None):
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        sizes = {"pipe": pipe, "data": data, "model": model}
+        fill = [axis for axis, size in sizes.items() if size == -1]
+        if len(fill) > 1:
+            raise ValueError(f"Mesh: at most one axis may be -1 (fill), got {fill}")
+        for axis, size in sizes.items():
+            if size != -1 and (not isinstance(size, int) or size < 1):
+                raise ValueError(f"Mesh: {axis}={size!r} must be a positive integer or -1")
+        known = 1
+        for axis, size in sizes.items():
+            if size != -1:
+                known *= size
+        if fill:
+            if world % known:
+                raise ValueError(f"Mesh: world size {world} is not divisible by {known} "
+                                 f"(the product of the fixed axes {sizes})")
+            sizes[fill[0]] = world // known
+        if sizes["pipe"] * sizes["data"] * sizes["model"] != world:
+            raise ValueError(
+                f"Mesh: pipe x data x model = {sizes['pipe']} x {sizes['data']} x {sizes['model']} = "
+                f"{sizes['pipe'] * sizes['data'] * sizes['model']}, but the world size is {world}"
+            )
+        self.sizes = sizes
+        self.world_size = world
+        self.rank = rank
+        self.log = log if log is not None else CommLog(enabled=False)
+        self.coords = dict(zip(AXES, _unravel(rank, [sizes[a] for a in AXES])))
+        self.comms = {axis: self._axis_comm(axis) for axis in AXES}
+
+    def _axis_comm(self, axis: str) -> AxisComm:
+        """Create every group of `axis` (all ranks must create all groups, in the same order)."""
+        shape = [self.sizes[a] for a in AXES]
+        i = AXES.index(axis)
+        mine, my_group = None, None
+        if shape[i] > 1:
+            others = [range(s) if a != axis else [0] for a, s in zip(AXES, shape)]
+            for fixed in itertools.product(*others):
+                ranks = []
+                for k in range(shape[i]):
+                    coord = list(fixed)
+                    coord[i] = k
+                    ranks.append(_ravel(coord, shape))
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    mine, my_group = ranks, group
+        return AxisComm(axis, my_group, mine or [self.rank], self.log)
+
+    def comm(self, axis: str) -> AxisComm:
+        try:
+            return self.comms[axis]
+        except KeyError:
+            raise ValueError(f"unknown mesh axis {axis!r}; axes are {AXES}") from None
+
+    def size(self, axis: str) -> int:
+        return self.sizes[axis]
+
+    def coordinate(self, axis: str) -> int:
+        return self.coords[axis]
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{a}={self.sizes[a]}" for a in AXES if self.sizes[a] > 1 or a == "data")
+        coords = ", ".join(f"{a}={self.coords[a]}" for a in AXES)
+        return f"Mesh({sizes}; rank {self.rank} of {self.world_size} at {coords})"
+
+    # -- Megatron's mpu interface ------------------------------------------------------------
+
+    def get_model_parallel_rank(self) -> int:
+        return self.coords["model"]
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.sizes["model"]
+
+    def get_model_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        return self.comms["model"].group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.coords["data"]
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.sizes["data"]
+
+    def get_data_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        return self.comms["data"].group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.coords["pipe"]
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.sizes["pipe"]
+
+    def get_pipeline_model_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        return self.comms["pipe"].group
+
+
+def _unravel(index: int, shape: list[int]) -> list[int]:
+    coords = []
+    for size in reversed(shape):
+        coords.append(index % size)
+        index //= size
+    return list(reversed(coords))
+
+
+def _ravel(coords: list[int], shape: list[int]) -> int:
+    index = 0
+    for c, size in zip(coords, shape):
+        index = index * size + c
+    return index

@@ -1,0 +1,64 @@
+"""The ops a parallel-aware model calls, and their single-device behaviour.
+
+A model names, at each use, the logical axes of what it touches (`out_axis="mlp"`); it never
+imports the parallel transforms. `DenseOps` is plain PyTorch. The parallel transforms pass an
+object with the same methods (`fspeed.sharded_ops.ShardedOps`) that slices weights over the
+`model` axis (Megatron's column/row parallel layers, vocab-parallel embedding and loss) and
+gathers ZeRO-3 shards just in time. A loss function that accepts an `ops=` keyword is
+parallel-aware; `train_step` passes the plan's ops to it.
+
+Weights are `[out, in]` (`nn.Linear`'s layout); a weight with more dims is `[*out, in]` and is
+flattened for the matmul (the fused QKV weight `[3, heads, embed]`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+BlockFn = Callable[[Any, torch.Tensor, Optional[torch.Generator]], torch.Tensor]
+
+
+def flat_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`F.linear` for a weight `[*out, in]` and a bias `[*out]`."""
+    if w.dim() > 2:
+        w = w.flatten(0, -2)
+    if b is not None and b.dim() > 1:
+        b = b.flatten()
+    return F.linear(x, w, b)
+
+
+class DenseOps:
+    """Single-device ops: the reference semantics of every parallel implementation."""
+
+    def param(self, p: Any) -> Any:
+        """A parameter (or a subtree of them) ready to use."""
+        return p
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
+               out_axis: Optional[str] = None, in_axis: Optional[str] = None) -> torch.Tensor:
+        return flat_linear(x, w, b)
+
+    def embedding(self, ids: torch.Tensor, w: torch.Tensor, *, vocab_axis: Optional[str] = None) -> torch.Tensor:
+        return F.embedding(ids, w)
+
+    def local(self, size: int, axis: str) -> int:
+        """How many of `size` items along logical `axis` this rank holds (e.g. attention heads)."""
+        return size
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, *,
+                      vocab_axis: Optional[str] = None) -> torch.Tensor:
+        """Mean cross-entropy over all positions, computed in fp32."""
+        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+
+    def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor,
+             rng: Optional[torch.Generator] = None) -> torch.Tensor:
+        """x = fn(blocks[i], x, rng) for each block in order (the unit of ZeRO-3 gathering)."""
+        for block in blocks:
+            x = fn(block, x, rng)
+        return x
+
+
+DENSE = DenseOps()

@@ -1,0 +1,112 @@
+"""Testing helpers: a reusable world of gloo processes, to check parallel layouts against one process.
+
+    with GlooWorld(4) as world:
+        results = world.run(my_module.train_and_gather, stage=3)   # one result per rank
+
+Spawning and initializing a world costs seconds, so a `GlooWorld` starts its processes once and
+runs many functions on them. Functions must be importable by module path (defined at the top
+level of a module) and their arguments and results picklable. A function that raises on any rank
+raises `WorkerError` here with that rank's traceback; a rank that dies or hangs past `timeout_s`
+fails the call instead of hanging the test run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+
+class WorkerError(RuntimeError):
+    """A function raised on a worker rank (the message holds the rank's traceback)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, results, threads: int, timeout_s: float) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(threads))
+    import torch
+
+    torch.set_num_threads(threads)
+    from fspeed.mesh import init_distributed
+
+    init_distributed("gloo", timeout_s=timeout_s)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+            results.put((rank, False, traceback.format_exc()))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+class GlooWorld:
+    """`world_size` processes joined in a gloo process group, running submitted functions."""
+
+    def __init__(self, world_size: int, *, threads_per_rank: int = 1, timeout_s: float = 120.0):
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be >= 1")
+        ctx = mp.get_context("spawn")
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results,
+                                                        threads_per_rank, timeout_s), daemon=True)
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run `fn(*args, **kwargs)` on every rank; the results in rank order."""
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        out: dict[int, Any] = {}
+        failures = []
+        while len(out) + len(failures) < self.world_size:
+            try:
+                rank, ok, value = self.results.get(timeout=self.timeout_s)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                self.close()
+                raise WorkerError(f"{fn.__name__}: no answer within {self.timeout_s:.0f}s from ranks "
+                                  f"{sorted(set(range(self.world_size)) - set(out))}; dead ranks: {dead}") from None
+            if ok:
+                out[rank] = value
+            else:
+                failures.append((rank, value))
+        if failures:
+            rank, tb = min(failures)
+            raise WorkerError(f"{fn.__name__} failed on rank {rank} (of {len(failures)} failing ranks):\n{tb}")
+        return [out[r] for r in range(self.world_size)]
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self) -> None:
+        for q, p in zip(self.tasks, self.procs):
+            if p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+    def __enter__(self) -> "GlooWorld":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
