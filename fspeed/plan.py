@@ -253,7 +253,7 @@ def explain(plan: Plan, params: PyTree, mesh, logical_axes: Optional[Mapping] = 
 
 def model_state_bytes(layout: Layout, param_bytes: int = 2, grad_bytes: int = 2,
                       optimizer_bytes: int = 12) -> dict[str, int]:
-    """Per-rank model-state bytes of a layout, and the ZeRO paper's formula (section 2.2).
+    """Per-rank model-state bytes fspeed holds for a layout, and the ZeRO paper's formula (section 2.2).
 
     Defaults are the paper's mixed-precision Adam: 16-bit params and grads, K=12 bytes of
     optimizer state (fp32 master, momentum, variance) per parameter. Stage 3 adds the largest
@@ -267,8 +267,10 @@ def model_state_bytes(layout: Layout, param_bytes: int = 2, grad_bytes: int = 2,
         params, grads, opt = local * param_bytes, local * grad_bytes, local * optimizer_bytes
         gathered = largest * param_bytes
     else:
-        params = psi * param_bytes
-        grads = (part if layout.stage == 2 else psi) * grad_bytes
+        padded = n * part if layout.stage else psi  # slices are equal: the flat buffer is padded to N*P
+        params = padded * param_bytes
+        # stage 1 keeps the full accumulation buffer and the reduce-scattered slice; stage 2 only the slice
+        grads = {0: psi, 1: padded + part, 2: part}[layout.stage] * grad_bytes
         opt = (part if layout.stage >= 1 else psi) * optimizer_bytes
         gathered = 0
     formula = {

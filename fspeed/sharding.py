@@ -32,6 +32,9 @@ class PartitionSpec(tuple):
     def __repr__(self) -> str:
         return "P(" + ", ".join(repr(e) for e in self) + ")"
 
+    def __getnewargs__(self):
+        return tuple(self)
+
     def axes(self) -> list[str]:
         """Every mesh axis used, in dim order."""
         out: list[str] = []

@@ -75,22 +75,30 @@ class GlooWorld:
         for q in self.tasks:
             q.put((fn, args, kwargs))
         out: dict[int, Any] = {}
-        failures = []
+        failures: list[tuple[int, str]] = []
+        waited, deadline = 0.0, self.timeout_s
         while len(out) + len(failures) < self.world_size:
             try:
-                rank, ok, value = self.results.get(timeout=self.timeout_s)
+                rank, ok, value = self.results.get(timeout=1.0)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-                self.close()
-                raise WorkerError(f"{fn.__name__}: no answer within {self.timeout_s:.0f}s from ranks "
-                                  f"{sorted(set(range(self.world_size)) - set(out))}; dead ranks: {dead}") from None
+                waited += 1.0
+                answered = set(out) | {r for r, _ in failures}
+                for r, p in enumerate(self.procs):
+                    if r not in answered and not p.is_alive():
+                        failures.append((r, f"rank {r} died (exit code {p.exitcode})"))
+                if waited >= deadline and len(out) + len(failures) < self.world_size:
+                    silent = sorted(set(range(self.world_size)) - set(out) - {r for r, _ in failures})
+                    self.close()
+                    raise WorkerError(f"{fn.__name__}: no answer within {self.timeout_s:.0f}s from ranks {silent}")
+                continue
             if ok:
                 out[rank] = value
             else:
                 failures.append((rank, value))
         if failures:
             rank, tb = min(failures)
-            raise WorkerError(f"{fn.__name__} failed on rank {rank} (of {len(failures)} failing ranks):\n{tb}")
+            details = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(failures))
+            raise WorkerError(f"{fn.__name__} failed on {len(failures)} rank(s):\n{details}")
         return [out[r] for r in range(self.world_size)]
 
     def alive(self) -> bool:

@@ -155,6 +155,11 @@ def make_train_step(
             workspace[key] = torch.zeros(params.buffer.numel(), dtype=dtype, device=params.device)
         return workspace[key]
 
+    def persistent_grad_bytes() -> int:
+        """Bytes held between steps for gradients (the accumulation buffer and ZeRO-2's slice)."""
+        held = sum(t.numel() * t.element_size() for t in workspace.values())
+        return held + sum(r.partition_bytes() for r, _ in runtimes.values() if hasattr(r, "partition_bytes"))
+
     def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         precision, params = state.precision, state.params
         scaler = state.loss_scale
@@ -162,7 +167,11 @@ def make_train_step(
         multiplier = scaler.scale / (grad_accum * runtime.n)  # summed over data ranks = the mean
         micro_batches = split_micro_batches(batch, grad_accum)
         generator = torch.Generator(device=params.device)
-        acc = grad_buffer(params, precision.grad_accum_dtype)
+        if state.layout is not None and state.layout.stage == 2:
+            # ZeRO-2 keeps only the reduce-scattered slice: the full buffer lives for this step only
+            acc = torch.zeros(params.buffer.numel(), dtype=precision.grad_accum_dtype, device=params.device)
+        else:
+            acc = grad_buffer(params, precision.grad_accum_dtype)
         acc_segments, losses = params.layout.segments(acc), []
         views = params.tree()
         for i, micro_batch in enumerate(micro_batches):
@@ -216,6 +225,7 @@ def make_train_step(
         metrics["grad_norm"] = grad_norm
         return _next_state(state, fields, new_scaler, samples, skipped=0), metrics
 
+    train_step.persistent_grad_bytes = persistent_grad_bytes
     return train_step
 
 

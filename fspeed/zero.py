@@ -87,6 +87,7 @@ class ZeroRuntime:
         self.n = layout.data_size
         self.rank = self.data.rank
         self._pieces_for: dict = {}
+        self._partition: Optional[torch.Tensor] = None  # stages 1-2: the reduce-scattered gradient slice
 
     # -- the boundary ----------------------------------------------------------------------
 
@@ -101,7 +102,9 @@ class ZeroRuntime:
             return Flat(acc, grad_layout)
         if stage in (1, 2):
             p = self.layout.partition_numel
-            out = torch.empty(p, dtype=acc.dtype, device=acc.device)
+            if self._partition is None or self._partition.dtype != acc.dtype or self._partition.device != acc.device:
+                self._partition = torch.empty(p, dtype=acc.dtype, device=acc.device)
+            out = self._partition
             self.data.reduce_scatter(acc[: self.n * p], out, cfg.reduce_bucket_size)
             return Flat(out, partition_layout(p))
         resident = self._resident_segments(acc, grad_layout)
@@ -110,6 +113,9 @@ class ZeroRuntime:
             self.data.all_reduce_(packed)
             torch._foreach_copy_(resident, list(packed.split([seg.numel() for seg in resident])))
         return Flat(acc, grad_layout)
+
+    def partition_bytes(self) -> int:
+        return 0 if self._partition is None else self._partition.numel() * self._partition.element_size()
 
     def _all_reduce_buckets(self, buf: torch.Tensor, bucket: int) -> None:
         for lo in range(0, buf.numel(), bucket):

@@ -8,8 +8,17 @@
 with bc1 = 1 - b1^t, bc2 = 1 - b2^t, or 1 when `bias_correction=False`. When b1 is a schedule
 (1Cycle momentum), bc1 uses the current b1, as FusedAdam does with its param group's betas.
 
-`apply` is the fused path: one `torch._fused_adam(w)_` call per flat buffer (a single pass over
-memory) when bias correction is on; otherwise an in-place torch sequence.
+`apply` is the fused path, one pass over memory per flat buffer. `backend` picks its kernel:
+
+    "auto"   Numba kernels where they exist (fspeed.kernels.cpu_adam on CPU tensors,
+             fspeed.kernels.cuda_adam on CUDA tensors when numba-cuda is installed), torch elsewhere
+    "numba"  the Numba kernel, or a clear error when it cannot run these tensors
+    "torch"  one `torch._fused_adam(w)_` call over all buffers when bias correction is on;
+             otherwise an in-place torch sequence
+
+The CPU kernel reads bf16/fp16 gradients directly and writes `cast_to` in the same pass; the torch
+path converts the gradients and casts after the update. `update` is the pure reference whatever
+the backend.
 """
 
 from __future__ import annotations
@@ -20,7 +29,15 @@ from typing import Any, NamedTuple
 import torch
 
 from ..pytree import tensor_leaves, tree_map, tree_zeros_like
-from .base import GradientTransformation, ScalarOrSchedule, TransformInfo, resolve
+from .base import (
+    GradientTransformation,
+    ScalarOrSchedule,
+    TransformInfo,
+    cast_targets,
+    check_backend,
+    numba_kernel,
+    resolve,
+)
 
 
 class AdamState(NamedTuple):
@@ -31,6 +48,7 @@ class AdamState(NamedTuple):
 
 
 _SCHEDULABLE = ("lr", "b1", "momentum")
+_KERNELS = {"cpu": "cpu_adam", "cuda": "cuda_adam"}
 
 
 def check_hparams(name: str, **values: Any) -> None:
@@ -64,14 +82,17 @@ def adam(
     *,
     bias_correction: bool = True,
     adam_w_mode: bool = False,
+    backend: str = "auto",
 ) -> GradientTransformation:
-    """Adam; `adam_w_mode=True` makes weight decay decoupled (AdamW).
+    """Adam; `adam_w_mode=True` makes weight decay decoupled (AdamW). `backend`: "auto", "numba"
+    or "torch" (see the module docstring).
 
     DeepSpeed gotcha: its config type "Adam" defaults to adam_w_mode=True (AdamW). fspeed's `adam`
     defaults to classic L2 Adam; the DeepSpeed-config translator applies DeepSpeed's default.
     """
     name = "adamw" if adam_w_mode else "adam"
     check_hparams(name, lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    check_backend(name, backend)
 
     def init(params):
         return AdamState(0, resolve(lr, 0), tree_zeros_like(params), tree_zeros_like(params))
@@ -104,26 +125,30 @@ def adam(
             updates = tree_map(direction, mu, nu, params)
         return updates, AdamState(state.count + 1, resolve(lr, state.count + 1), mu, nu)
 
-    def apply(grads, state: AdamState, params):
+    def apply(grads, state: AdamState, params, *, cast_to=None):
         lr_t, b1_t, bc1, bc2 = hparams(state.count)
         p, g, m, v = (tensor_leaves(x) for x in (params, grads, state.mu, state.nu))
-        g = [gi if gi.dtype == pi.dtype else gi.to(pi.dtype) for gi, pi in zip(g, p)]
-        if bias_correction and _has_fused(p):
-            fused = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
-            step = torch.tensor(float(state.count + 1), device=p[0].device)
-            fused(
-                p, g, m, v, [], [step] * len(p),
-                lr=lr_t, beta1=b1_t, beta2=b2, weight_decay=weight_decay, eps=eps,
-                amsgrad=False, maximize=False,
-            )
-        else:
-            for pi, gi, mi, vi in zip(p, g, m, v):
-                _adam_in_place(pi, gi, mi, vi, lr_t, b1_t, b2, eps, weight_decay, adam_w_mode, bc1, bc2)
+        c = cast_targets(cast_to, p) if cast_to is not None else [None] * len(p)
+        kernel = numba_kernel(name, backend, _KERNELS, p)
+        rest = []  # (p, g, m, v, cast) groups for the torch path
+        for group in zip(p, g, m, v, c):
+            if kernel is not None and (backend == "numba" or kernel.supports(*group)):
+                kernel.adam_step(
+                    *group[:4], lr=lr_t, beta1=b1_t, beta2=b2, eps=eps, weight_decay=weight_decay,
+                    step=state.count + 1, adam_w_mode=adam_w_mode, bias_correction=bias_correction,
+                    cast_out=group[4],
+                )
+            else:
+                rest.append(group)
+        if rest:
+            _torch_adam(*map(list, zip(*rest)), state.count + 1, lr_t, b1_t, b2, eps, weight_decay,
+                        adam_w_mode, bias_correction, bc1, bc2)
         return params, AdamState(state.count + 1, resolve(lr, state.count + 1), state.mu, state.nu)
 
     info = TransformInfo(
         name,
-        dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction),
+        dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+             backend=backend),
     )
     return GradientTransformation(init, update, apply, info)
 
@@ -136,9 +161,26 @@ def adamw(
     weight_decay: float = 0.01,
     *,
     bias_correction: bool = True,
+    backend: str = "auto",
 ) -> GradientTransformation:
     """AdamW: Adam with decoupled weight decay (DeepSpeed's adam_w_mode=True)."""
-    return adam(lr, b1, b2, eps, weight_decay, bias_correction=bias_correction, adam_w_mode=True)
+    return adam(lr, b1, b2, eps, weight_decay, bias_correction=bias_correction, adam_w_mode=True, backend=backend)
+
+
+def _torch_adam(p, g, m, v, cast, t, lr, b1, b2, eps, wd, decoupled, bias_correction, bc1, bc2) -> None:
+    """The torch path of `apply` over lists of tensors, then the cast into `cast` (None entries skipped)."""
+    g = [gi if gi.dtype == pi.dtype else gi.to(pi.dtype) for gi, pi in zip(g, p)]
+    if bias_correction and _has_fused(p):
+        fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        step = torch.tensor(float(t), device=p[0].device)
+        fused(p, g, m, v, [], [step] * len(p), lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
+              amsgrad=False, maximize=False)
+    else:
+        for pi, gi, mi, vi in zip(p, g, m, v):
+            _adam_in_place(pi, gi, mi, vi, lr, b1, b2, eps, wd, decoupled, bc1, bc2)
+    for ci, pi in zip(cast, p):
+        if ci is not None:
+            ci.copy_(pi)
 
 
 def _has_fused(tensors: list[torch.Tensor]) -> bool:

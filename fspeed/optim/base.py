@@ -10,16 +10,24 @@ writes `params` and the state's buffers in place, in a single pass over memory w
 optimizer has a fused kernel. It *donates* its arguments (grads, state, params): their buffers
 are reused by the results. `train_step` uses `apply`; tests check it equals `update` followed by
 `apply_updates`. Hyperparameters may be floats or schedules (functions of the step count).
+
+Mixed precision: `apply(grads, state, params, *, cast_to=None)` also writes the updated params,
+cast, into `cast_to` (the bf16/fp16 compute copy, same structure as params). A fused kernel does
+it in the same pass over memory; otherwise it is one cast after the update. Either way the bits
+are exactly `params.to(dtype)`.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+from types import ModuleType
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
 from ..flat import Flat, segments
-from ..pytree import PyTree, tree_leaves, tree_map
+from ..pytree import PyTree, tensor_leaves, tree_leaves, tree_map
 from .schedules import Schedule
 
 Params = PyTree
@@ -49,7 +57,8 @@ def _show(value: Any) -> str:
 
 class GradientTransformation(NamedTuple):
     """`init(params) -> state`; `update(updates, state, params) -> (updates, state)`;
-    optional fused `apply(grads, state, params) -> (params, state)` (donates its arguments)."""
+    optional fused `apply(grads, state, params, *, cast_to=None) -> (params, state)` (donates its
+    arguments; see the module docstring for `cast_to`)."""
 
     init: Callable[[Params], OptState]
     update: Callable[..., tuple[Updates, OptState]]
@@ -79,14 +88,59 @@ def _apply_updates_in_place(params: Params, updates: Updates) -> Params:
     return params
 
 
+def cast_params_into(cast_to: Params, params: Params) -> Params:
+    """Write `params`, cast, into the matching tensors of `cast_to` (round to nearest even)."""
+    for target, source in zip(cast_targets(cast_to, params), tensor_leaves(params)):
+        target.copy_(source)
+    return cast_to
+
+
+def cast_targets(cast_to: Params, params: Params | list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensor leaves of `cast_to`, checked against those of `params` (count and sizes)."""
+    sources = params if isinstance(params, list) else tensor_leaves(params)
+    targets = tensor_leaves(cast_to)
+    if len(targets) != len(sources):
+        raise ValueError(
+            f"cast_to has {len(targets)} tensor leaves but params has {len(sources)}; pass a tree (or Flat) "
+            "with the structure of params"
+        )
+    for i, (t, s) in enumerate(zip(targets, sources)):
+        if t.shape != s.shape or not t.is_floating_point():
+            raise ValueError(
+                f"cast_to leaf {i} is {t.dtype} of shape {list(t.shape)}; expected a floating tensor of "
+                f"shape {list(s.shape)} (the matching params leaf)"
+            )
+    return targets
+
+
+def _accepts_cast_to(apply: Callable) -> bool:
+    try:
+        parameters = inspect.signature(apply).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "cast_to" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
 def optimizer_step(
-    opt: GradientTransformation, grads: Updates, state: OptState, params: Params
+    opt: GradientTransformation, grads: Updates, state: OptState, params: Params, *, cast_to: Params = None
 ) -> tuple[Params, OptState]:
-    """One optimizer step that may update `params` and `state` in place (donates all arguments)."""
+    """One optimizer step that may update `params` and `state` in place (donates all arguments).
+
+    With `cast_to`, the updated params are also written, cast, into it: by the transform's `apply`
+    (fused) when it takes `cast_to`, otherwise here, after the update.
+    """
     if opt.apply is not None:
-        return opt.apply(grads, state, params)
-    updates, state = opt.update(grads, state, params)
-    return _apply_updates_in_place(params, updates), state
+        if cast_to is None:
+            return opt.apply(grads, state, params)
+        if _accepts_cast_to(opt.apply):
+            return opt.apply(grads, state, params, cast_to=cast_to)
+        params, state = opt.apply(grads, state, params)
+    else:
+        updates, state = opt.update(grads, state, params)
+        params = _apply_updates_in_place(params, updates)
+    if cast_to is not None:
+        cast_params_into(cast_to, params)
+    return params, state
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -106,15 +160,17 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    def apply(grads, state, params):
+    def apply(grads, state, params, *, cast_to=None):
         _check_state(state, len(transforms))
         if not transforms:
+            if cast_to is not None:
+                cast_params_into(cast_to, params)
             return params, state
         new_state = []
         for t, s in zip(transforms[:-1], state[:-1]):
             grads, s = t.update(grads, s, params)
             new_state.append(s)
-        params, s = optimizer_step(transforms[-1], grads, state[-1], params)
+        params, s = optimizer_step(transforms[-1], grads, state[-1], params, cast_to=cast_to)
         new_state.append(s)
         return params, tuple(new_state)
 
@@ -167,3 +223,43 @@ def learning_rate(opt_state: OptState) -> Optional[float]:
         if hasattr(node, "_fields") and "lr" in node._fields:
             return float(node.lr)
     return None
+
+
+# --------------------------------------------------------------------------- kernel backends
+
+BACKENDS = ("auto", "torch", "numba")
+
+
+def check_backend(name: str, backend: str) -> None:
+    """`backend` must be one of BACKENDS (checked when the optimizer is built)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{name}: backend={backend!r} is not allowed; allowed: {', '.join(map(repr, BACKENDS))}")
+
+
+def numba_kernel(name: str, backend: str, kernels: dict[str, str], tensors: list[torch.Tensor]) -> Optional[ModuleType]:
+    """The `fspeed.kernels` module that runs this update, or None for the torch reference path.
+
+    `kernels` maps a device type to a module name (`{"cpu": "cpu_adam", "cuda": "cuda_adam"}`);
+    the module has `is_available()` and `require()` (raises, naming what to install). "torch" is
+    always None; "auto" takes the kernel when one exists for the tensors' device and its toolkit
+    is there; "numba" demands it and raises a clear error otherwise. Imported lazily: Numba's
+    compiler costs ~0.3 s to import and only kernels need it.
+    """
+    if backend == "torch" or not tensors:
+        return None
+    devices = {t.device.type for t in tensors}
+    device = devices.pop() if len(devices) == 1 else None
+    module_name = kernels.get(device) if device is not None else None
+    if module_name is None:
+        if backend == "numba":
+            found = ", ".join(sorted({t.device.type for t in tensors}))
+            raise ValueError(
+                f"{name}: backend='numba' has kernels for {', '.join(sorted(kernels))} tensors, got {found}; "
+                "use backend='auto' or 'torch'"
+            )
+        return None
+    module = importlib.import_module(f"fspeed.kernels.{module_name}")
+    if backend == "numba":
+        module.require()
+        return module
+    return module if module.is_available() else None

@@ -11,6 +11,11 @@ Per parameter tensor:
 Quirk matched: the trust ratio is computed from the raw-moment update `u`, not a bias-corrected
 one; bias correction only enters through `step`. The last trust ratios are kept in the state
 (DeepSpeed's `get_lamb_coeffs()`).
+
+`backend` picks `apply`'s kernel: "auto" runs fspeed.kernels.cuda_lamb (three launches per flat
+buffer: moments and per-tensor norm partials, trust ratios, update) on CUDA tensors when
+numba-cuda is installed and the torch ops below elsewhere; "numba" demands the CUDA kernel;
+"torch" always uses torch ops.
 """
 
 from __future__ import annotations
@@ -20,10 +25,21 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..flat import segments
-from ..pytree import tree_map, tree_zeros_like
+from ..flat import Flat, segments
+from ..pytree import tensor_leaves, tree_leaves, tree_map, tree_zeros_like
 from .adam import check_hparams
-from .base import GradientTransformation, ScalarOrSchedule, TransformInfo, per_tensor_norms, resolve
+from .base import (
+    GradientTransformation,
+    ScalarOrSchedule,
+    TransformInfo,
+    cast_params_into,
+    check_backend,
+    numba_kernel,
+    per_tensor_norms,
+    resolve,
+)
+
+_KERNELS = {"cuda": "cuda_lamb"}
 
 
 class LambState(NamedTuple):
@@ -45,9 +61,12 @@ def lamb(
     eps_inside_sqrt: bool = False,
     max_coeff: float = 10.0,
     min_coeff: float = 0.01,
+    backend: str = "auto",
 ) -> GradientTransformation:
-    """LAMB (FusedLamb): Adam-style direction scaled per tensor by a clamped trust ratio."""
+    """LAMB (FusedLamb): Adam-style direction scaled per tensor by a clamped trust ratio.
+    `backend`: "auto", "numba" or "torch" (see the module docstring)."""
     check_hparams("lamb", lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    check_backend("lamb", backend)
     if not 0 < min_coeff <= max_coeff:
         raise ValueError(f"lamb: need 0 < min_coeff <= max_coeff, got min_coeff={min_coeff}, max_coeff={max_coeff}")
 
@@ -89,14 +108,41 @@ def lamb(
             raise ValueError("lamb needs params in update() (the trust ratio uses ||p||)")
         return moments_and_direction(grads, state, params, in_place=False)
 
-    def apply(grads, state: LambState, params):
-        u, new_state = moments_and_direction(grads, state, params, in_place=True)
-        tree_map(lambda p, d: p.add_(d), params, u)
+    def apply(grads, state: LambState, params, *, cast_to=None):
+        kernel = numba_kernel("lamb", backend, _KERNELS, tensor_leaves(params))
+        groups = list(zip(*(_buffers_with_sizes(x) for x in (params, grads, state.mu, state.nu))))
+        if kernel is not None and (backend == "numba" or all(kernel.supports(*(b for b, _ in g)) for g in groups)):
+            b1_t, t = resolve(b1, state.count), state.count + 1
+            trust = [
+                kernel.lamb_step(
+                    p, g, m, v, sizes, lr=resolve(lr, state.count), beta1=b1_t, beta2=b2, eps=eps,
+                    weight_decay=weight_decay, step=t, bias_correction=bias_correction,
+                    eps_inside_sqrt=eps_inside_sqrt, max_coeff=max_coeff, min_coeff=min_coeff,
+                )
+                for (p, sizes), (g, _), (m, _), (v, _) in groups
+            ]
+            new_state = LambState(t, resolve(lr, t), state.mu, state.nu, torch.cat(trust))
+        else:
+            u, new_state = moments_and_direction(grads, state, params, in_place=True)
+            tree_map(lambda p, d: p.add_(d), params, u)
+        if cast_to is not None:
+            cast_params_into(cast_to, params)
         return params, new_state
 
     info = TransformInfo(
         "lamb",
         dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
-             eps_inside_sqrt=eps_inside_sqrt, max_coeff=max_coeff, min_coeff=min_coeff),
+             eps_inside_sqrt=eps_inside_sqrt, max_coeff=max_coeff, min_coeff=min_coeff, backend=backend),
     )
     return GradientTransformation(init, update, apply, info)
+
+
+def _buffers_with_sizes(tree) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """(1-D buffer, sizes of the parameter tensors in it) per Flat or tensor leaf, in `segments` order."""
+    out = []
+    for leaf in tree_leaves(tree, is_leaf=lambda x: isinstance(x, Flat)):
+        if isinstance(leaf, Flat):
+            out.append((leaf.buffer, leaf.layout.sizes))
+        elif isinstance(leaf, torch.Tensor):
+            out.append((leaf.reshape(-1), (leaf.numel(),)))
+    return out

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from ..pytree import tree_map, tree_zeros_like
 from .adam import check_hparams
-from .base import GradientTransformation, ScalarOrSchedule, TransformInfo, resolve
+from .base import GradientTransformation, ScalarOrSchedule, TransformInfo, cast_params_into, resolve
 
 
 class SGDState(NamedTuple):
@@ -62,9 +62,11 @@ def sgd(
     def update(grads, state: SGDState, params=None):
         return direction(grads, state, params, in_place=False)
 
-    def apply(grads, state: SGDState, params):
+    def apply(grads, state: SGDState, params, *, cast_to=None):
         updates, new_state = direction(grads, state, params, in_place=True)
         tree_map(lambda p, u: p.add_(u), params, updates)
+        if cast_to is not None:
+            cast_params_into(cast_to, params)
         return params, new_state
 
     info = TransformInfo(

@@ -1,0 +1,45 @@
+"""`python -m fspeed.launcher.agent <torchrun arguments>`: torchrun, plus a failure report for the launcher.
+
+This is `torch.distributed.run.main` (torchrun's elastic agent: rendezvous, spawning, monitoring,
+per-rank logs, signal forwarding) unchanged, with one addition: when a worker fails, the agent's
+`ChildFailedError` (global rank, local rank, exit code or signal of every failed worker) is also
+written as JSON to the file named by `FSPEED_AGENT_REPORT` (with torchrun's root cause, its first
+observed failure), so `fspeed` can say which rank failed instead of only which node, and exit with
+that rank's code. The variable is removed before the workers start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Optional
+
+from .environment import REPORT_ENV
+
+__all__ = ["main"]
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Run torchrun with `argv`; on worker failure write the report, then fail exactly as torchrun does."""
+    report_path = os.environ.pop(REPORT_ENV, None)
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        torchrun.main(argv)
+    except ChildFailedError as error:
+        if report_path:
+            failures = [
+                {"rank": rank, "local_rank": failure.local_rank, "exitcode": failure.exitcode,
+                 "signal": failure.signal_name() if failure.exitcode < 0 else None}
+                for rank, failure in sorted(error.failures.items())
+            ]
+            root_rank, _ = error.get_first_failure()
+            with open(report_path, "w") as file:
+                json.dump({"failures": failures, "root_cause_rank": root_rank}, file)
+        raise
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

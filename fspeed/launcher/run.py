@@ -1,0 +1,237 @@
+"""Run the per-node torchrun agents and turn their outcomes into one exit code and a message.
+
+Every node command starts at once (local ones directly, remote ones through their ssh argv); the
+launcher waits for all of them. When one node fails, the others get `grace_s` seconds to fail
+or finish on their own (peers of a dead rank usually error out quickly), then SIGTERM, which
+torchrun forwards to its workers. A SIGINT/SIGTERM to the launcher is forwarded the same way.
+The exit code is 0 if every node succeeded; else, for the first node seen failing, the exit code
+of its root-cause rank when its agent reported one (a local node, see `agent.py`), or the
+node's own exit code (128+N for signal N). For remote nodes the message names the node and its
+ranks, and torchrun's failure summary arrives through ssh on stderr.
+
+A node whose workers all succeeded waits in torchrun's exit barrier for the other nodes (up to
+300 s, in a C++ store wait that does not react to SIGTERM). A local agent with no child process
+left is in that state, so it is killed at once rather than after `kill_after_s`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .commands import NodeCommand, node_log_dir
+from .environment import REPORT_ENV
+
+__all__ = ["LaunchError", "RankFailure", "NodeOutcome", "LaunchResult", "run_node_commands", "rank_log_files"]
+
+
+class LaunchError(RuntimeError):
+    """A node command could not be started (e.g. `ssh` or the Python interpreter is missing)."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    rank: int
+    local_rank: int
+    exitcode: int
+    signal: Optional[str] = None
+
+    def describe(self) -> str:
+        how = f"was killed by {self.signal}" if self.signal else f"exited with code {self.exitcode}"
+        return f"rank {self.rank} (local rank {self.local_rank}) {how}"
+
+
+@dataclass(frozen=True)
+class NodeOutcome:
+    command: NodeCommand
+    returncode: int
+    failures: tuple[RankFailure, ...] = ()
+    stopped: bool = False                 # terminated by the launcher after another node failed
+    root_cause_rank: Optional[int] = None  # torchrun's first observed failure on this node
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    outcomes: tuple[NodeOutcome, ...]     # in node order
+    failure_order: tuple[int, ...] = ()   # node ranks, in the order their failures were observed
+
+    @property
+    def ok(self) -> bool:
+        return all(outcome.ok for outcome in self.outcomes)
+
+    @property
+    def exit_code(self) -> int:
+        if self.ok:
+            return 0
+        first = self.outcomes[self.failure_order[0]] if self.failure_order else next(
+            o for o in self.outcomes if not o.ok)
+        code = first.returncode
+        for failure in first.failures:
+            if failure.rank == first.root_cause_rank:
+                code = failure.exitcode
+        return 128 - code if code < 0 else code
+
+    def failure_message(self) -> str:
+        """One line per failed node, naming the node, its ranks and (when known) the failed ranks."""
+        lines = []
+        for outcome in self.outcomes:
+            if outcome.ok:
+                continue
+            code = outcome.returncode
+            status = f"was killed by signal {-code}" if code < 0 else f"failed with exit code {code}"
+            node = outcome.command.describe()
+            if outcome.stopped:
+                lines.append(f"{node} was stopped after another node failed")
+            elif outcome.failures:
+                ranks = "; ".join(f.describe() + (" (its first failure)" if f.rank == outcome.root_cause_rank else "")
+                                  for f in outcome.failures)
+                first = " (the first node seen failing)" if self.failure_order[:1] == (outcome.command.node_rank,) else ""
+                lines.append(f"{node} {status}{first}: {ranks}")
+            else:
+                lines.append(f"{node} {status} (see its torchrun output above for the failed rank)")
+        return "\n".join(lines)
+
+
+def _read_report(path: Path) -> tuple[tuple[RankFailure, ...], Optional[int]]:
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return (), None
+    failures = tuple(RankFailure(f["rank"], f["local_rank"], f["exitcode"], f.get("signal"))
+                     for f in report.get("failures", ()))
+    return failures, report.get("root_cause_rank")
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    raise _Interrupted(signum)
+
+
+def run_node_commands(commands: Sequence[NodeCommand], *, environ: Optional[Mapping[str, str]] = None,
+                      grace_s: float = 5.0, kill_after_s: float = 45.0, poll_s: float = 0.05) -> LaunchResult:
+    """Start every node command, wait for all, and report (see the module docstring)."""
+    base_env = dict(os.environ if environ is None else environ)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    with tempfile.TemporaryDirectory(prefix="fspeed-launch-") as report_dir:
+        reports = {c.node_rank: Path(report_dir) / f"node{c.node_rank}.json" for c in commands}
+        processes: dict[int, subprocess.Popen] = {}
+        previous = signal.signal(signal.SIGTERM, _raise_interrupted) if in_main_thread else None
+        try:
+            for command in commands:
+                env = {**base_env, **command.env}
+                if not command.remote:
+                    env[REPORT_ENV] = str(reports[command.node_rank])
+                try:
+                    processes[command.node_rank] = subprocess.Popen(list(command.argv), env=env)
+                except OSError as error:
+                    _stop(processes.values(), kill_after_s)
+                    raise LaunchError(f"cannot start {command.describe()}: {command.argv[0]}: {error}") from None
+            failure_order, stopped = _wait(processes, grace_s, kill_after_s, poll_s)
+        except (KeyboardInterrupt, _Interrupted):
+            _stop(processes.values(), kill_after_s)
+            raise KeyboardInterrupt from None
+        finally:
+            if in_main_thread and previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        outcomes = []
+        for command in commands:
+            failures, root = ((), None) if command.remote else _read_report(reports[command.node_rank])
+            outcomes.append(NodeOutcome(command, processes[command.node_rank].returncode, failures,
+                                        command.node_rank in stopped, root))
+    return LaunchResult(tuple(outcomes), tuple(failure_order))
+
+
+def _wait(processes: Mapping[int, subprocess.Popen], grace_s: float, kill_after_s: float,
+          poll_s: float) -> tuple[list[int], set[int]]:
+    failure_order: list[int] = []
+    stopped: set[int] = set()
+    deadline: Optional[float] = None
+    while True:
+        running = {rank: p for rank, p in processes.items() if p.poll() is None}
+        for rank, process in processes.items():
+            if process.returncode not in (None, 0) and rank not in failure_order and rank not in stopped:
+                failure_order.append(rank)
+        if not running:
+            return failure_order, stopped
+        if failure_order and deadline is None:
+            deadline = time.monotonic() + grace_s
+        if deadline is not None and time.monotonic() >= deadline:
+            stopped.update(running)
+            _stop(running.values(), kill_after_s)
+            continue
+        time.sleep(poll_s)
+
+
+def _child_pids(pid: int) -> Optional[set[int]]:
+    """Live child processes of `pid` from /proc (None where /proc is unavailable: not Linux)."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        return None
+    children = set()
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[1] == str(pid) and fields[0] != "Z":
+            children.add(int(stat.parent.name))
+    return children
+
+
+def _stop(processes, kill_after_s: float) -> None:
+    """SIGTERM (torchrun forwards it to its workers), then SIGKILL what is still alive after `kill_after_s`.
+
+    An agent without child processes has no workers left to stop (it waits in the exit barrier,
+    deaf to SIGTERM), so it is killed at once.
+    """
+    alive = [p for p in processes if p.poll() is None]
+    for process in alive:
+        if _child_pids(process.pid) == set():
+            process.kill()
+        else:
+            process.terminate()
+    end = time.monotonic() + kill_after_s
+    for process in alive:
+        try:
+            process.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def rank_log_files(log_dir: str, commands: Sequence[NodeCommand]) -> dict[int, list[Path]]:
+    """Global rank -> its log files, for the local nodes of a finished run.
+
+    torchrun writes `<node dir>/<run id>_<random>/attempt_<n>/<local rank>/{stdout,stderr}.log`;
+    the node dir is `<log_dir>/node<k>` (remote nodes: the same path on that host). The newest
+    run directory of each node is the one reported.
+    """
+    files: dict[int, list[Path]] = {}
+    for command in commands:
+        if command.remote:
+            continue
+        root = Path(node_log_dir(log_dir, command.node_rank))
+        runs = sorted((d for d in root.glob("*") if d.is_dir()), key=lambda d: d.stat().st_mtime)
+        if not runs:
+            continue
+        for local_rank, rank in enumerate(command.ranks):
+            found = sorted(runs[-1].glob(f"attempt_*/{local_rank}/*.log"))
+            if found:
+                files[rank] = found
+    return files

@@ -1,0 +1,172 @@
+"""A block layout compiled into the index tables the attention backends read.
+
+`BlockPlan` holds, for one layout, block size and causality:
+
+* CSR by query block (`row_ptr`, `col_idx`) and CSC by key block (`col_ptr`, `row_idx`), per head,
+  int32, for the Numba kernels (forward and dQ walk rows; dK/dV walk columns, so nothing races);
+* row chunks for the batched torch path: query-block rows grouped by how many key blocks they
+  hold, each row's key blocks padded to the chunk's width at the front (so with causal masking
+  the diagonal block is always the last slot), and chunks cut so each one's score tile stays
+  small enough to be reused from cache.
+
+With `causal=True` the blocks above the diagonal are dropped here: they would be fully masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+# Largest number of (query block, key block) pairs one torch chunk holds: the score tile is then
+# at most CHUNK_BLOCKS * block^2 floats per batch element (4 MiB at block 64), so the few
+# workspace buffers are reused across chunks instead of page-faulting fresh memory each time.
+CHUNK_BLOCKS = 256
+# A row joins a chunk when it holds at least this fraction of the chunk's widest row: the padding
+# it adds (masked key blocks) is bounded by 1 / PAD_RATIO - 1 of the real work.
+PAD_RATIO = 0.8
+
+
+@dataclass(frozen=True)
+class RowChunk:
+    """Query-block rows sharing one padded width, for one batched gather + bmm."""
+
+    q_index: torch.Tensor        # [R] long: head * blocks + row, the query blocks of this chunk
+    kv_index: torch.Tensor       # [R * C] long: head * blocks + col, their key blocks (padding repeats a real one)
+    col_index: torch.Tensor      # [R * C] long: col alone, for key padding masks (shared by heads)
+    heads: torch.Tensor          # [R] long
+    rows: torch.Tensor           # [R] long
+    cols: torch.Tensor           # [R, C] long
+    pad: Optional[torch.Tensor]  # [R, C] bool, True where a slot is padding; None if no slot is
+    diag_rows: Optional[torch.Tensor]  # [R] bool: last slot is the diagonal block (causal only); None if none is
+    all_diag: bool               # every row's last slot is its diagonal block (causal only)
+
+    @property
+    def width(self) -> int:
+        return self.cols.shape[1]
+
+    @property
+    def num_rows(self) -> int:
+        return self.cols.shape[0]
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """Index tables of one layout; build with `make_plan` and reuse for every call."""
+
+    num_heads: int
+    num_blocks: int
+    block: int
+    causal: bool
+    layout: torch.Tensor        # [H, nb, nb] int64, after the causal cut
+    row_ptr: np.ndarray         # [H, nb + 1] int32
+    col_idx: np.ndarray         # [nnz] int32, ascending within each row
+    col_ptr: np.ndarray         # [H, nb + 1] int32
+    row_idx: np.ndarray         # [nnz] int32, ascending within each column
+    chunks: tuple[RowChunk, ...]
+    max_rows: int               # largest chunk, in rows
+    max_slots: int              # largest chunk, in (row, key block) slots
+
+    @property
+    def seq_len(self) -> int:
+        return self.num_blocks * self.block
+
+    @property
+    def nnz(self) -> int:
+        return int(self.col_idx.shape[0])
+
+    def device_tables(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The CSR/CSC tables as int32 tensors on `device` (for kernels)."""
+        return {name: torch.from_numpy(getattr(self, name)).to(device)
+                for name in ("row_ptr", "col_idx", "col_ptr", "row_idx")}
+
+
+def layout_array(layout) -> np.ndarray:
+    """A layout (tensor or array) as a numpy array, also from inside torch.func transforms.
+
+    Inside `torch.func.grad`/`vmap` even ops on plain tensors return wrapped tensors, which have
+    no data pointer; the layout is constant data, so it is read with functorch disabled.
+    """
+    if isinstance(layout, np.ndarray):
+        return layout
+    with torch._C._DisableFuncTorch():
+        return layout.detach().cpu().numpy()
+
+
+def make_plan(layout, block: int, *, causal: bool = False, chunk_blocks: int = CHUNK_BLOCKS) -> BlockPlan:
+    """Compile a `[heads, blocks, blocks]` 0/1 layout (tensor or array) for blocks of `block` tokens."""
+    if not isinstance(layout, (torch.Tensor, np.ndarray)) or layout.ndim != 3 or layout.shape[1] != layout.shape[2]:
+        shape = tuple(layout.shape) if isinstance(layout, (torch.Tensor, np.ndarray)) else type(layout).__name__
+        raise ValueError(f"layout must be a [heads, blocks, blocks] tensor, got {shape}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block={block!r} must be a positive integer")
+    grid = layout_array(layout) != 0
+    if causal:
+        grid = np.tril(grid)
+    H, nb, _ = grid.shape
+
+    rows_of = [[np.flatnonzero(grid[h, r]) for r in range(nb)] for h in range(H)]
+    counts = np.array([[len(c) for c in per_head] for per_head in rows_of], dtype=np.int64)
+    row_ptr = np.zeros((H, nb + 1), dtype=np.int32)
+    row_ptr[:, 1:] = np.cumsum(counts, axis=1)
+    # Global offsets: head h's rows start after all earlier heads' blocks.
+    head_offsets = np.concatenate([[0], np.cumsum(counts.sum(axis=1))[:-1]]).astype(np.int32)
+    row_ptr = row_ptr + head_offsets[:, None]
+    col_idx = np.concatenate([c for per_head in rows_of for c in per_head] or [np.zeros(0)]).astype(np.int32)
+
+    grid_t = grid.transpose(0, 2, 1)
+    col_counts = grid_t.sum(axis=2)
+    col_ptr = np.zeros((H, nb + 1), dtype=np.int32)
+    col_ptr[:, 1:] = np.cumsum(col_counts, axis=1)
+    col_ptr = col_ptr + head_offsets[:, None]
+    row_idx = np.concatenate([np.flatnonzero(grid_t[h, c]) for h in range(H) for c in range(nb)] or [np.zeros(0)])
+    row_idx = row_idx.astype(np.int32)
+
+    chunks = _row_chunks(rows_of, counts, nb, causal, chunk_blocks)
+    return BlockPlan(
+        num_heads=H, num_blocks=nb, block=block, causal=causal, layout=torch.from_numpy(grid.astype(np.int64)),
+        row_ptr=row_ptr, col_idx=col_idx, col_ptr=col_ptr, row_idx=row_idx, chunks=tuple(chunks),
+        max_rows=max((c.num_rows for c in chunks), default=0),
+        max_slots=max((c.num_rows * c.width for c in chunks), default=0),
+    )
+
+
+def _row_chunks(rows_of, counts: np.ndarray, nb: int, causal: bool, chunk_blocks: int) -> list[RowChunk]:
+    """Group non-empty rows by width (widest first), then cut each group to the chunk budget."""
+    heads, rows = np.nonzero(counts)
+    order = np.lexsort((rows, heads, -counts[heads, rows]))
+    heads, rows = heads[order], rows[order]
+    chunks: list[RowChunk] = []
+    i = 0
+    while i < len(heads):
+        width = int(counts[heads[i], rows[i]])
+        max_rows = max(1, chunk_blocks // width)
+        j = i
+        while j < len(heads) and j - i < max_rows and counts[heads[j], rows[j]] >= PAD_RATIO * width:
+            j += 1
+        chunks.append(_make_chunk(rows_of, heads[i:j], rows[i:j], width, nb, causal))
+        i = j
+    return chunks
+
+
+def _make_chunk(rows_of, heads: np.ndarray, rows: np.ndarray, width: int, nb: int, causal: bool) -> RowChunk:
+    R = len(heads)
+    cols = np.empty((R, width), dtype=np.int64)
+    pad = np.zeros((R, width), dtype=bool)
+    for n, (h, r) in enumerate(zip(heads, rows)):
+        real = rows_of[h][r]
+        missing = width - len(real)
+        cols[n, :missing] = real[0]
+        cols[n, missing:] = real
+        pad[n, :missing] = True
+    diag = (cols[:, -1] == rows) if causal else np.zeros(R, dtype=bool)
+    kv_index = (heads[:, None] * nb + cols).reshape(-1)
+    return RowChunk(
+        q_index=torch.from_numpy(heads * nb + rows), kv_index=torch.from_numpy(kv_index),
+        col_index=torch.from_numpy(cols.reshape(-1).copy()), heads=torch.from_numpy(heads.astype(np.int64)),
+        rows=torch.from_numpy(rows.astype(np.int64)), cols=torch.from_numpy(cols),
+        pad=torch.from_numpy(pad) if pad.any() else None,
+        diag_rows=torch.from_numpy(diag) if diag.any() else None, all_diag=bool(diag.all()),
+    )
