@@ -30,6 +30,11 @@ import torch.distributed._functional_collectives as funcol
 from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
 
 
+# torch 2.13 renamed these (the old names warn); older torch has only the old names
+_funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
 class CommError(RuntimeError):
     """A collective failed or timed out; the message names the op, the axis and its ranks."""
 
@@ -264,14 +269,14 @@ class AxisComm:
             return shard.clone()
         shard = unwrapped(shard).contiguous()
         return self._funcol("all_gather", _nbytes(shard),
-                            lambda: funcol.all_gather_tensor(shard, 0, self.group))
+                            lambda: _funcol_all_gather(shard, 0, self.group))
 
     def start_gather(self, shard: torch.Tensor) -> "PendingGather":
         """Start an all-gather along dim 0 without waiting (ZeRO-3 prefetch); `.wait()` returns it."""
         shard = unwrapped(shard).contiguous()
         start = time.perf_counter()
         try:
-            result = funcol.all_gather_tensor(shard, 0, self.group)
+            result = _funcol_all_gather(shard, 0, self.group)
         except (RuntimeError, dist.DistBackendError) as err:
             raise self._error("all_gather", start, err) from err
         return PendingGather(self, result, _nbytes(shard), start)
@@ -282,7 +287,7 @@ class AxisComm:
             return full.clone()
         full = unwrapped(full).contiguous()
         return self._funcol("reduce_scatter", _nbytes(full) // self.size,
-                            lambda: funcol.reduce_scatter_tensor(full, "sum", 0, self.group))
+                            lambda: _funcol_reduce_scatter(full, "sum", 0, self.group))
 
     def all_reduced(self, x: torch.Tensor) -> torch.Tensor:
         """Sum all-reduce (out of place, functional)."""

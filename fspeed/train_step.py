@@ -265,11 +265,28 @@ def _accepts_keyword(fn: Callable, name: str) -> bool:
     return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
-def make_eval_step(loss_fn: LossFn) -> Callable[[TrainState, PyTree], float]:
-    """`eval_step(state, batch) -> loss` without gradients or dropout (does not donate)."""
+def make_eval_step(loss_fn: LossFn, *, plan: Optional[Plan] = None, mesh=None) -> Callable[[TrainState, PyTree], float]:
+    """`eval_step(state, batch) -> loss` without gradients or dropout (does not donate).
+
+    Under a plan (the state's), the forward runs with the plan's ops and the loss is averaged over
+    data ranks: every rank must call it.
+    """
+    accepts_ops = _accepts_keyword(loss_fn, "ops")
 
     @torch.no_grad()
     def eval_step(state: TrainState, batch: PyTree) -> float:
-        return float(loss_fn(state.params.tree(), batch, rng=None))
+        layout = state.layout
+        if layout is None:
+            return float(loss_fn(state.params.tree(), batch, rng=None))
+        if mesh is None:
+            raise ValueError("this state was built with a plan; pass plan= and mesh= to make_eval_step too")
+        ops = ShardedOps(layout, mesh, layout.tensor_axes)
+        params = state.params.tree()
+        if accepts_ops:
+            loss = loss_fn(params, batch, rng=None, ops=ops)
+        else:
+            loss = loss_fn(tree_map(ops.param, params, is_leaf=lambda x: isinstance(x, ShardedUnit)), batch, rng=None)
+        data = mesh.comm("data")
+        return data.all_reduce_scalar(float(loss)) / data.size
 
     return eval_step

@@ -78,10 +78,26 @@ def test_cfg_job_prints_the_composed_config_with_a_deepspeed_file(tmp_path):
     assert "name: bf16" in out and "train_batch_size: 64" in out and "gradient_clipping: 0.5" in out
     assert "DeepSpeed config translated" in proc.stderr
 
-    ds["zero_optimization"] = {"stage": 2}
+    ds["zero_optimization"] = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
     ds["gradient_clippping"] = 1.0
     path.write_text(json.dumps(ds))
     proc = fspeed_train(f"deepspeed_config={path}", "--cfg", "job", cwd=tmp_path, timeout=120)
     assert proc.returncode != 0
     assert "zero_optimization" in proc.stderr and "gradient_clippping" in proc.stderr
     assert "gradient_clipping" in proc.stderr  # did-you-mean
+
+
+def test_launch_runs_zero3_on_two_ranks(tmp_path):
+    proc = fspeed_train("--launch", "zero.stage=3", "zero.param_persistence_threshold=1000", "parallel.data=2",
+                        "train.steps=4", "train.eval_every=2", "data.max_bytes=300000", "model.n_layer=2",
+                        f"hydra.run.dir={tmp_path / 'run'}", "monitor.progress_bar=false", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "zero(stage=3)" in proc.stdout + proc.stderr and "data=2" in proc.stdout + proc.stderr
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == ["0", "1", "2", "3", "4"]  # rank 0 alone writes
+    assert "weights only" in proc.stdout
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "global_step4"
+
+    proc = fspeed_train("--launch", "zero.stage=1", "train.steps=2", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and "--launch needs the number of data-parallel ranks" in proc.stderr

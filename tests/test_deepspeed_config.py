@@ -267,20 +267,33 @@ def test_unknown_keys_are_all_reported_with_suggestions():
 
 
 def test_unsupported_keys_error_only_when_not_default():
-    ds = {**BASE, "wall_clock_breakdown": False, "zero_optimization": {"stage": 0, "reduce_bucket_size": 5e8},
+    ds = {**BASE, "wall_clock_breakdown": False, "zero_optimization": {"stage": 0, "contiguous_gradients": True},
           "activation_checkpointing": {"partition_activations": False}, "tensorboard": {"enabled": False},
           "zero_allow_untested_optimizer": True, "pipeline": {"stages": "auto"}}
     no_effect = translate_deepspeed_config(ds).no_effect
-    for key in ("wall_clock_breakdown", "zero_optimization", "activation_checkpointing", "tensorboard",
-                "zero_allow_untested_optimizer", "pipeline"):
+    for key in ("wall_clock_breakdown", "zero_optimization.contiguous_gradients", "activation_checkpointing",
+                "tensorboard", "zero_allow_untested_optimizer", "pipeline"):
         assert any(item.startswith(f"{key} = ") for item in no_effect), key
-    message = problems_of({"wall_clock_breakdown": True, "zero_optimization": {"stage": 2},
-                           "activation_checkpointing": {"partition_activations": True}, "tensorboard": {"enabled": True},
-                           "prescale_gradients": True})
+    message = problems_of({"wall_clock_breakdown": True, "zero_optimization": {"stage": 2, "offload_optimizer":
+                           {"device": "cpu"}}, "activation_checkpointing": {"partition_activations": True},
+                           "tensorboard": {"enabled": True}, "prescale_gradients": True})
     assert "5 problems" in message
-    for key in ("wall_clock_breakdown = true", "zero_optimization.stage = 2", "partition_activations = true",
-                "tensorboard.enabled = true", "prescale_gradients = true"):
+    for key in ("wall_clock_breakdown = true", "zero_optimization.offload_optimizer.device = 'cpu'",
+                "partition_activations = true", "tensorboard.enabled = true", "prescale_gradients = true"):
         assert key in message
+
+
+def test_zero_and_tensor_parallel_blocks_translate():
+    run = run_from({**BASE, "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e7, "allgather_bucket_size": 2e8,
+                                                  "stage3_param_persistence_threshold": 1e4,
+                                                  "stage3_prefetch_bucket_size": 0, "overlap_comm": True},
+                    "tensor_parallel": {"autotp_size": 2}})
+    assert (run.zero.stage, run.zero.reduce_bucket_size, run.zero.allgather_bucket_size) == (3, 50_000_000, 200_000_000)
+    assert run.zero.param_persistence_threshold == 10_000 and run.zero.prefetch is False
+    assert run.parallel.tensor == 2
+    assert "zero_optimization.stage = 5" in problems_of({"zero_optimization": {"stage": 5}})
+    assert "zero_optimization.round_robin_gradients = true" in problems_of(
+        {"zero_optimization": {"stage": 2, "round_robin_gradients": True}})
 
 
 def test_auto_values_are_refused_with_a_hint():

@@ -12,6 +12,7 @@ config is validated again (types, ranges, unknown keys, the batch triad) before 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -26,10 +27,13 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from .. import checkpoint, data
-from ..config import ConfigError, prepare_overrides, to_run_config
+from ..config import ConfigError, Problem, prepare_overrides, to_run_config
 from ..config.build import build_model_config, build_optimizer, build_precision
 from ..config.schema import RunConfig
-from ..models import count_params, gpt
+from ..mesh import Mesh, init_distributed
+from ..models import GPT_RULES, count_params, gpt
+from ..plan import tensor_slicing, zero
+from ..zero import gather_params
 from ..monitor import CSVMonitor
 from ..train_state import init_train_state
 from ..train_step import make_eval_step, make_train_step
@@ -37,11 +41,53 @@ from ..train_step import make_eval_step, make_train_step
 log = logging.getLogger("fspeed")
 
 
+def _parallel_setup(run: RunConfig):
+    """(mesh, plan) for this run: None, None for a plain single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and run.zero.stage == 0 and run.parallel.tensor == 1:
+        return None, None
+    if world > 1:
+        init_distributed()
+    mesh = Mesh(data=run.parallel.data, model=run.parallel.tensor)
+    z = run.zero
+    plan = zero(z.stage, reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
+                param_persistence_threshold=z.param_persistence_threshold, prefetch=z.prefetch)
+    if run.parallel.tensor > 1:
+        plan = plan | tensor_slicing(GPT_RULES)
+    return mesh, plan
+
+
+def data_parallel_size(cfg: DictConfig) -> int:
+    """The data-parallel degree of a launch: from WORLD_SIZE and parallel.tensor / parallel.data."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tensor, data_size = int(cfg.parallel.tensor), int(cfg.parallel.data)
+    if data_size == -1:
+        if world % tensor:
+            raise ConfigError([Problem("parallel.tensor", f"does not divide the world size {world}", tensor)])
+        return world // tensor
+    if data_size * tensor != world:
+        raise ConfigError([Problem("parallel.data", f"x parallel.tensor={tensor} must equal the world size {world} "
+                                   "(launch with --launch, fspeed --num_gpus N or torchrun)", data_size,
+                                   f"{world // tensor} or -1" if world % tensor == 0 else "-1")])
+    return data_size
+
+
 def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
-    """Train the configured GPT; returns a summary (val loss at start and end, paths, timing)."""
+    """Train the configured GPT; returns a summary (val loss at start and end, paths, timing).
+
+    Under a launcher (WORLD_SIZE > 1) every rank runs this: each data rank trains on its share of
+    every global batch; rank 0 alone logs, writes metrics and saves.
+    """
     t = run.train
     triad = run.batch
     torch.manual_seed(t.seed)
+    mesh, plan = _parallel_setup(run)
+    lead = mesh is None or mesh.rank == 0
+    if not lead:
+        log.setLevel(logging.WARNING)
+    if mesh is not None and run.checkpoint.resume and mesh.world_size > 1:
+        raise ConfigError([Problem("checkpoint.resume", "resuming a multi-process run is not built yet: "
+                                   "distributed runs save weights-only checkpoints", True, "false")])
 
     t0 = time.perf_counter()
     if run.data.corpus == "stdlib":
@@ -60,35 +106,47 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     train_tokens, val_tokens = data.split_train_val(tokens, run.data.val_fraction, min_tokens=seq_len + 1)
     train_windows = data.TokenWindows(train_tokens, seq_len)
     val_windows = data.TokenWindows(val_tokens, seq_len)
-    loader = data.Loader(train_windows, data.BatchSampler(len(train_windows), triad.train_batch_size, t.seed))
-    val_batches = data.Loader(val_windows, data.BatchSampler(len(val_windows), triad.micro_batch_size, t.seed)) \
-        .eval_batches(t.eval_batches)
+    dp, data_rank = (mesh.size("data"), mesh.coordinate("data")) if mesh else (1, 0)
+    loader = data.Loader(train_windows, data.BatchSampler(len(train_windows), triad.train_batch_size, t.seed,
+                                                          rank=data_rank, world_size=dp))
+    val_batches = data.Loader(val_windows, data.BatchSampler(len(val_windows), triad.micro_batch_size * dp, t.seed,
+                                                             rank=data_rank, world_size=dp)).eval_batches(t.eval_batches)
 
     model_cfg = build_model_config(run, tokenizer.vocab_size)
     model = gpt(model_cfg)
     optimizer = build_optimizer(run)
     precision = build_precision(run)
     params = model.init(torch.Generator().manual_seed(t.seed))
-    state = init_train_state(params, optimizer, precision=precision, seed=t.seed)
+    state = init_train_state(params, optimizer, precision=precision, seed=t.seed, plan=plan, mesh=mesh,
+                             logical_axes=model.logical_axes)
     if resume_tag is not None:
         state, _ = checkpoint.load_checkpoint(ckpt_dir, state, tag=resume_tag)
         log.info("resumed from %s at step %d", ckpt_dir / resume_tag, state.step)
     log.info(
         "%s: %s parameters, vocab %d (%s), %s tokens (%d train / %d val windows of %d), batch %s, "
-        "optimizer %s, precision %s; data ready in %.1fs",
+        "optimizer %s, precision %s, %s; data ready in %.1fs",
         model.name, f"{count_params(params):,}", tokenizer.vocab_size, run.data.tokenizer, f"{len(tokens):,}",
         len(train_windows), len(val_windows), seq_len, triad.derivation, optimizer, precision.name,
-        time.perf_counter() - t0,
+        f"{plan!r} on {mesh!r}" if plan else "one process", time.perf_counter() - t0,
     )
 
-    train_step = make_train_step(model.loss, optimizer, grad_accum=triad.grad_accum)
-    eval_step = make_eval_step(model.loss)
+    train_step = make_train_step(model.loss, optimizer, grad_accum=triad.grad_accum, plan=plan, mesh=mesh)
+    eval_step = make_eval_step(model.loss, plan=plan, mesh=mesh)
+
+    def save(s):
+        if mesh is None:
+            return checkpoint.save_checkpoint(ckpt_dir, s, client_state=client_state)
+        full = gather_params(s, mesh)  # a collective: every rank takes part, rank 0 writes
+        if not lead:
+            return None
+        weights = init_train_state(full, optimizer, seed=t.seed).replace(step=s.step, samples=s.samples)
+        return checkpoint.save_checkpoint(ckpt_dir, weights, client_state={**client_state, "weights_only": True})
 
     def evaluate(s) -> float:
         return sum(eval_step(s, b) for b in val_batches) / len(val_batches)
 
     client_state = {"tokenizer": tokenizer.to_dict(), "model": asdict(model_cfg)}
-    monitor = CSVMonitor(out_dir / "metrics.csv") if run.monitor.csv else None
+    monitor = CSVMonitor(out_dir / "metrics.csv") if run.monitor.csv and lead else None
     val_start = evaluate(state)
     log.info("step %d: val_loss %.4f", state.step, val_start)
     if monitor:
@@ -96,7 +154,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
 
     print_every = t.steps_per_print or t.log_every
     tokens_per_step = triad.train_batch_size * seq_len
-    bar = _progress_bar(run, state.step)
+    bar = _progress_bar(run, state.step) if lead else None
     val_loss, metrics = val_start, {}
     window_start, window_steps = time.perf_counter(), 0
     train_start = time.perf_counter()
@@ -119,17 +177,17 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
                                 tok_s=f"{tokens_per_s:,.0f}", val=f"{val_loss:.3f}", refresh=False)
                 bar.update(1)
-            if state.step % print_every == 0 or last or "val_loss" in row:
+            if lead and (state.step % print_every == 0 or last or "val_loss" in row):
                 _log_line(row, bar)
                 window_start, window_steps = time.perf_counter(), 0
             if run.checkpoint.save_every and state.step % run.checkpoint.save_every == 0 and not last:
-                checkpoint.save_checkpoint(ckpt_dir, state, client_state=client_state)
+                save(state)
     finally:
         if bar is not None:
             bar.close()
         if monitor:
             monitor.close()
-    path = checkpoint.save_checkpoint(ckpt_dir, state, client_state=client_state)
+    path = save(state)
     train_time = time.perf_counter() - train_start
     drop = 1.0 - val_loss / val_start
     summary = {
@@ -137,11 +195,16 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
         "steps": state.step, "skipped_steps": state.skipped_steps, "train_seconds": train_time,
         "checkpoint": str(path), "metrics_csv": str(out_dir / "metrics.csv") if run.monitor.csv else None,
     }
+    if not lead:
+        return summary
     print(f"\nval loss {val_start:.4f} -> {val_loss:.4f} ({drop:.0%} lower) after {state.step} steps "
           f"({state.skipped_steps} skipped) in {train_time:.0f}s")
     if summary["metrics_csv"]:
         print(f"metrics:    {summary['metrics_csv']}")
-    print(f"checkpoint: {path}  (resume with checkpoint.resume=true checkpoint.dir={ckpt_dir})")
+    if mesh is not None and mesh.world_size > 1:
+        print(f"checkpoint: {path}  (weights only: fp32 parameters gathered from all ranks)")
+    else:
+        print(f"checkpoint: {path}  (resume with checkpoint.resume=true checkpoint.dir={ckpt_dir})")
     return summary
 
 
@@ -171,7 +234,7 @@ def _log_line(row: dict[str, Any], bar) -> None:
 @hydra.main(config_path="pkg://fspeed.conf", config_name="train", version_base=None)
 def _hydra_app(cfg: DictConfig) -> Optional[float]:
     try:
-        run = to_run_config(cfg)
+        run = to_run_config(cfg, dp_world_size=data_parallel_size(cfg))
     except ConfigError as err:
         print(f"fspeed-train: {err}", file=sys.stderr)
         sys.exit(2)
@@ -181,20 +244,49 @@ def _hydra_app(cfg: DictConfig) -> Optional[float]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """Console entry point: check (and expand DeepSpeed-config) overrides, then run the Hydra app."""
+    """Console entry point: check (and expand DeepSpeed-config) overrides, then run the Hydra app.
+
+    `--launch` starts parallel.data x parallel.tensor ranks of this same command through the
+    `fspeed` launcher (torchrun underneath) instead of training in this process.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
+    launch = "--launch" in argv
+    argv = [a for a in argv if a != "--launch"]
     args = get_args_parser().parse_args(argv)
     try:
         overrides, translation = prepare_overrides(args.overrides)
+        if launch:
+            sys.exit(_launch(overrides, [a for a in argv if a not in args.overrides]))
     except ConfigError as err:
         print(f"fspeed-train: {err}", file=sys.stderr)
         sys.exit(2)
-    if translation is not None:
+    if translation is not None and int(os.environ.get("RANK", "0")) == 0:
         print(translation.summary(), file=sys.stderr)
     flags = [a for a in argv if a not in args.overrides]
+    if int(os.environ.get("RANK", "0")) > 0:
+        overrides = [*overrides, "hydra.output_subdir=null"]  # rank 0 alone records the config
     sys.argv = [sys.argv[0], *flags, *overrides]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _hydra_app()
+
+
+def _launch(overrides: list[str], flags: list[str]) -> int:
+    """Run this command on parallel.data x parallel.tensor local ranks through the fspeed launcher."""
+    from hydra import compose, initialize_config_module
+
+    from .launch import launch
+
+    with initialize_config_module("fspeed.conf", version_base=None):
+        cfg = compose("train", overrides=overrides)
+    data_size, tensor = int(cfg.parallel.data), int(cfg.parallel.tensor)
+    if data_size == -1:
+        raise ConfigError([Problem("parallel.data", "--launch needs the number of data-parallel ranks", -1,
+                                   "a positive integer, e.g. parallel.data=2")])
+    if not any(o.startswith("hydra.run.dir=") for o in overrides):
+        # one run directory for every rank (each rank's Hydra would otherwise pick its own timestamp)
+        run_dir = Path("outputs").resolve() / time.strftime("%Y-%m-%d/%H-%M-%S")
+        overrides = [*overrides, f"hydra.run.dir={run_dir}"]
+    return launch(["--num_gpus", str(data_size * tensor), "--module", "fspeed.cli.train", *flags, *overrides])
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import logging
 
 import fspeed.optim as optim
 import fspeed.precision as precision
-from fspeed.models import GPTConfig
+from fspeed.models import GPTConfig, pad_vocab
 from fspeed.optim import schedules
 
 from .schema import RunConfig
@@ -126,8 +126,12 @@ def build_precision(run: RunConfig) -> precision.Precision:
 
 
 def build_model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
-    """The GPT architecture of run.model; vocab_size comes from the tokenizer."""
+    """The GPT architecture of run.model; vocab_size comes from the tokenizer (padded to a multiple of
+    8 x parallel.tensor)."""
     m = run.model
+    # padded so that tensor slicing splits the vocabulary evenly (the extra ids are never used)
+    vocab_size = pad_vocab(vocab_size, 8 * run.parallel.tensor)
     return GPTConfig(vocab_size=vocab_size, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
                      d_model=m.d_model, d_ff=m.d_ff, dropout=m.dropout, tie_embeddings=m.tie_embeddings,
-                     init_std=m.init_std)
+                     init_std=m.init_std, attention=m.attention,
+                     sparse_attention=run.sparse_attention.to_library() if m.attention == "sparse" else None)

@@ -381,10 +381,47 @@ def _zero(ds: Mapping[str, Any], w: _Ledger) -> None:
         if key not in K.ZERO_KEYS:
             w.unknown(f"zero_optimization.{key}", value, K.ZERO_KEYS)
     stage = block.get("stage", 0)
-    if _same(stage, 0):
-        w.accept("zero_optimization", dict(block), "stage 0: ZeRO disabled, its other keys do nothing")
-    else:
-        w.unsupported("zero_optimization.stage", stage, "0 (ZeRO stages 1-3 are not translated yet)")
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        w.problems.append(Problem("zero_optimization.stage", "not a ZeRO stage", stage, "0, 1, 2, 3"))
+        return
+    w.emit("zero_optimization.stage", "zero.stage", stage)
+    for ds_key, key in K.ZERO_TRANSLATED.items():
+        if ds_key in block:
+            w.emit(f"zero_optimization.{ds_key}", f"zero.{key}", block[ds_key])
+    for ds_key in ("stage3_prefetch_bucket_size", "prefetch_bucket_size"):
+        if ds_key in block:
+            w.emit(f"zero_optimization.{ds_key}", "zero.prefetch", bool(block[ds_key]))
+    for ds_key, (default, reason) in K.ZERO_NO_EFFECT.items():
+        if ds_key in block and default is None:  # a pure performance hint: any value is fine
+            w.accept(f"zero_optimization.{ds_key}", block[ds_key], reason)
+        elif ds_key in block:
+            _at_default(w, f"zero_optimization.{ds_key}", block[ds_key], default, reason)
+    for ds_key in ("offload_optimizer", "offload_param"):
+        if ds_key in block:
+            device = block[ds_key].get("device", "none") if isinstance(block[ds_key], Mapping) else block[ds_key]
+            if device in (None, "none"):
+                w.accept(f"zero_optimization.{ds_key}", block[ds_key], "device none: nothing offloaded")
+            else:
+                w.unsupported(f"zero_optimization.{ds_key}.device", device, "none (ZeRO-Offload is not built yet)")
+    handled = {"stage", *K.ZERO_TRANSLATED, *K.ZERO_NO_EFFECT, "offload_optimizer", "offload_param",
+               "stage3_prefetch_bucket_size", "prefetch_bucket_size"}
+    for key, value in block.items():
+        if key in K.ZERO_KEYS and key not in handled:
+            w.unsupported(f"zero_optimization.{key}", value, "the key's default (not supported by fspeed yet)")
+
+
+def _tensor_parallel(ds: Mapping[str, Any], w: _Ledger) -> None:
+    block = w.block("tensor_parallel", ds["tensor_parallel"])
+    if block is None:
+        return
+    for key, value in block.items():
+        if key == "autotp_size":
+            if value:
+                w.emit("tensor_parallel.autotp_size", "parallel.tensor", value)
+            else:
+                w.accept("tensor_parallel.autotp_size", value, "0: tensor parallelism off")
+        else:
+            w.unsupported(f"tensor_parallel.{key}", value, "autotp_size only (fspeed slices by logical-axis rules)")
 
 
 def _csv_monitor(ds: Mapping[str, Any], w: _Ledger) -> None:
@@ -397,6 +434,34 @@ def _csv_monitor(ds: Mapping[str, Any], w: _Ledger) -> None:
         elif key != "enabled":
             _at_default(w, f"csv_monitor.{key}", value, K.CSV_MONITOR_KEYS[key], "DeepSpeed's default")
     w.emit("csv_monitor.enabled", "monitor.csv", block.get("enabled", False))
+
+
+def _sparse_attention(ds: Mapping[str, Any], w: _Ledger) -> None:
+    """`sparse_attention` -> model.attention=sparse and the sparse_attention section, parsed as
+    DeepSpeed's engine parses it: only the keys the mode reads count (bigbird and bslongformer
+    do not read `attention`); the others are listed as having no effect."""
+    from fspeed.sparse.config import MODE_KEYS, MODES
+
+    block = w.block("sparse_attention", ds["sparse_attention"])
+    if block is None:
+        return
+    mode = block.get("mode", "fixed")
+    if mode not in MODES:
+        w.problems.append(Problem("sparse_attention.mode", "not a sparsity mode (DeepSpeed raises "
+                                  "NotImplementedError)", mode, ", ".join(MODES)))
+        return
+    known = {key for keys in MODE_KEYS.values() for key in keys} | {"mode", "attention"}
+    w.emit("sparse_attention", "model.attention", "sparse")
+    w.emit("sparse_attention.mode", "sparse_attention.mode", mode)
+    for key, value in block.items():
+        if key == "mode":
+            continue
+        if key not in known:
+            w.unknown(f"sparse_attention.{key}", value, sorted(known))
+        elif key in MODE_KEYS[mode]:
+            w.emit(f"sparse_attention.{key}", f"sparse_attention.{key}", value)
+        else:
+            w.accept(f"sparse_attention.{key}", value, f"DeepSpeed's parser ignores it for mode {mode!r}")
 
 
 def _other(key: str, value: Any, w: _Ledger) -> None:
@@ -446,8 +511,12 @@ def translate_deepspeed_config(ds: Mapping[str, Any]) -> DeepSpeedTranslation:
     for key, value in ds.items():
         if key == "zero_optimization":
             _zero(ds, w)
+        elif key == "tensor_parallel":
+            _tensor_parallel(ds, w)
         elif key == "csv_monitor":
             _csv_monitor(ds, w)
+        elif key == "sparse_attention":
+            _sparse_attention(ds, w)
         elif key not in _HANDLED:
             _other(key, value, w)
     if w.problems:

@@ -138,7 +138,6 @@ SCALAR_DEFAULTS: dict[str, Any] = {  # accepted only at DeepSpeed's default
     "use_data_before_expert_parallelism": False,
     "dataloader_drop_last": False,
     "graph_harvesting": False,
-    "sparse_attention": None,
     "compression_training": None,
     "weight_quantization": None,
 }
@@ -162,11 +161,35 @@ BLOCK_DEFAULTS: dict[str, dict[str, Any]] = {  # accepted when every key is at i
         "tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False,
         "parallel_write": {"pipeline_stage": False},
     },
-    "tensor_parallel": {"autotp_size": 0},
 }
 CSV_MONITOR_KEYS = {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"}
 
-ZERO_KEYS = (  # zero_optimization keys (reference 2.3); only stage 0 (ZeRO off) is accepted for now
+ZERO_TRANSLATED = {  # zero_optimization key -> fspeed zero.<key>
+    "reduce_bucket_size": "reduce_bucket_size",
+    "allgather_bucket_size": "allgather_bucket_size",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "param_persistence_threshold": "param_persistence_threshold",
+}
+ZERO_NO_EFFECT = {  # keys whose DeepSpeed default is what fspeed does anyway (or a pure performance hint)
+    "contiguous_gradients": (True, "gradients always live in one contiguous flat buffer"),
+    "reduce_scatter": (True, "stages 1-2 always reduce-scatter"),
+    "allgather_partitions": (True, "stages 1-2 always all-gather the updated slices"),
+    "use_multi_rank_bucket_allreduce": (True, "DeepSpeed's default"),
+    "load_from_fp32_weights": (True, "fspeed checkpoints restore the fp32 masters"),
+    "elastic_checkpoint": (False, "DeepSpeed's default"),
+    "ignore_unused_parameters": (True, "unused parameters get zero gradients"),
+    "round_robin_gradients": (False, "DeepSpeed's default"),
+    "memory_efficient_linear": (True, "DeepSpeed's default"),
+    "overlap_comm": (None, "buckets are launched asynchronously; compute overlap is fspeed's own choice"),
+    "sub_group_size": (1_000_000_000, "DeepSpeed's default"),
+    "stage3_max_live_parameters": (1_000_000_000, "fspeed keeps at most the current and the next layer"),
+    "max_live_parameters": (1_000_000_000, "fspeed keeps at most the current and the next layer"),
+    "stage3_max_reuse_distance": (1_000_000_000, "DeepSpeed's default"),
+    "max_reuse_distance": (1_000_000_000, "DeepSpeed's default"),
+    "stage3_gather_16bit_weights_on_model_save": (False, "DeepSpeed's default"),
+    "gather_16bit_weights_on_model_save": (False, "DeepSpeed's default"),
+}
+ZERO_KEYS = (  # zero_optimization keys (reference 2.3)
     "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
     "allgather_partitions", "allgather_bucket_size", "overlap_comm", "load_from_fp32_weights",
     "elastic_checkpoint", "offload_param", "offload_optimizer", "sub_group_size", "stage3_prefetch_bucket_size",
@@ -185,7 +208,7 @@ ZERO_KEYS = (  # zero_optimization keys (reference 2.3); only stage 0 (ZeRO off)
 
 TRANSLATED_TOP_LEVEL = (
     *TRIAD, "gradient_clipping", "steps_per_print", "fp16", "bf16", "bfloat16", "data_types", "optimizer",
-    "scheduler", "zero_optimization", "csv_monitor",
+    "scheduler", "zero_optimization", "csv_monitor", "tensor_parallel", "sparse_attention",
 )
 ALL_TOP_LEVEL = tuple(sorted({*TRANSLATED_TOP_LEVEL, *NO_EFFECT, *SCALAR_DEFAULTS, *ENABLED_BLOCKS,
                               *BLOCK_DEFAULTS}))

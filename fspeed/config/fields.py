@@ -73,6 +73,8 @@ def describe_type(tp: Any) -> str:
         return " or ".join(inner) + (" or null" if type(None) in args else "")
     if origin is Literal:
         return "one of " + ", ".join(show_value(a) for a in args)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return f"list of {describe_type(args[0])}s"
     if origin is tuple:
         return f"list of {len(args)} {describe_type(args[0])}s"
     return {bool: "boolean (true/false)", int: "integer", float: "number", str: "string"}.get(tp, getattr(tp, "__name__", str(tp)))
@@ -98,6 +100,13 @@ def coerce(value: Any, tp: Any) -> Any:
         guess = did_you_mean(value, [str(a) for a in args]) if isinstance(value, str) else None
         raise _Mismatch("an allowed value", ", ".join(show_value(a) for a in args),
                         f"did you mean {show_value(guess)}?" if guess else None)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: any length
+        if not isinstance(value, (list, tuple)):
+            raise _Mismatch(describe_type(tp))
+        try:
+            return tuple(coerce(v, args[0]) for v in value)
+        except _Mismatch:
+            raise _Mismatch(describe_type(tp)) from None
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise _Mismatch(describe_type(tp))

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from ..batch_triad import BatchTriad, BatchTriadError, resolve_batch_triad
+from ..sparse.config import SparseAttentionConfig
 from .errors import ConfigError, Problem
 from .fields import (
+    Check,
     NON_EMPTY,
     NON_NEGATIVE,
     OPEN_UNIT_INTERVAL,
@@ -46,6 +48,7 @@ class ModelConfig(ValidatedConfig):
     dropout: float = setting(0.0, UNIT_INTERVAL)
     tie_embeddings: bool = True
     init_std: float = setting(0.02, POSITIVE)
+    attention: Literal["dense", "sparse"] = "dense"  # "sparse": block-sparse with the sparse_attention section
 
     def relation_problems(self) -> list[Problem]:
         if self.d_model % self.n_head:
@@ -292,6 +295,62 @@ class MonitorConfig(ValidatedConfig):
     progress_bar: bool = True
 
 
+@dataclass(frozen=True, kw_only=True)
+class ZeroSection(ValidatedConfig):
+    """DeepSpeed's `zero_optimization` keys that fspeed implements (same names and meanings)."""
+
+    stage: int = setting(0, NON_NEGATIVE, at_most(3))
+    reduce_bucket_size: int = setting(500_000_000, POSITIVE)  # elements
+    allgather_bucket_size: int = setting(500_000_000, POSITIVE)
+    param_persistence_threshold: int = setting(100_000, NON_NEGATIVE)  # stage3_param_persistence_threshold
+    prefetch: bool = True  # stage 3: gather the next layer while one computes (prefetch_bucket_size > 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseAttentionSection(ValidatedConfig):
+    """DeepSpeed's `sparse_attention` block (its JSON defaults), used when model.attention=sparse.
+
+    Which keys a mode reads is DeepSpeed's (fspeed.sparse.config.MODE_KEYS); `attention` also
+    applies to bigbird and bslongformer here. `seed` draws the random blocks (fspeed addition).
+    """
+
+    mode: Literal["dense", "fixed", "variable", "bigbird", "bslongformer"] = "fixed"
+    block: int = setting(16, POSITIVE)
+    different_layout_per_head: bool = False
+    num_local_blocks: int = setting(4, POSITIVE)
+    num_global_blocks: int = setting(1, NON_NEGATIVE)
+    attention: Literal["unidirectional", "bidirectional"] = "bidirectional"
+    horizontal_global_attention: bool = False
+    num_different_global_patterns: int = setting(1, POSITIVE)
+    num_random_blocks: int = setting(0, NON_NEGATIVE)
+    local_window_blocks: tuple[int, ...] = setting((4,), NON_EMPTY, each(POSITIVE))
+    global_block_indices: tuple[int, ...] = setting((0,), each(NON_NEGATIVE))
+    global_block_end_indices: Optional[tuple[int, ...]] = setting(None, each(NON_NEGATIVE))
+    num_sliding_window_blocks: int = setting(3, POSITIVE)
+    seed: int = setting(0, NON_NEGATIVE)
+
+    def relation_problems(self) -> list[Problem]:
+        try:
+            self.to_library()
+        except ValueError as err:  # the layout family's own check, e.g. num_local_blocks % num_global_blocks
+            return [Problem("mode", f"{self.mode}: {err}", self.mode)]
+        return []
+
+    def to_library(self) -> SparseAttentionConfig:
+        return SparseAttentionConfig(**{f: getattr(self, f) for f in self.__dataclass_fields__})
+
+
+FILL_OR_POSITIVE = Check(lambda v: v == -1 or v > 0, "> 0, or -1 for all remaining ranks")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig(ValidatedConfig):
+    """Mesh sizes: data-parallel ranks (-1 = the world divided by the rest) and tensor-slicing ranks."""
+
+    data: int = setting(-1, FILL_OR_POSITIVE)
+    tensor: int = setting(1, POSITIVE)
+
+
 # ---------------------------------------------------------------------------------- the run
 
 OPTIMIZERS: dict[str, type] = {"adam": AdamConfig, "adamw": AdamWConfig, "lamb": LambConfig, "sgd": SGDConfig}
@@ -317,6 +376,9 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "monitor": MonitorConfig,
+    "zero": ZeroSection,
+    "parallel": ParallelConfig,
+    "sparse_attention": SparseAttentionSection,
 }
 """Sections with one fixed class (model is a Hydra group, but every option is a ModelConfig)."""
 
@@ -341,6 +403,9 @@ class RunConfig(ValidatedConfig):
     data: DataConfig
     checkpoint: CheckpointConfig
     monitor: MonitorConfig
+    zero: ZeroSection
+    parallel: ParallelConfig
+    sparse_attention: SparseAttentionSection
     deepspeed_config: Optional[str] = None
     dp_world_size: int = setting(1, POSITIVE)
     batch: BatchTriad = field(init=False)

@@ -1,6 +1,6 @@
 """Models as pure functions of parameter pytrees."""
 
-from .gpt import GPT_RULES, GPTConfig, gpt, gpt_logical_axes
+from .gpt import GPT_RULES, GPTConfig, gpt, gpt_logical_axes, pad_vocab
 from .model import LogicalAxes, Model, count_params, functionalize
 from .ops import DENSE, DenseOps
 
@@ -8,5 +8,5 @@ gpt_rules = GPT_RULES  # the name used in plans: fs.tensor_slicing(fs.models.gpt
 
 __all__ = [
     "DENSE", "DenseOps", "GPT_RULES", "GPTConfig", "LogicalAxes", "Model", "count_params", "functionalize",
-    "gpt", "gpt_logical_axes", "gpt_rules",
+    "gpt", "gpt_logical_axes", "gpt_rules", "pad_vocab",
 ]

@@ -6,6 +6,10 @@ branches) draws from an explicit `torch.Generator`, so a step is a pure function
 (params, batch, generator seed). Attention-probability dropout is not offered: SDPA's dropout uses
 the global RNG, which would make steps irreproducible.
 
+With `attention="sparse"` every layer's attention is fspeed's block-sparse attention
+(`fspeed.sparse`) over the layout of `sparse_attention` (DeepSpeed's `sparse_attention` block),
+built once for `seq_len` (rounded up to the block) and causal; parameters are unchanged.
+
 Parameter paths and logical axes:
 
     wte [vocab, embed]          wpe [seq, embed]           head [vocab, embed] (untied only)
@@ -29,8 +33,11 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from ..sparse import SparseAttentionConfig, SparseSelfAttention
 from .model import LogicalAxes, Model
 from .ops import DENSE, DenseOps
+
+ATTENTIONS = ("dense", "sparse")
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,8 @@ class GPTConfig:
     dropout: float = 0.0
     tie_embeddings: bool = True
     init_std: float = 0.02
+    attention: str = "dense"  # "dense" (SDPA) or "sparse" (block-sparse, layout from sparse_attention)
+    sparse_attention: Optional[SparseAttentionConfig] = None  # None with attention="sparse": the JSON defaults
 
     def __post_init__(self):
         for key in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
@@ -60,14 +69,50 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1)")
         if self.init_std <= 0:
             raise ValueError(f"GPTConfig.init_std={self.init_std} must be > 0")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"GPTConfig.attention={self.attention!r} must be one of {ATTENTIONS}")
+        if self.sparse_attention is not None and not isinstance(self.sparse_attention, SparseAttentionConfig):
+            raise ValueError("GPTConfig.sparse_attention must be a fspeed.sparse.SparseAttentionConfig, got "
+                             f"{type(self.sparse_attention).__name__}")
 
     @property
     def hidden(self) -> int:
         return self.d_ff or 4 * self.d_model
 
 
+def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _attend(cfg: GPTConfig):
+    """Causal attention over [B, heads, S, head_dim]: SDPA, or block-sparse with the configured layout.
+
+    Under tensor slicing a rank holds fewer heads; a layout shared by all heads then serves any
+    head count, a per-head layout cannot (the rank's head offset is not known here).
+    """
+    if cfg.attention == "dense":
+        return _dense_attention
+    sparse = cfg.sparse_attention or SparseAttentionConfig()
+    length = -(-cfg.seq_len // sparse.block) * sparse.block
+    by_heads = {cfg.n_head: SparseSelfAttention(sparse.to_sparsity_config(cfg.n_head), max_seq_length=length,
+                                                causal=True, seed=sparse.seed)}
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        heads = q.shape[1]
+        if heads not in by_heads:
+            if sparse.different_layout_per_head:
+                raise ValueError(f"sparse attention with different_layout_per_head=True needs all {cfg.n_head} heads "
+                                 f"on one rank, got {heads} (tensor slicing): use a layout shared by all heads")
+            by_heads[heads] = SparseSelfAttention(sparse.to_sparsity_config(heads), max_seq_length=length,
+                                                  causal=True, seed=sparse.seed)
+        return by_heads[heads](q, k, v)
+
+    return attend
+
+
 def gpt(cfg: GPTConfig) -> Model:
     """The reference GPT as a `Model`. Batches are dicts with `inputs` and `targets`, both [B, S] long."""
+    attend = _attend(cfg)
 
     def init(generator: torch.Generator) -> dict:
         D, F_, V = cfg.d_model, cfg.hidden, cfg.vocab_size
@@ -117,7 +162,7 @@ def gpt(cfg: GPTConfig) -> Model:
         wte = ops.param(params["wte"])
         x = ops.embedding(inputs, wte, vocab_axis="vocab") + ops.param(params["wpe"])[:S]
         x = _dropout(x, cfg.dropout, rng)
-        x = ops.scan(functools.partial(_block, n_head=cfg.n_head, dropout=cfg.dropout, ops=ops),
+        x = ops.scan(functools.partial(_block, n_head=cfg.n_head, dropout=cfg.dropout, ops=ops, attend=attend),
                      params["blocks"], x, rng)
         x = _layer_norm(x, ops.param(params["ln_f"]))
         head = wte if cfg.tie_embeddings else ops.param(params["head"])
@@ -130,6 +175,12 @@ def gpt(cfg: GPTConfig) -> Model:
         return ops.cross_entropy(logits, batch["targets"], vocab_axis="vocab")
 
     return Model(init, apply, loss, gpt_logical_axes(cfg), name="gpt")
+
+
+def pad_vocab(vocab_size: int, multiple: int = 8) -> int:
+    """`vocab_size` rounded up to a multiple (Megatron pads the vocabulary so tensor slicing divides
+    it evenly and the embedding GEMMs stay aligned; the extra ids are never produced by the tokenizer)."""
+    return -(-vocab_size // multiple) * multiple
 
 
 GPT_RULES = (("heads", "model"), ("mlp", "model"), ("vocab", "model"))
@@ -159,13 +210,13 @@ def _layer_norm(x: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 def _block(p: dict, x: torch.Tensor, rng: Optional[torch.Generator], *, n_head: int, dropout: float,
-           ops: DenseOps) -> torch.Tensor:
+           ops: DenseOps, attend=_dense_attention) -> torch.Tensor:
     """One pre-LN block: x + attn(ln1(x)), then + mlp(ln2(x)). Heads and the MLP hidden dim are
     the logical axes tensor slicing shards (column-parallel in, row-parallel out)."""
     attn, mlp = p["attn"], p["mlp"]
     qkv = ops.linear(_layer_norm(x, p["ln1"]), attn["wqkv"], attn["bqkv"], out_axis="heads", in_axis="embed")
     q, k, v = rearrange(qkv, "b s (three h d) -> three b h s d", three=3, h=ops.local(n_head, "heads"))
-    y = rearrange(F.scaled_dot_product_attention(q, k, v, is_causal=True), "b h s d -> b s (h d)")
+    y = rearrange(attend(q, k, v), "b h s d -> b s (h d)")
     x = x + _dropout(ops.linear(y, attn["wo"], attn["bo"], out_axis="embed", in_axis="heads"), dropout, rng)
     h = F.gelu(ops.linear(_layer_norm(x, p["ln2"]), mlp["w_in"], mlp["b_in"], out_axis="mlp", in_axis="embed"))
     return x + _dropout(ops.linear(h, mlp["w_out"], mlp["b_out"], out_axis="embed", in_axis="mlp"), dropout, rng)
