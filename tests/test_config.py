@@ -304,8 +304,8 @@ def test_build_default_optimizer_precision_and_model():
     assert lr(0) == 0.0 and lr(25) == pytest.approx(base * 24 / 50)  # linear warm-up over 50 steps
     assert lr(steps - 1) > lr(steps) == pytest.approx(base * run.scheduler.cos_min_ratio)
     assert build_precision(run).name == "fp32"
-    gpt = build_model_config(run, vocab_size=97)
-    assert (gpt.vocab_size, gpt.n_layer, gpt.d_model, gpt.seq_len) == (97, 4, 128, 128)
+    gpt = build_model_config(run, vocab_size=97)  # the vocabulary is padded to a multiple of 8 x parallel.tensor
+    assert (gpt.vocab_size, gpt.n_layer, gpt.d_model, gpt.seq_len) == (104, 4, 128, 128)
 
 
 def test_build_without_clipping_and_with_each_precision():

@@ -30,6 +30,7 @@ from .. import checkpoint, data
 from ..config import ConfigError, Problem, prepare_overrides, to_run_config
 from ..config.build import build_model_config, build_optimizer, build_precision
 from ..config.schema import RunConfig
+from ..comm import CommLog
 from ..mesh import Mesh, init_distributed
 from ..models import GPT_RULES, count_params, gpt
 from ..plan import tensor_slicing, zero
@@ -47,8 +48,9 @@ def _parallel_setup(run: RunConfig):
     if world == 1 and run.zero.stage == 0 and run.parallel.tensor == 1:
         return None, None
     if world > 1:
-        init_distributed()
-    mesh = Mesh(data=run.parallel.data, model=run.parallel.tensor)
+        init_distributed(timeout_s=run.parallel.timeout_s)
+    log_comms = CommLog(enabled=run.comms_logger.enabled, verbose=run.comms_logger.verbose)
+    mesh = Mesh(data=run.parallel.data, model=run.parallel.tensor, log=log_comms)
     z = run.zero
     plan = zero(z.stage, reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
                 param_persistence_threshold=z.param_persistence_threshold, prefetch=z.prefetch)
@@ -197,6 +199,8 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     }
     if not lead:
         return summary
+    if mesh is not None and run.comms_logger.enabled:
+        print("\ncommunication (rank 0):\n" + mesh.log.summary())
     print(f"\nval loss {val_start:.4f} -> {val_loss:.4f} ({drop:.0%} lower) after {state.step} steps "
           f"({state.skipped_steps} skipped) in {train_time:.0f}s")
     if summary["metrics_csv"]:

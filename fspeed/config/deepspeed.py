@@ -424,6 +424,19 @@ def _tensor_parallel(ds: Mapping[str, Any], w: _Ledger) -> None:
             w.unsupported(f"tensor_parallel.{key}", value, "autotp_size only (fspeed slices by logical-axis rules)")
 
 
+def _comms_logger(ds: Mapping[str, Any], w: _Ledger) -> None:
+    block = w.block("comms_logger", ds["comms_logger"])
+    if block is None:
+        return
+    for key, value in block.items():
+        if key not in K.COMMS_LOGGER_KEYS:
+            w.unknown(f"comms_logger.{key}", value, K.COMMS_LOGGER_KEYS)
+        elif key in ("enabled", "verbose"):
+            w.emit(f"comms_logger.{key}", f"comms_logger.{key}", value)
+        else:
+            _at_default(w, f"comms_logger.{key}", value, K.COMMS_LOGGER_KEYS[key], "fspeed logs every op")
+
+
 def _csv_monitor(ds: Mapping[str, Any], w: _Ledger) -> None:
     block = w.block("csv_monitor", ds["csv_monitor"])
     if block is None:
@@ -513,6 +526,8 @@ def translate_deepspeed_config(ds: Mapping[str, Any]) -> DeepSpeedTranslation:
             _zero(ds, w)
         elif key == "tensor_parallel":
             _tensor_parallel(ds, w)
+        elif key == "comms_logger":
+            _comms_logger(ds, w)
         elif key == "csv_monitor":
             _csv_monitor(ds, w)
         elif key == "sparse_attention":

@@ -144,7 +144,7 @@ SCALAR_DEFAULTS: dict[str, Any] = {  # accepted only at DeepSpeed's default
 
 ENABLED_BLOCKS = (  # accepted when absent, empty or {"enabled": false, ...}
     "amp", "torch_autocast", "curriculum_learning", "data_efficiency", "progressive_layer_drop",
-    "flops_profiler", "tensorboard", "wandb", "comet", "comms_logger", "autotuning", "eigenvalue",
+    "flops_profiler", "tensorboard", "wandb", "comet", "autotuning", "eigenvalue",
     "elasticity", "quantize_training", "hybrid_engine", "compile", "nebula", "datastates", "expert_parallel",
 )
 

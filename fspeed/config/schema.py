@@ -349,6 +349,16 @@ class ParallelConfig(ValidatedConfig):
 
     data: int = setting(-1, FILL_OR_POSITIVE)
     tensor: int = setting(1, POSITIVE)
+    timeout_s: float = setting(300.0, POSITIVE)  # a collective waiting longer fails with a clear error
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommsLoggerConfig(ValidatedConfig):
+    """DeepSpeed's `comms_logger`: log every collective (op, size, latency, algbw, busbw); rank 0
+    prints the summary table at the end. `verbose` prints each op as it happens."""
+
+    enabled: bool = False
+    verbose: bool = False
 
 
 # ---------------------------------------------------------------------------------- the run
@@ -378,6 +388,7 @@ SECTIONS: dict[str, type] = {
     "monitor": MonitorConfig,
     "zero": ZeroSection,
     "parallel": ParallelConfig,
+    "comms_logger": CommsLoggerConfig,
     "sparse_attention": SparseAttentionSection,
 }
 """Sections with one fixed class (model is a Hydra group, but every option is a ModelConfig)."""
@@ -405,6 +416,7 @@ class RunConfig(ValidatedConfig):
     monitor: MonitorConfig
     zero: ZeroSection
     parallel: ParallelConfig
+    comms_logger: CommsLoggerConfig
     sparse_attention: SparseAttentionSection
     deepspeed_config: Optional[str] = None
     dp_world_size: int = setting(1, POSITIVE)
