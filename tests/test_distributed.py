@@ -43,9 +43,9 @@ def global_batch(cfg, rows, seed, step):
 
 
 def train(seed, steps, grad_accum, micro, opt_kind, precision="fp32", stage=None, tp=1, persistence=0, bucket=None,
-          mesh=None):
+          mesh=None, dims=None):
     """Train the tiny GPT; with a plan, each data rank takes its share of every global batch."""
-    cfg, model, params = gpt_setup(seed)
+    cfg, model, params = gpt_setup(seed, **(dims or {}))
     opt = make_opt(opt_kind)
     prec = getattr(fs.precision, precision)()
     plan = None
@@ -72,21 +72,22 @@ def train(seed, steps, grad_accum, micro, opt_kind, precision="fp32", stage=None
     return fs.Flat.from_tree(full).buffer, losses, norms, state
 
 
-def distributed_case(seed, steps, grad_accum, micro, opt_kind, stage, tp, precision="fp32", persistence=0, bucket=None):
+def distributed_case(seed, steps, grad_accum, micro, opt_kind, stage, tp, precision="fp32", persistence=0, bucket=None,
+                     dims=None):
     mesh = fs.Mesh(data=-1, model=tp)
     flat, losses, norms, state = train(seed, steps, grad_accum, micro, opt_kind, precision, stage, tp, persistence,
-                                       bucket, mesh)
+                                       bucket, mesh, dims)
     sizes = {"params": state.params.buffer.numel(),
              "master": state.master.buffer.numel() if state.master is not None else 0}
     return flat, losses, norms, sizes
 
 
 def assert_matches_one_process(results, seed, steps, grad_accum, micro, dp, opt_kind="sgd", precision="fp32",
-                               rtol=1e-5, atol=1e-6):
+                               rtol=1e-5, atol=1e-6, dims=None):
     """Every rank gathered the same parameters, equal to the one-process run on the global batches."""
     for flat, *_ in results:
         assert torch.equal(flat, results[0][0])
-    ref_flat, ref_losses, ref_norms, _ = train(seed, steps, grad_accum, micro * dp, opt_kind, precision)
+    ref_flat, ref_losses, ref_norms, _ = train(seed, steps, grad_accum, micro * dp, opt_kind, precision, dims=dims)
     torch.testing.assert_close(results[0][0], ref_flat, rtol=rtol, atol=atol)
     for got, want in zip(results[0][1], ref_losses):
         assert math.isclose(got, want, rel_tol=max(rtol, 1e-5), abs_tol=atol)
@@ -182,10 +183,15 @@ def test_per_rank_model_state_bytes_follow_the_zero_formulas(world4, stage):
 
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 1000), stage=st.sampled_from([0, 1, 2, 3]), grad_accum=st.sampled_from([1, 2, 3]),
-       micro=st.integers(1, 2), persistence=st.sampled_from([0, 300, 10**6]), bucket=st.sampled_from([None, 97, 1000]))
-def test_property_any_stage_layout_matches_one_process(world2, seed, stage, grad_accum, micro, persistence, bucket):
-    results = world2.run(distributed_case, seed, 2, grad_accum, micro, "sgd", stage, 1, "fp32", persistence, bucket)
-    assert_matches_one_process(results, seed, 2, grad_accum, micro, dp=2)
+       micro=st.integers(1, 2), persistence=st.sampled_from([0, 300, 10**6]), bucket=st.sampled_from([None, 97, 1000]),
+       n_layer=st.integers(1, 3), d_model=st.sampled_from([8, 16, 24]), vocab=st.integers(5, 40),
+       tp=st.sampled_from([1, 2]))
+def test_property_any_layout_matches_one_process(world2, seed, stage, grad_accum, micro, persistence, bucket, n_layer,
+                                                 d_model, vocab, tp):
+    dims = dict(n_layer=n_layer, d_model=d_model, n_head=4, vocab=fs.models.pad_vocab(vocab, 2 * tp))
+    results = world2.run(distributed_case, seed, 2, grad_accum, micro, "sgd", stage, tp, "fp32", persistence, bucket,
+                         dims)
+    assert_matches_one_process(results, seed, 2, grad_accum, micro, dp=2 // tp, dims=dims)
 
 
 def dying_rank_case():
