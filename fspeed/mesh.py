@@ -44,7 +44,8 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
 class Mesh:
     """Named axes over the default process group (see module docstring)."""
 
-    def __init__(self, data: int = -1, model: int = 1, pipe: int = 1, *, log: Optional[CommLog] = None):
+    def __init__(self, data: int = -1, model: int = 1, pipe: int = 1, *, log: Optional[CommLog] = None,
+                 timeout_s: Optional[float] = None):
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         sizes = {"pipe": pipe, "data": data, "model": model}
@@ -72,6 +73,8 @@ class Mesh:
         self.world_size = world
         self.rank = rank
         self.log = log if log is not None else CommLog(enabled=False)
+        # sub-groups would otherwise get torch's 30-minute default, whatever the world's timeout is
+        self.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else _world_timeout()
         self.coords = dict(zip(AXES, _unravel(rank, [sizes[a] for a in AXES])))
         self.comms = {axis: self._axis_comm(axis) for axis in AXES}
 
@@ -88,7 +91,7 @@ class Mesh:
                     coord = list(fixed)
                     coord[i] = k
                     ranks.append(_ravel(coord, shape))
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=self.timeout)
                 if self.rank in ranks:
                     mine, my_group = ranks, group
         return AxisComm(axis, my_group, mine or [self.rank], self.log)
@@ -142,6 +145,18 @@ class Mesh:
 
     def get_pipeline_model_parallel_group(self) -> Optional[dist.ProcessGroup]:
         return self.comms["pipe"].group
+
+
+def _world_timeout() -> Optional[datetime.timedelta]:
+    """The default process group's timeout (what `init_distributed(timeout_s=...)` set), if readable."""
+    if not dist.is_initialized():
+        return None
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _unravel(index: int, shape: list[int]) -> list[int]:

@@ -7,7 +7,8 @@ Spawning and initializing a world costs seconds, so a `GlooWorld` starts its pro
 runs many functions on them. Functions must be importable by module path (defined at the top
 level of a module) and their arguments and results picklable. A function that raises on any rank
 raises `WorkerError` here with that rank's traceback; a rank that dies or hangs past `timeout_s`
-fails the call instead of hanging the test run.
+fails the call instead of hanging the test run. `collective_timeout_s` (default `timeout_s`) is
+the process group's timeout: a collective waiting longer raises `fspeed.CommError` on its rank.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import queue
 import socket
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 
 class WorkerError(RuntimeError):
@@ -56,7 +57,8 @@ def _worker(rank: int, world: int, port: int, tasks, results, threads: int, time
 class GlooWorld:
     """`world_size` processes joined in a gloo process group, running submitted functions."""
 
-    def __init__(self, world_size: int, *, threads_per_rank: int = 1, timeout_s: float = 120.0):
+    def __init__(self, world_size: int, *, threads_per_rank: int = 1, timeout_s: float = 120.0,
+                 collective_timeout_s: Optional[float] = None):
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
         ctx = mp.get_context("spawn")
@@ -65,7 +67,8 @@ class GlooWorld:
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         port = _free_port()
         self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results,
-                                                        threads_per_rank, timeout_s), daemon=True)
+                                                        threads_per_rank, collective_timeout_s or timeout_s),
+                                  daemon=True)
                       for r in range(world_size)]
         for p in self.procs:
             p.start()

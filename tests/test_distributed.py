@@ -215,3 +215,24 @@ def test_a_dead_rank_makes_the_others_fail_with_a_clear_error():
     text = str(err.value)
     assert "rank 1 died (exit code 3)" in text
     assert "CommError" in text and "over mesh axis 'data'" in text and "peer rank" in text
+
+
+def straggler_case():
+    """Rank 1 never joins the all-reduce rank 0 issues: rank 0 must time out with a clear error."""
+    import time
+
+    mesh = fs.Mesh(data=-1)
+    if mesh.rank == 1:
+        time.sleep(5)
+        return "slept"
+    mesh.comm("data").all_reduce_(torch.ones(4))
+    return "reduced"
+
+
+def test_a_stuck_collective_times_out_with_a_clear_error():
+    with GlooWorld(2, timeout_s=60, collective_timeout_s=2) as world:
+        with pytest.raises(WorkerError) as err:
+            world.run(straggler_case)
+    text = str(err.value)
+    assert "1 rank(s)" in text and "--- rank 0" in text
+    assert "all_reduce over mesh axis 'data' (global ranks [0, 1]) failed after" in text
