@@ -10,7 +10,7 @@
     state, metrics = step(state, batch)
 """
 
-from . import checkpoint, data, models, optim, precision
+from . import checkpoint, data, models, optim, precision, sparse
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .comm import CommError, CommLog
 from .flat import Flat, FlatLayout
@@ -29,7 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CommError", "CommLog", "Mesh", "P", "PartitionSpec", "Plan", "ZeroConfig", "explain", "gather_params",
     "init_distributed", "tensor_slicing", "zero",
-    "CheckpointError", "checkpoint", "data", "load_checkpoint", "save_checkpoint",
+    "CheckpointError", "checkpoint", "data", "load_checkpoint", "save_checkpoint", "sparse",
     "DonatedStateError", "Flat", "FlatLayout", "LossScaleAtMinimumError", "LossScaleState", "Model",
     "TrainState", "functionalize", "init_train_state", "make_eval_step", "make_train_step", "models",
     "optim", "precision", "tree_flatten_with_paths", "tree_map", "tree_paths",

@@ -1,8 +1,10 @@
 """Block-sparse attention on CUDA tensors through the Numba CUDA kernels (`fspeed.kernels.sparse_attention_cuda`).
 
 Tensors reach the kernels zero-copy through `__cuda_array_interface__` (bf16 as its int16 bit
-pattern, since numba has no bf16 array type); outputs are fp32 buffers cast back by torch, on
-the default CUDA stream (numba's launches), which orders with torch's default stream. Needs numba-cuda; `require()` names the packages when it is missing.
+pattern, since numba has no bf16 array type); outputs are fp32 buffers cast back by torch.
+Kernels launch on the default CUDA stream, which orders with torch's default stream (not with
+other torch streams). Needs numba-cuda; `require()` names the packages when it is missing.
+Not run on a GPU yet: the kernels are verified in the simulator and compiled to PTX only.
 """
 
 from __future__ import annotations

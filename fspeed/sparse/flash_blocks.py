@@ -49,7 +49,8 @@ def _chunk_mask(ch: RowChunk, plan: BlockPlan, key_bias: Optional[torch.Tensor],
         if ch.all_diag:
             add(tri[None, None])
         else:
-            add(torch.where(ch.diag_rows.to(device)[:, None, None], tri, torch.zeros((), dtype=dtype, device=device))[None])
+            zero = torch.zeros((), dtype=dtype, device=device)
+            add(torch.where(ch.diag_rows.to(device)[:, None, None], tri, zero)[None])
     if key_bias is not None:
         kb = key_bias.view(key_bias.shape[0], plan.num_blocks, blk).index_select(1, ch.col_index.to(device))
         add(kb.view(key_bias.shape[0], R, 1, C * blk).to(dtype))

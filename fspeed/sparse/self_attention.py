@@ -45,7 +45,8 @@ class SparseSelfAttention:
 
     def __post_init__(self) -> None:
         if isinstance(self.sparsity_config, SparseAttentionConfig):
-            raise ValueError("SparseSelfAttention needs a layout family; use SparseAttentionConfig.to_sparsity_config(num_heads)")
+            raise ValueError("SparseSelfAttention needs a layout family; use "
+                             "SparseAttentionConfig.to_sparsity_config(num_heads)")
         block = self.sparsity_config.block
         if self.max_seq_length < block or self.max_seq_length % block:
             raise ValueError(f"max_seq_length={self.max_seq_length} must be a positive multiple of block={block}")
@@ -80,7 +81,8 @@ class SparseSelfAttention:
         """
         B, H, L, D = query.shape
         if H != self.sparsity_config.num_heads:
-            raise ValueError(f"query has {H} heads but the sparsity config has num_heads={self.sparsity_config.num_heads}")
+            raise ValueError(f"query has {H} heads but the sparsity config has "
+                             f"num_heads={self.sparsity_config.num_heads}")
         if L > self.max_seq_length:
             raise ValueError(f"sequence length {L} exceeds max_seq_length={self.max_seq_length}")
         pad = (-L) % self.block
@@ -144,7 +146,10 @@ def pad_to_block_size(block_size: int, input_ids: Optional[torch.Tensor] = None,
         input_ids = F.pad(input_ids, (0, pad_len), value=pad_token_id)
     if inputs_embeds is not None:
         pad_ids = torch.full((B, pad_len), pad_token_id, dtype=torch.long, device=inputs_embeds.device)
-        pad_embeds = embed(pad_ids) if embed is not None else inputs_embeds.new_zeros(B, pad_len, inputs_embeds.shape[-1])
+        if embed is not None:
+            pad_embeds = embed(pad_ids)
+        else:
+            pad_embeds = inputs_embeds.new_zeros(B, pad_len, inputs_embeds.shape[-1])
         inputs_embeds = torch.cat([inputs_embeds, pad_embeds], dim=-2)
     if position_ids is not None:
         position_ids = F.pad(position_ids, (0, pad_len), value=pad_token_id)

@@ -156,7 +156,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             dkv = ws.view(ws.dkv, Bs * R, C * blk, D)
             torch.bmm(p.transpose(1, 2), do_rows, out=dkv)
             dv[b].index_add_(1, ch.kv_index, dkv.view(Bs, R * C, blk * D))
-            ds = torch.bmm(do_rows, v_cols.view(Bs * R, C * blk, D).transpose(1, 2), out=ws.view(ws.dp, Bs * R, blk, C * blk))
+            ds = torch.bmm(do_rows, v_cols.view(Bs * R, C * blk, D).transpose(1, 2),
+                           out=ws.view(ws.dp, Bs * R, blk, C * blk))
             ds.sub_(delta[b].index_select(1, ch.q_index).view(Bs * R, blk, 1)).mul_(p)
             dq_rows = torch.bmm(ds, k_cols.view(Bs * R, C * blk, D), out=ws.view(ws.o, Bs * R, blk, D))
             dq[b].index_copy_(1, ch.q_index, dq_rows.view(Bs, R, blk * D))
