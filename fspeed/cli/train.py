@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import hydra
 import torch
+import torch.distributed as dist
 from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -244,6 +245,11 @@ def _hydra_app(cfg: DictConfig) -> Optional[float]:
         sys.exit(2)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     summary = run_training(run, out_dir)
+    if dist.is_initialized():
+        # Leave together and tear gloo down explicitly: a rank that exits while its process
+        # group's threads still run can die in std::terminate (seen as SIGABRT at exit).
+        dist.barrier()
+        dist.destroy_process_group()
     return summary["val_loss_end"]
 
 
