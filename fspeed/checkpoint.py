@@ -7,11 +7,16 @@ Layout of `dir/tag/`:
     meta.json             format, step, the non-tensor leaves (counters, scaler, lrs) by path,
                           client_state (tensors replaced by references), file sizes and sha256
 
+A sharded state (a ZeRO / tensor-slicing plan over several ranks) is saved by every rank
+together (`mesh=`): each rank streams its own part to `rank_00000.safetensors`, ... (its local
+flat buffers: a shard for ZeRO, a slice for tensor slicing), `meta.json` records the layout, and
+only the same plan on the same mesh sizes loads it back (resharding is not built yet).
+
 Saving is atomic: everything is written into a temporary directory, fsynced, and renamed into
 place; `latest` is replaced atomically afterwards. A crash at any point leaves the previous
 checkpoint intact and `latest` pointing at it. Loading runs no pickle (safetensors + JSON),
-verifies checksums, and fills a template state by path, so a checkpoint can be loaded into another
-layout (and, later, resharded). Tensors are streamed from their flat buffers: no copy of the
+verifies checksums, and fills a template state by path (so a one-process checkpoint loads into
+another precision). Tensors are streamed from their flat buffers: no copy of the
 state is made in memory.
 """
 
@@ -27,8 +32,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 
+from .comm import all_gather_objects
 from .flat import Flat
 from .pytree import tree_flatten_with_paths, tree_unflatten
 from .train_state import TrainState
@@ -161,50 +168,126 @@ def save_checkpoint(
     tag: Optional[str] = None,
     client_state: Optional[dict] = None,
     save_latest: bool = True,
+    mesh=None,
 ) -> Path:
     """Save `state` (and `client_state`) atomically under `directory/tag`; returns that path.
 
     `tag` defaults to `global_step{state.step}` as in DeepSpeed. Saving over an existing tag
-    replaces it atomically as well.
+    replaces it atomically as well. A sharded state (built with a plan on a mesh of several
+    ranks) needs `mesh=`: a collective, every rank writes its own file into the same directory
+    (a filesystem all ranks share), rank 0 writes the metadata once every file is on disk.
     """
     directory = Path(directory)
     tag = _check_tag(tag or f"global_step{state.step}")
+    if _is_sharded(state, mesh, "save_checkpoint"):
+        return _save_sharded(directory, state, tag, client_state, save_latest)
     tensors, scalars = state_entries(state)
     client_json = _split_client_state(client_state or {}, "", tensors)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=directory))
     try:
         _write_safetensors(tmp / TENSORS_FILE, tensors)
-        meta = {
-            "format": FORMAT,
-            "tag": tag,
-            "step": state.step,
-            "precision": state.precision.name,
-            "scalars": scalars,
-            "client_state": client_json,
-            "files": {TENSORS_FILE: {"bytes": (tmp / TENSORS_FILE).stat().st_size,
-                                     "sha256": _sha256(tmp / TENSORS_FILE)}},
-        }
-        with open(tmp / META_FILE, "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        final = directory / tag
-        old = None
-        if final.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{tag}.old-", dir=directory))
-            os.rename(final, old / tag)
-        os.rename(tmp, final)
-        _fsync_dir(directory)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        meta = _meta(tag, state, scalars, client_json, {TENSORS_FILE: _file_info(tmp / TENSORS_FILE)})
+        final = _publish(directory, tmp, tag, meta)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if save_latest:
         _write_latest(directory, tag)
     return final
+
+
+def _is_sharded(state: TrainState, mesh, what: str) -> bool:
+    """Whether `state` lives on several ranks (then each rank keeps its own file)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if state.layout is None or world == 1:
+        return False
+    if mesh is None:
+        raise ValueError(f"{what}: this state is sharded (zero stage {state.layout.stage} on mesh "
+                         f"{dict(state.layout.mesh_sizes)}); pass mesh= so that every rank takes part")
+    return True
+
+
+def _file_info(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _meta(tag: str, state: TrainState, scalars: dict, client_json: Any, files: dict) -> dict:
+    return {"format": FORMAT, "tag": tag, "step": state.step, "precision": state.precision.name,
+            "scalars": scalars, "client_state": client_json, "files": files}
+
+
+def _publish(directory: Path, tmp: Path, tag: str, meta: dict) -> Path:
+    """Write meta.json into `tmp`, then rename `tmp` to `directory/tag` (replacing it atomically)."""
+    with open(tmp / META_FILE, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    final = directory / tag
+    old = None
+    if final.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{tag}.old-", dir=directory))
+        os.rename(final, old / tag)
+    os.rename(tmp, final)
+    _fsync_dir(directory)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def layout_signature(layout) -> dict:
+    """What must be equal for a rank's saved file to fit a rank of another run (same shards)."""
+    return {
+        "stage": layout.stage,
+        "mesh": {axis: size for axis, size in layout.mesh_sizes},
+        "params": {p.path: [list(p.shape), str(p.spec)] for p in layout.params},
+        "sharded_units": {u.name: u.shard_numel for u in layout.units if u.sharded},
+    }
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+def _save_sharded(directory: Path, state: TrainState, tag: str, client_state: Optional[dict],
+                  save_latest: bool) -> Path:
+    rank = dist.get_rank()
+    tmp_name = None
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp_name = tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=directory)
+    tmp = Path(all_gather_objects(tmp_name, "checkpoint directory")[0])
+    tensors, scalars = state_entries(state)
+    client_json = _split_client_state(client_state or {}, "", tensors) if rank == 0 else None
+    try:
+        _write_safetensors(tmp / _rank_file(rank), tensors)
+        report = (True, _file_info(tmp / _rank_file(rank)))
+    except Exception as e:  # tell the other ranks before raising, so nobody waits or publishes
+        report = (False, f"{type(e).__name__}: {e}")
+    reports = all_gather_objects(report, "checkpoint files")
+    failed = [f"rank {r}: {info}" for r, (ok, info) in enumerate(reports) if not ok]
+    outcome = None
+    if rank == 0:
+        try:
+            if failed:
+                raise CheckpointError(f"saving {directory / tag} failed on {len(failed)} rank(s): "
+                                      + "; ".join(failed) + ". The previous checkpoint is untouched.")
+            meta = _meta(tag, state, scalars, client_json,
+                         {_rank_file(r): info for r, (_, info) in enumerate(reports)})
+            meta["layout"] = layout_signature(state.layout)
+            meta["client_file"] = _rank_file(0)
+            final = _publish(directory, tmp, tag, meta)
+            if save_latest:
+                _write_latest(directory, tag)
+            outcome = (True, str(final))
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            outcome = (False, str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
+    ok, detail = all_gather_objects(outcome, "checkpoint publish")[0]
+    if not ok:
+        raise CheckpointError(detail if failed or rank == 0 else f"rank 0 could not publish {directory / tag}: {detail}")
+    return Path(detail)
 
 
 def _write_latest(directory: Path, tag: str) -> None:
@@ -278,6 +361,7 @@ def load_checkpoint(
     *,
     tag: Optional[str] = None,
     load_optimizer_states: bool = True,
+    mesh=None,
 ) -> tuple[TrainState, dict]:
     """Load `directory/tag` (default: `latest`) into the buffers of `template`.
 
@@ -286,6 +370,8 @@ def load_checkpoint(
     saved params when the checkpoint had none; the loss scaler is restored only when the precision is
     the same. With `load_optimizer_states=False` only the weights
     are loaded and the optimizer state and counters stay as in `template`.
+    A sharded template needs `mesh=` (a collective) and a checkpoint saved with the same plan and
+    mesh sizes: each rank reads back its own file.
     Returns (state, client_state).
     """
     directory = Path(directory)
@@ -293,12 +379,54 @@ def load_checkpoint(
         tag = latest_tag(directory)
         if tag is None:
             raise CheckpointError(f"no checkpoint in {directory} (no '{LATEST_FILE}' file)")
+    if _is_sharded(template, mesh, "load_checkpoint"):
+        return _load_sharded(directory, template, tag, load_optimizer_states)
     path = _checkpoint_dir(directory, tag)
     meta = read_meta(path)
+    if "layout" in meta:
+        raise CheckpointError(f"{path} was saved by {len(meta['files'])} ranks (zero stage "
+                              f"{meta['layout']['stage']}, mesh {meta['layout']['mesh']}); load it with the same "
+                              "plan and mesh (mesh=...); converting it to one process is not supported yet")
     _verify_files(path, meta)
     reader = _tensor_reader(path / TENSORS_FILE)
-    saved_keys = set(reader.keys())
+    return _fill(template, meta, reader, path / TENSORS_FILE, load_optimizer_states), \
+        _join_client_state(meta.get("client_state", {}), reader.get_tensor)
 
+
+def _load_sharded(directory: Path, template: TrainState, tag: str, load_optimizer_states: bool):
+    rank = dist.get_rank()
+    result, client, error = None, None, None
+    try:
+        path = _checkpoint_dir(directory, tag)
+        meta = read_meta(path)
+        saved = meta.get("layout")
+        wanted = layout_signature(template.layout)
+        if saved != wanted:
+            if saved is None:
+                raise CheckpointError(f"{path} was saved by one process; loading it into a sharded state "
+                                      f"(zero stage {wanted['stage']}, mesh {wanted['mesh']}) is not supported yet")
+            diff = [k for k in wanted if saved.get(k) != wanted[k]]
+            raise CheckpointError(
+                f"{path} was saved with another layout ({', '.join(diff)} differ: saved zero stage "
+                f"{saved['stage']} on mesh {saved['mesh']}, this state has zero stage {wanted['stage']} on mesh "
+                f"{wanted['mesh']}); resume with the plan and mesh it was saved with")
+        name = _rank_file(rank)
+        _verify_files(path, {"files": {name: meta["files"][name]}})
+        result = _fill(template, meta, _tensor_reader(path / name), path / name, load_optimizer_states)
+        client_file = path / meta["client_file"]
+        client = _join_client_state(meta.get("client_state", {}), _tensor_reader(client_file).get_tensor)
+    except (CheckpointError, OSError, KeyError) as e:
+        error = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+    errors = [f"rank {r}: {err}" for r, err in enumerate(all_gather_objects(error, "checkpoint load")) if err]
+    if errors:
+        raise CheckpointError(f"loading {directory / tag} failed on {len(errors)} rank(s): " + "; ".join(errors))
+    return result, client
+
+
+def _fill(template: TrainState, meta: dict, reader, file: Path, load_optimizer_states: bool) -> TrainState:
+    """Copy the saved tensors into `template`'s buffers (and, with optimizer states, its scalars)."""
+    path = file.parent
+    saved_keys = set(reader.keys())
     tensors, scalars = state_entries(template)
     weights_only = not load_optimizer_states
     wanted = {k: v for k, v in tensors.items()
@@ -316,7 +444,7 @@ def load_checkpoint(
         try:
             value = reader.get_tensor(source_key)
         except Exception as e:
-            raise CheckpointError(f"{path / TENSORS_FILE}: cannot read tensor {source_key!r} ({e})") from None
+            raise CheckpointError(f"{file}: cannot read tensor {source_key!r} ({e})") from None
         if tuple(value.shape) != tuple(target.shape):
             raise CheckpointError(
                 f"{path}: tensor {source_key!r} has shape {list(value.shape)}, the state expects {list(target.shape)}"
@@ -335,8 +463,7 @@ def load_checkpoint(
             raise CheckpointError(f"{path / META_FILE} lacks state fields {missing_scalars[:4]}")
         state = _replace_scalars(template, saved_scalars)
         template.donate()
-    client = _join_client_state(meta.get("client_state", {}), reader.get_tensor)
-    return state, client
+    return state
 
 
 def _source_key(key: str, saved_keys: set[str], template_has_master: bool) -> Optional[str]:

@@ -96,8 +96,19 @@ def test_launch_runs_zero3_on_two_ranks(tmp_path):
     with open(tmp_path / "run" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["step"] for r in rows] == ["0", "1", "2", "3", "4"]  # rank 0 alone writes
-    assert "weights only" in proc.stdout
-    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "global_step4"
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert (ckpt / "latest").read_text() == "global_step4"
+    assert sorted(p.name for p in (ckpt / "global_step4").iterdir()) == [
+        "meta.json", "rank_00000.safetensors", "rank_00001.safetensors"]
+
+    proc = fspeed_train("--launch", "zero.stage=3", "zero.param_persistence_threshold=1000", "parallel.data=2",
+                        "train.steps=6", "train.eval_every=2", "data.max_bytes=300000", "model.n_layer=2",
+                        "checkpoint.resume=true", f"checkpoint.dir={ckpt}", f"hydra.run.dir={tmp_path / 'resumed'}",
+                        "monitor.progress_bar=false", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout + proc.stderr and "at step 4" in proc.stdout + proc.stderr
+    with open(tmp_path / "resumed" / "metrics.csv") as f:
+        assert [r["step"] for r in csv.DictReader(f)] == ["4", "5", "6"]
 
     proc = fspeed_train("--launch", "zero.stage=1", "train.steps=2", cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and "--launch needs the number of data-parallel ranks" in proc.stderr

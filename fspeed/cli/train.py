@@ -35,7 +35,6 @@ from ..comm import CommLog
 from ..mesh import Mesh, init_distributed
 from ..models import GPT_RULES, count_params, gpt
 from ..plan import tensor_slicing, zero
-from ..zero import gather_params
 from ..monitor import CSVMonitor
 from ..train_state import init_train_state
 from ..train_step import make_eval_step, make_train_step
@@ -88,9 +87,6 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     lead = mesh is None or mesh.rank == 0
     if not lead:
         log.setLevel(logging.WARNING)
-    if mesh is not None and run.checkpoint.resume and mesh.world_size > 1:
-        raise ConfigError([Problem("checkpoint.resume", "resuming a multi-process run is not built yet: "
-                                   "distributed runs save weights-only checkpoints", True, "false")])
 
     t0 = time.perf_counter()
     if run.data.corpus == "stdlib":
@@ -123,7 +119,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     state = init_train_state(params, optimizer, precision=precision, seed=t.seed, plan=plan, mesh=mesh,
                              logical_axes=model.logical_axes)
     if resume_tag is not None:
-        state, _ = checkpoint.load_checkpoint(ckpt_dir, state, tag=resume_tag)
+        state, _ = checkpoint.load_checkpoint(ckpt_dir, state, tag=resume_tag, mesh=mesh)
         log.info("resumed from %s at step %d", ckpt_dir / resume_tag, state.step)
     log.info(
         "%s: %s parameters, vocab %d (%s), %s tokens (%d train / %d val windows of %d), batch %s, "
@@ -136,14 +132,8 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     train_step = make_train_step(model.loss, optimizer, grad_accum=triad.grad_accum, plan=plan, mesh=mesh)
     eval_step = make_eval_step(model.loss, plan=plan, mesh=mesh)
 
-    def save(s):
-        if mesh is None:
-            return checkpoint.save_checkpoint(ckpt_dir, s, client_state=client_state)
-        full = gather_params(s, mesh)  # a collective: every rank takes part, rank 0 writes
-        if not lead:
-            return None
-        weights = init_train_state(full, optimizer, seed=t.seed).replace(step=s.step, samples=s.samples)
-        return checkpoint.save_checkpoint(ckpt_dir, weights, client_state={**client_state, "weights_only": True})
+    def save(s):  # with a mesh, a collective: every rank writes its own shard
+        return checkpoint.save_checkpoint(ckpt_dir, s, client_state=client_state, mesh=mesh)
 
     def evaluate(s) -> float:
         return sum(eval_step(s, b) for b in val_batches) / len(val_batches)
@@ -206,10 +196,8 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
           f"({state.skipped_steps} skipped) in {train_time:.0f}s")
     if summary["metrics_csv"]:
         print(f"metrics:    {summary['metrics_csv']}")
-    if mesh is not None and mesh.world_size > 1:
-        print(f"checkpoint: {path}  (weights only: fp32 parameters gathered from all ranks)")
-    else:
-        print(f"checkpoint: {path}  (resume with checkpoint.resume=true checkpoint.dir={ckpt_dir})")
+    same = " and the same zero/parallel settings" if mesh is not None and mesh.world_size > 1 else ""
+    print(f"checkpoint: {path}  (resume with checkpoint.resume=true checkpoint.dir={ckpt_dir}{same})")
     return summary
 
 
