@@ -22,7 +22,7 @@ import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -397,11 +397,29 @@ def reduce_in_group(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     return x if comm.size == 1 else _ReduceInGroup.apply(x, comm)
 
 
+def all_gather_objects(obj: Any, what: str) -> list:
+    """Every rank's `obj` (small, picklable), in global rank order, over the whole world.
+
+    For agreeing on decisions (did every rank write its file?), not for tensors. A failure
+    raises CommError naming `what`.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    start = time.perf_counter()
+    try:
+        dist.all_gather_object(out, obj)
+    except (RuntimeError, dist.DistBackendError) as err:
+        raise CommError(f"all_gather_object ({what}) failed after {time.perf_counter() - start:.1f}s on rank "
+                        f"{dist.get_rank()}: {err}. A peer rank probably crashed or took another code path.") from err
+    return out
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b) if b else a
 
 
 __all__ = [
-    "AxisComm", "CommError", "CommLog", "bus_bandwidth", "ceil_div", "copy_to_group", "gather_shards",
+    "AxisComm", "CommError", "CommLog", "all_gather_objects", "bus_bandwidth", "ceil_div", "copy_to_group", "gather_shards",
     "reduce_in_group",
 ]
