@@ -8,11 +8,13 @@ vocabulary-parallel cross-entropy combines per-rank max, sum of exponentials and
 so full logits never exist on one rank.
 
 ZeRO-3: `param` gathers a sharded unit with `gather_shards` (all-gather forward, reduce-scatter
-backward). `scan` runs each sharded block unit through `_UnitCall`: forward gathers the unit,
-runs the block without recording a graph and frees the gathered weights; backward gathers them
-again, recomputes the block under `torch.func.vjp` and reduce-scatters the weight gradient to the
-shard. While one unit computes, the next one's all-gather is already in flight (forward: next
-block; backward: previous block).
+backward). `scan` runs each sharded block unit through `_GatheredUnit`: forward gathers the unit,
+records the block's graph and frees the gathered weights (the graph keeps empty views of them);
+backward gathers them again into the same storage, runs the recorded backward and
+reduce-scatters the weight gradient to the shard. Nothing is recomputed, as in DeepSpeed
+(`recompute_blocks` trades a third more compute for keeping only each block's input). While one
+unit computes, the next one's all-gather is already in flight (forward: next block; backward:
+previous block).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from .comm import AxisComm, copy_to_group, gather_shards, reduce_in_group
+from .comm import AxisComm, copy_to_group, gather_shards, reduce_in_group, unwrapped
 from .models.ops import BlockFn, DenseOps, flat_linear
 from .plan import Layout, ShardedUnit
 
@@ -52,6 +54,7 @@ class ShardedOps(DenseOps):
         self.model: AxisComm = mesh.comm("model")
         self.data: AxisComm = mesh.comm("data")
         self.tensor_axes = frozenset(tensor_axes) if self.model.size > 1 else frozenset()
+        self.recompute = getattr(layout.zero, "recompute_blocks", False)
 
     # -- ZeRO-3 -------------------------------------------------------------------------
 
@@ -68,7 +71,7 @@ class ShardedOps(DenseOps):
         prefetch = _Prefetcher(blocks, self.data, self.layout.zero.prefetch)
         for i, block in enumerate(blocks):
             if isinstance(block, ShardedUnit):
-                call = _UnitCall(fn, block.unit, self.data, prefetch, i, rng)
+                call = _UnitCall(fn, block.unit, self.data, prefetch, i, rng, self.recompute)
                 x = _GatheredUnit.apply(x, block.shard, call)
             else:
                 x = fn(block, x, rng)
@@ -136,8 +139,11 @@ class _UnitCall:
     """Everything a block unit's forward and backward need, besides the tensors."""
 
     def __init__(self, fn: BlockFn, unit, comm: AxisComm, prefetch: _Prefetcher, index: int,
-                 rng: Optional[torch.Generator]):
+                 rng: Optional[torch.Generator], recompute: bool):
         self.fn, self.unit, self.comm, self.prefetch, self.index = fn, unit, comm, prefetch, index
+        self.recompute = recompute
+        self.vjp = self.full = None
+        self.nbytes = 0
         self.rng_state = rng.get_state() if rng is not None else None
         self.rng_device = rng.device if rng is not None else None
 
@@ -153,26 +159,54 @@ class _UnitCall:
 
 
 class _GatheredUnit(torch.autograd.Function):
+    """A block unit whose weights exist gathered only while it computes (forward, then backward).
+
+    Forward gathers the unit and records the block's graph (`torch.func.vjp`), then frees the
+    gathered storage: the graph keeps views of it, which hold no memory while it is empty.
+    Backward gathers again into that same storage (no version bump: the bits are what the graph
+    saw) and runs the recorded vjp, so no activations are recomputed. With `recompute=True` the
+    forward keeps nothing but the block input and backward recomputes the block (activation
+    checkpointing: less memory, a third more compute).
+    """
+
     @staticmethod
     def forward(x, shard, call: _UnitCall):
         full = call.prefetch.take(call.index, shard)
         call.prefetch.start(call.index + 1)
-        with torch.no_grad():
-            return call.run(full, x)
+        if call.recompute:
+            with torch.no_grad():
+                return call.run(full, x)
+        with torch.enable_grad():
+            out, call.vjp = torch.func.vjp(call.run, full, x)
+        call.full, call.nbytes = full, full.untyped_storage().nbytes()
+        full.untyped_storage().resize_(0)
+        return out
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, shard, call = inputs
-        ctx.save_for_backward(x, shard)
+        ctx.save_for_backward(x, shard) if call.recompute else ctx.save_for_backward(shard)
         ctx.call = call
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, shard = ctx.saved_tensors
         call = ctx.call
+        shard = ctx.saved_tensors[-1]
         full = call.prefetch.take(call.index, shard)
         call.prefetch.start(call.index - 1)
-        with torch.enable_grad():
-            _, vjp = torch.func.vjp(call.run, full, x)
-            grad_full, grad_x = vjp(grad_out)
+        if call.recompute:
+            with torch.enable_grad():
+                _, vjp = torch.func.vjp(call.run, full, ctx.saved_tensors[0])
+                grad_full, grad_x = vjp(grad_out)
+        else:
+            storage = call.full.untyped_storage()
+            storage.resize_(call.nbytes)
+            # Below torch.func and through .data: a plain memory copy that the graph's saved views
+            # (of this very storage) neither see as a mutation nor as a version bump.
+            with torch._C._DisableFuncTorch(), torch.no_grad():
+                call.full.data.copy_(unwrapped(full))
+            del full
+            grad_full, grad_x = call.vjp(grad_out)
+            storage.resize_(0)
+            call.vjp = call.full = None
         return grad_x, call.comm.reduce_scattered(grad_full), None

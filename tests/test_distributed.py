@@ -315,3 +315,30 @@ def test_a_save_failing_on_one_rank_keeps_the_last_checkpoint(world2, tmp_path):
         assert "rank 1: OSError: disk full" in failure and "previous checkpoint is untouched" in failure
         assert latest == "global_step2" and "rank_00001.safetensors" in files
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left
+
+
+def gathered_bytes_case():
+    """Bytes of gathered ZeRO-3 weights still held when each unit's backward starts."""
+    import fspeed.sharded_ops as so
+    calls, held = [], []
+    real_init, real_backward = so._UnitCall.__init__, so._GatheredUnit.backward
+
+    def init(self, *args):
+        real_init(self, *args)
+        calls.append(self)
+
+    def backward(ctx, grad):
+        held.append(sum(c.full.untyped_storage().nbytes() for c in calls if c.full is not None))
+        return real_backward(ctx, grad)
+    so._UnitCall.__init__, so._GatheredUnit.backward = init, staticmethod(backward)
+    try:
+        flat, *_ = distributed_case(1, 1, 1, 2, "sgd", 3, 1, dims={"n_layer": 3, "d_model": 32})
+    finally:
+        so._UnitCall.__init__, so._GatheredUnit.backward = real_init, staticmethod(real_backward)
+    return len(calls), held
+
+
+def test_zero3_frees_gathered_layers_between_forward_and_backward(world2):
+    for n_calls, held in world2.run(gathered_bytes_case):
+        assert n_calls == 3 and len(held) == 3
+        assert held == [0, 0, 0]  # every gathered layer was freed after its forward
