@@ -73,15 +73,16 @@ def main() -> None:
     while state.step < args.steps:
         state, metrics = train_step(state, train.batch(state.step))
         if state.step % 50 == 0 or state.step == args.steps:
-            val = val_loss(state)
+            current = val_loss(state)
             if lead:
                 print(f"step {state.step}: loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} "
-                      f"grad_norm {metrics['grad_norm']:.3f} val {val:.4f}")
-    if mesh is None:
-        path = fs.save_checkpoint(args.checkpoint_dir, state, client_state={"tokenizer": tokenizer.to_dict()})
+                      f"grad_norm {metrics['grad_norm']:.3f} val {current:.4f}")
+    # Resumable: with a mesh every rank writes its own shard (fs.load_checkpoint(..., mesh=mesh) reads it back)
+    path = fs.save_checkpoint(args.checkpoint_dir, state, client_state={"tokenizer": tokenizer.to_dict()}, mesh=mesh)
+    if lead:
         print(f"checkpoint: {path}")
-    else:
-        weights = fs.gather_params(state, mesh)  # every rank takes part
+    if mesh is not None:
+        weights = fs.gather_params(state, mesh)  # full fp32 weights, for use anywhere; every rank takes part
         if lead:
             torch.save(weights, "gpt_weights.pt")
             print("full fp32 weights gathered from all ranks: gpt_weights.pt")
