@@ -250,6 +250,19 @@ class AxisComm:
         self.log.record("all_gather", self.name, _nbytes(part), time.perf_counter() - start, self.size)
         return out
 
+    def all_to_all(self, send: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Equal-split all-to-all: chunk i of `send` ([size * C]) goes to rank i; chunk j of `out`
+        comes from rank j. Logged with the per-rank input size, as DeepSpeed's all_to_all_single."""
+        if send.numel() != out.numel() or send.numel() % self.size:
+            raise ValueError(f"all_to_all on {self.name!r}: input has {send.numel()} elements, output "
+                             f"{out.numel()}; both must be equal and divisible by the axis size {self.size}")
+        if self.size == 1:
+            return out.copy_(send)
+        self._check("all_to_all", send, out)
+        self._run("all_to_all", _nbytes(send),
+                  lambda: dist.all_to_all_single(out, send, group=self.group, async_op=True))
+        return out
+
     # -- functional collectives, used inside autograd Functions ------------------------------
 
     def _funcol(self, op: str, nbytes: int, call) -> torch.Tensor:

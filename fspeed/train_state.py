@@ -24,6 +24,7 @@ from .loss_scale import LossScaleState, init_loss_scale
 from .optim.base import GradientTransformation, learning_rate
 from .plan import Layout, Plan, resolve
 from .precision import Precision, fp32
+from .offload import check_optimizer_for_offload
 from .zero import build_param_state
 from .pytree import PyTree, register_node
 
@@ -172,3 +173,4 @@ def check_optimizer_for_layout(optimizer: GradientTransformation, layout: Layout
             "tensor-sliced parameters yet (DeepSpeed likewise rejects LAMB under ZeRO). Use adam/adamw/sgd, "
             "or zero stage 0 without tensor slicing."
         )
+    check_optimizer_for_offload(_transform_names(optimizer), layout)

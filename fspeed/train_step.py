@@ -36,11 +36,11 @@ import torch
 
 from .flat import Flat
 from .loss_scale import update_loss_scale
-from .optim.base import GradientTransformation, chain, optimizer_step
+from .optim.base import GradientTransformation, chain, needs_full_allreduce, optimizer_step
 from .optim.clipping import clip_coefficient
 from .plan import Plan, ShardedUnit
 from .pytree import PyTree, tree_flatten_with_paths, tree_leaves, tree_map, tree_unflatten
-from .sharded_ops import ShardedOps
+from .offload import sharded_ops_for
 from .train_state import TrainState
 from .zero import LocalRuntime, ZeroRuntime
 
@@ -127,7 +127,7 @@ def make_train_step(
                 raise ValueError("tensor slicing needs a parallel-aware loss (one that accepts ops=, like the "
                                  "reference GPT's); functionalize(nn.Module) models support ZeRO stages 0-3 only")
             runtimes.clear()
-            runtimes[layout] = (ZeroRuntime(layout, mesh), ShardedOps(layout, mesh, layout.tensor_axes))
+            runtimes[layout] = (ZeroRuntime(layout, mesh), sharded_ops_for(layout, mesh))
         return runtimes[layout]
     # Mutable module state (functionalize's BatchNorm statistics) must enter the transformed
     # function as an input to be updated in place under torch.func.
@@ -166,7 +166,7 @@ def make_train_step(
         runtime, ops = runtime_for(state)
         multiplier = scaler.scale / (grad_accum * runtime.n)  # summed over data ranks = the mean
         micro_batches = split_micro_batches(batch, grad_accum)
-        generator = torch.Generator(device=params.device)
+        generator = torch.Generator(device=runtime.compute_device(params))
         if state.layout is not None and state.layout.stage == 2:
             # ZeRO-2 keeps only the reduce-scattered slice: the full buffer lives for this step only
             acc = torch.zeros(params.buffer.numel(), dtype=precision.grad_accum_dtype, device=params.device)
@@ -185,9 +185,17 @@ def make_train_step(
             losses.append(loss)
         mean_loss = runtime.mean_over_data(float(torch.stack(losses).mean()))
 
-        grads = runtime.reduce(acc, params.layout)
+        # optimizers that communicate themselves (1-bit family) may take the local gradient instead
+        allreduce = needs_full_allreduce(rest, state.opt_state[1:] if clip_norm is not None else state.opt_state)
+        if rest.gradient_allreduce is not None:
+            check_self_communicating(rest, state.layout)
+        grads = runtime.reduce(acc, params.layout) if allreduce else Flat(acc, params.layout)
         scaled_norm = runtime.grad_norm(grads)
         overflow = precision.check_overflow and not math.isfinite(scaled_norm)
+        local_scale = 1 if allreduce else runtime.n  # a local gradient of the pre-divided loss is 1/n of its mean
+        if not allreduce and precision.check_overflow and runtime.n > 1:
+            # ranks must agree on skipping: DeepSpeed all-reduces the overflow flag (MAX) in this mode too
+            overflow = runtime.data.all_reduce_scalar(float(overflow), "max") > 0
         new_scaler = update_loss_scale(precision.loss_scale, scaler, overflow)  # may raise at min scale
         lr = state.lr
         samples = state.samples + _rows(batch) * runtime.n
@@ -205,28 +213,40 @@ def make_train_step(
             return _next_state(state, fields, new_scaler, samples, skipped=1), metrics
 
         unscale = new_scaler.scale if precision.unscale_with_updated_scale else scaler.scale
-        grad_norm = scaled_norm / unscale
-        factor = 1.0 / unscale
+        grad_norm = scaled_norm * local_scale / unscale  # a local gradient's own norm (DeepSpeed clips by it too)
+        factor = local_scale / unscale
         if clip_norm is not None:
             factor *= clip_coefficient(grad_norm, clip_norm)
         if factor != 1.0:
             grads.buffer.mul_(factor)  # unscale and clip in one pass
         master = fields["master"] if fields["master"] is not None else fields["params"]
-        cast_to = _local_image(master, fields["params"])
+        cast_to = runtime.cast_target(master, fields["params"])  # never a device tensor for a CPU (offload) update
         opt_state = fields["opt_state"]
+        data_comm = getattr(runtime, "data", None)  # for optimizers that communicate themselves
         if clip_norm is not None:
-            master, rest_state = optimizer_step(rest, grads, opt_state[1:], master, cast_to=cast_to)
+            master, rest_state = optimizer_step(rest, grads, opt_state[1:], master, cast_to=cast_to, comm=data_comm)
             opt_state = (opt_state[0],) + tuple(rest_state)
         else:
-            master, opt_state = optimizer_step(rest, grads, opt_state, master, cast_to=cast_to)
-        if cast_to is None:
-            runtime.write_back(master, fields["params"])  # cast masters to the compute copy (all-gather: ZeRO-1/2)
+            master, opt_state = optimizer_step(rest, grads, opt_state, master, cast_to=cast_to, comm=data_comm)
+        runtime.write_back(master, fields["params"], cast_to)  # cast/upload; all-gather for ZeRO-1/2
         fields["opt_state"] = opt_state
         metrics["grad_norm"] = grad_norm
         return _next_state(state, fields, new_scaler, samples, skipped=0), metrics
 
     train_step.persistent_grad_bytes = persistent_grad_bytes
     return train_step
+
+
+def check_self_communicating(optimizer: GradientTransformation, layout) -> None:
+    """An optimizer that does its own data-parallel communication (1-bit family) needs whole,
+    replicated buffers: ZeRO stage 0 without tensor slicing (DeepSpeed likewise asserts no ZeRO)."""
+    if layout is not None and (layout.stage >= 1 or layout.model_size > 1):
+        what = f"ZeRO stage {layout.stage}" if layout.stage >= 1 else f"tensor slicing over {layout.model_size} ranks"
+        raise ValueError(
+            f"{optimizer.info!r} compresses the data-parallel all-reduce of whole replicated buffers and cannot "
+            f"run with {what}; allowed: zero stage 0 without tensor slicing (DeepSpeed's 1-bit optimizers are not "
+            "compatible with ZeRO either). Use adam/adamw/lamb for ZeRO >= 1."
+        )
 
 
 def _rows(batch: PyTree) -> int:
@@ -247,14 +267,6 @@ def _next_state(old: TrainState, fields: dict, scaler, samples: int, skipped: in
         precision=old.precision,
         layout=old.layout,
     )
-
-
-def _local_image(master: Flat, params: Flat) -> Optional[Flat]:
-    """`params` when it is a separate, same-layout copy of `master` (then the optimizer writes it,
-    cast, in its update pass); None when there is nothing to cast (fp32) or when the runtime must
-    write it back itself (ZeRO-1/2 all-gather the updated partitions)."""
-    same = master.buffer.data_ptr() == params.buffer.data_ptr()
-    return params if not same and master.layout == params.layout and master.buffer.shape == params.buffer.shape else None
 
 
 def _accepts_keyword(fn: Callable, name: str) -> bool:
@@ -280,7 +292,7 @@ def make_eval_step(loss_fn: LossFn, *, plan: Optional[Plan] = None, mesh=None) -
             return float(loss_fn(state.params.tree(), batch, rng=None))
         if mesh is None:
             raise ValueError("this state was built with a plan; pass plan= and mesh= to make_eval_step too")
-        ops = ShardedOps(layout, mesh, layout.tensor_axes)
+        ops = sharded_ops_for(layout, mesh)
         params = state.params.tree()
         if accepts_ops:
             loss = loss_fn(params, batch, rng=None, ops=ops)

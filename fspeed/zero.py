@@ -13,6 +13,8 @@ At the boundary: stage 0 all-reduces the accumulated gradient; stages 1-2 reduce
 the rank's slice; stage 3's shards arrive reduced from the backward pass (resident units are
 all-reduced). The optimizer updates the local masters; stages 1-2 then all-gather the updated
 compute parameters. Collectives are bucketed (`reduce_bucket_size`, `allgather_bucket_size`).
+With ZeRO-Offload (`zero.offload_optimizer`, `zero.offload_param`) masters and optimizer state
+live on CPU and the reduced gradient goes down / the updated parameters come up (`fspeed.offload`).
 Gradients are summed over data ranks; the loss is pre-divided by the data size, so the sum is the
 mean DeepSpeed computes.
 """
@@ -24,6 +26,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .flat import Flat, FlatLayout
+from .offload import HostDeviceCopies, compute_device, host_buffer, offloads_optimizer, offloads_params, to_host
 from .pytree import PyTree, tree_flatten_with_paths, tree_map, tree_unflatten
 from .plan import Layout, ShardedUnit, replace_units, subtree
 from .precision import Precision
@@ -44,9 +47,15 @@ def local_params(params: PyTree, layout: Layout) -> PyTree:
 
 def build_param_state(params: PyTree, layout: Layout, precision: Precision,
                       device: Optional[torch.device | str] = None) -> tuple[Flat, Optional[Flat], Flat]:
-    """(compute params, fp32 masters or None, what the optimizer updates) for this rank."""
+    """(compute params, fp32 masters or None, what the optimizer updates) for this rank.
+
+    With `offload_optimizer.device="cpu"` the masters (and so the optimizer state built from
+    them) are a CPU copy, pinned where CUDA exists; with `offload_param` too, the stage-3
+    compute shards are CPU buffers as well.
+    """
     local = local_params(params, layout)
     n, rank = layout.data_size, dict(layout.mesh_coords).get("data", 0)
+    offload = layout.zero.offload_optimizer
     if layout.stage == 3:
         shards = {}
         for unit in layout.sharded_units:
@@ -54,6 +63,17 @@ def build_param_state(params: PyTree, layout: Layout, precision: Precision,
             flat = torch.cat([flat, flat.new_zeros(unit.shard_numel * n - flat.numel())])
             shards[unit.name] = ShardedUnit(flat[rank * unit.shard_numel:(rank + 1) * unit.shard_numel].clone(), unit)
         storage = Flat.from_tree(replace_units(local, shards), dtype=torch.float32, device=device)
+        if offloads_params(layout):  # everything on the host; the optimizer writes the compute shards
+            storage = storage.with_buffer(to_host(storage.buffer, offload.pin_memory))
+            if not precision.has_master:
+                return storage, None, storage
+            pin = layout.zero.offload_param.pin_memory
+            compute = storage.with_buffer(to_host(storage.buffer.to(precision.param_dtype), pin))
+            return compute, storage, storage
+        if offload.enabled:
+            compute = storage.to(precision.param_dtype)
+            master = storage.with_buffer(to_host(storage.buffer, offload.pin_memory))
+            return compute, master, master
         compute = storage.to(precision.param_dtype) if precision.has_master else storage
         master = storage if precision.has_master else None
         return compute, master, storage
@@ -64,7 +84,8 @@ def build_param_state(params: PyTree, layout: Layout, precision: Precision,
         master = full if precision.has_master else None
         return compute, master, full
     p = layout.partition_numel
-    part = Flat(full.buffer[rank * p:(rank + 1) * p].clone(), partition_layout(p))
+    piece = full.buffer[rank * p:(rank + 1) * p]
+    part = Flat(to_host(piece, offload.pin_memory) if offload.enabled else piece.clone(), partition_layout(p))
     return compute, part, part
 
 
@@ -88,11 +109,33 @@ class ZeroRuntime:
         self.rank = self.data.rank
         self._pieces_for: dict = {}
         self._partition: Optional[torch.Tensor] = None  # stages 1-2: the reduce-scattered gradient slice
+        self.offload = offloads_optimizer(layout)
+        self.offload_params = offloads_params(layout)
+        self._copies = HostDeviceCopies()
+        self._host: dict[str, torch.Tensor] = {}  # offload: host gradient and 16-bit staging buffers
+        self._comm_device: Optional[torch.device] = None  # where the last reduction ran
 
     # -- the boundary ----------------------------------------------------------------------
 
     def reduce(self, acc: torch.Tensor, grad_layout: FlatLayout) -> Flat:
-        """Sum the accumulated local gradient over data ranks; returns what the optimizer consumes."""
+        """Sum the accumulated local gradient over data ranks; returns what the optimizer consumes
+        (with offload_optimizer: in a host buffer, in the accumulation dtype)."""
+        self._comm_device = acc.device
+        if self.offload_params:  # the gradient is already on the host; only resident units reduce
+            return self._reduce_on_device(acc, grad_layout)
+        grads = self._reduce_on_device(acc, grad_layout)
+        if not self.offload:
+            return grads
+        host = self._host_buffer("grads", grads.buffer.numel(), grads.dtype, self.layout.zero.offload_optimizer.pin_memory)
+        return Flat(self._copies.download(host, grads.buffer), grads.layout)
+
+    def _host_buffer(self, name: str, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        buf = self._host.get(name)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = self._host[name] = host_buffer(numel, dtype, pin)
+        return buf
+
+    def _reduce_on_device(self, acc: torch.Tensor, grad_layout: FlatLayout) -> Flat:
         stage, cfg = self.layout.stage, self.layout.zero
         if self.n == 1:
             part = acc[: self.layout.partition_numel] if stage in (1, 2) else acc
@@ -110,12 +153,21 @@ class ZeroRuntime:
         resident = self._resident_segments(acc, grad_layout)
         if resident:
             packed = torch.cat([seg.reshape(-1) for seg in resident])
-            self.data.all_reduce_(packed)
+            if self.offload_params:  # host gradients: reduce where the collectives run
+                device = compute_device(self.data.group)
+                self._comm_device = device
+                packed = self.data.all_reduce_(packed.to(device)).to(acc.device)
+            else:
+                self.data.all_reduce_(packed)
             torch._foreach_copy_(resident, list(packed.split([seg.numel() for seg in resident])))
         return Flat(acc, grad_layout)
 
     def partition_bytes(self) -> int:
         return 0 if self._partition is None else self._partition.numel() * self._partition.element_size()
+
+    def host_buffer_bytes(self) -> int:
+        """Offload: bytes of the host gradient and 16-bit staging buffers (the masters are state)."""
+        return sum(t.numel() * t.element_size() for t in self._host.values())
 
     def _all_reduce_buckets(self, buf: torch.Tensor, bucket: int) -> None:
         for lo in range(0, buf.numel(), bucket):
@@ -130,11 +182,12 @@ class ZeroRuntime:
         sums = [torch.stack(torch._foreach_norm(group)).double().square().sum() if group
                 else torch.zeros((), dtype=torch.float64) for group in pieces]
         data_model, data_only, model_only, local = sums
+        device = self._comm_device or grads.device  # offload: host sums, reduced where the collectives run
         if self.n > 1:
-            reduced = self.data.all_reduce_(torch.stack([data_model, data_only]))
+            reduced = self.data.all_reduce_(torch.stack([data_model, data_only]).to(device)).to(grads.device)
             data_model, data_only = reduced[0], reduced[1]
         if self.model.size > 1:
-            reduced = self.model.all_reduce_(torch.stack([data_model, model_only]))
+            reduced = self.model.all_reduce_(torch.stack([data_model, model_only]).to(device)).to(grads.device)
             data_model, model_only = reduced[0], reduced[1]
         return float((data_model + data_only + model_only + local).sqrt())
 
@@ -178,14 +231,50 @@ class ZeroRuntime:
                     add(seg[a - lo: b - lo], True, info[full_path].tp_sharded)
         return pieces
 
-    def write_back(self, master: Flat, params: Flat) -> None:
-        """Make the compute parameters match the updated masters (cast; all-gather for stages 1-2)."""
+    def compute_device(self, params: Flat) -> torch.device:
+        """Where forward and backward run (params.device unless parameters are offloaded)."""
+        return compute_device(self.data.group) if self.offload_params else params.device
+
+    def cast_target(self, master: Flat, params: Flat) -> Optional[Flat]:
+        """What the optimizer writes the updated masters into, cast, in its own pass (None: nothing).
+
+        Without offload: the compute params when they are the masters' local image. With
+        offload_optimizer: a pinned host staging buffer in the compute dtype (the CPU kernel
+        never gets a device tensor), or the host compute shards themselves with offload_param.
+        """
+        if not self.offload:
+            return local_image(master, params)
+        self._copies.wait_for_uploads()  # the previous step's upload has read the host buffers
+        if self.offload_params:
+            return local_image(master, params)  # the host compute shards (None in fp32: they are the masters)
+        if master.dtype == params.dtype:
+            return None  # fp32: write_back uploads the masters themselves
+        staging = self._host_buffer("staging", master.buffer.numel(), params.dtype,
+                                    self.layout.zero.offload_optimizer.pin_memory)
+        return master.with_buffer(staging)
+
+    def write_back(self, master: Flat, params: Flat, cast: Optional[Flat] = None) -> None:
+        """Make the compute parameters match the updated masters (cast; all-gather for stages 1-2).
+
+        `cast` is what the optimizer already wrote (see `cast_target`). With offload_optimizer
+        the host result (staging, or the fp32 masters when no cast is needed) is uploaded first.
+        """
+        if cast is not None and cast.buffer.data_ptr() == params.buffer.data_ptr():
+            return  # the optimizer wrote the compute params in its pass
+        if self.offload_params:
+            return  # the host compute shards are the masters (fp32) or were written as their cast
+        source = cast.buffer if cast is not None else master.buffer
         if self.layout.stage in (1, 2):
             p = self.layout.partition_numel
-            part = master.buffer if master.dtype == params.dtype else master.buffer.to(params.dtype)
+            if self.offload:  # up into this rank's own slice, then an in-place all-gather (as DeepSpeed)
+                part = self._copies.upload(params.buffer[self.rank * p:(self.rank + 1) * p], source)
+            else:
+                part = source if source.dtype == params.dtype else source.to(params.dtype)
             self.data.all_gather(part, params.buffer[: self.n * p], self.layout.zero.allgather_bucket_size)
-        elif master.buffer.data_ptr() != params.buffer.data_ptr():
-            params.buffer.copy_(master.buffer)
+        elif self.offload:
+            self._copies.upload(params.buffer, source)
+        elif source.data_ptr() != params.buffer.data_ptr():
+            params.buffer.copy_(source)
 
     def mean_over_data(self, value: float) -> float:
         return self.data.all_reduce_scalar(value) / self.n if self.n > 1 else value
@@ -202,12 +291,29 @@ class LocalRuntime:
     def grad_norm(self, grads: Flat) -> float:
         return float(torch.linalg.vector_norm(grads.buffer, dtype=torch.float32))
 
-    def write_back(self, master: Flat, params: Flat) -> None:
+    def compute_device(self, params: Flat) -> torch.device:
+        return params.device
+
+    def cast_target(self, master: Flat, params: Flat) -> Optional[Flat]:
+        return local_image(master, params)
+
+    def write_back(self, master: Flat, params: Flat, cast: Optional[Flat] = None) -> None:
+        if cast is not None:
+            return
         if master.buffer.data_ptr() != params.buffer.data_ptr():
             params.buffer.copy_(master.buffer)
 
     def mean_over_data(self, value: float) -> float:
         return value
+
+
+def local_image(master: Flat, params: Flat) -> Optional[Flat]:
+    """`params` when it is a separate, same-layout copy of `master` on the same device (then the
+    optimizer writes it, cast, in its update pass); None when there is nothing to cast (fp32) or
+    when the runtime must write it back itself (ZeRO-1/2 all-gather the updated partitions)."""
+    same = master.buffer.data_ptr() == params.buffer.data_ptr()
+    return params if not same and master.layout == params.layout and master.buffer.shape == params.buffer.shape \
+        and master.device == params.device else None
 
 
 def gather_params(state, mesh) -> PyTree:

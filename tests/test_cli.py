@@ -78,7 +78,7 @@ def test_cfg_job_prints_the_composed_config_with_a_deepspeed_file(tmp_path):
     assert "name: bf16" in out and "train_batch_size: 64" in out and "gradient_clipping: 0.5" in out
     assert "DeepSpeed config translated" in proc.stderr
 
-    ds["zero_optimization"] = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    ds["zero_optimization"] = {"stage": 3, "offload_optimizer": {"device": "nvme"}}
     ds["gradient_clippping"] = 1.0
     path.write_text(json.dumps(ds))
     proc = fspeed_train(f"deepspeed_config={path}", "--cfg", "job", cwd=tmp_path, timeout=120)

@@ -266,7 +266,8 @@ def test_run_config_from_a_plain_mapping():
     with pytest.raises(ConfigError) as info:
         run_config_from_mapping(data)
     assert "train: missing section" in str(info.value)
-    assert "optimizer.name = 'adamx': unknown optimizer; allowed: adam, adamw, lamb, sgd; did you mean 'adam'?" \
+    assert "optimizer.name = 'adamx': unknown optimizer; allowed: adam, adamw, lamb, sgd, onebit_adam, zero_one_adam, " \
+           "onebit_lamb; did you mean 'adam'?" \
         in str(info.value)
 
 

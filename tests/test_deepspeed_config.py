@@ -110,8 +110,9 @@ def test_adam_gotcha_is_explained():
 
 @pytest.mark.parametrize("block, expected", [
     ({"type": "Adam", "params": {"max_grad_norm": 1.0}}, "max_grad_norm = 1.0: not supported as an optimizer parameter"),
-    ({"type": "OneBitAdam"}, "a DeepSpeed optimizer fspeed does not translate yet"),
-    ({"type": "Adamm"}, "unknown optimizer type; allowed: Adam, AdamW, Lamb, SGD (case-insensitive); did you mean 'Adam'?"),
+    ({"type": "Adagrad"}, "a DeepSpeed optimizer fspeed does not translate yet"),
+    ({"type": "Adamm"}, "unknown optimizer type; allowed: Adam, AdamW, Lamb, SGD, OneBitAdam, ZeroOneAdam, OneBitLamb "
+                        "(case-insensitive); did you mean 'Adam'?"),
     ({"type": "Adam", "params": {"amsgrad": True}}, "optimizer.params.amsgrad = true: not supported by fspeed yet"),
     ({"type": "Adam", "params": {"weight_decy": 0.1}}, "did you mean 'optimizer.params.weight_decay'?"),
     ({"type": "AdamW", "params": {"torch_adam": True, "bias_correction": False}}, "not a parameter of torch.optim"),
@@ -274,11 +275,11 @@ def test_unsupported_keys_error_only_when_not_default():
     for key in ("wall_clock_breakdown", "zero_optimization.contiguous_gradients", "activation_checkpointing",
                 "tensorboard", "zero_allow_untested_optimizer", "pipeline"):
         assert any(item.startswith(f"{key} = ") for item in no_effect), key
-    message = problems_of({"wall_clock_breakdown": True, "zero_optimization": {"stage": 2, "offload_optimizer":
-                           {"device": "cpu"}}, "activation_checkpointing": {"partition_activations": True},
+    message = problems_of({"wall_clock_breakdown": True, "zero_optimization": {"stage": 3, "offload_optimizer":
+                           {"device": "nvme"}}, "activation_checkpointing": {"partition_activations": True},
                            "tensorboard": {"enabled": True}, "prescale_gradients": True})
     assert "5 problems" in message
-    for key in ("wall_clock_breakdown = true", "zero_optimization.offload_optimizer.device = 'cpu'",
+    for key in ("wall_clock_breakdown = true", "zero_optimization.offload_optimizer.device = 'nvme'",
                 "partition_activations = true", "tensorboard.enabled = true", "prescale_gradients = true"):
         assert key in message
 

@@ -29,12 +29,13 @@ from tqdm import tqdm
 
 from .. import checkpoint, data
 from ..config import ConfigError, Problem, prepare_overrides, to_run_config
-from ..config.build import build_model_config, build_optimizer, build_precision
+from ..config.build import build_model_config, build_optimizer, build_precision, build_zero_config
 from ..config.schema import RunConfig
 from ..comm import CommLog
+from ..memory import estimate_memory, state_bytes_per_parameter
 from ..mesh import Mesh, init_distributed
 from ..models import GPT_RULES, count_params, gpt
-from ..plan import tensor_slicing, zero
+from ..plan import Plan, tensor_slicing
 from ..monitor import CSVMonitor
 from ..train_state import init_train_state
 from ..train_step import make_eval_step, make_train_step
@@ -51,9 +52,7 @@ def _parallel_setup(run: RunConfig):
         init_distributed(timeout_s=run.parallel.timeout_s)
     log_comms = CommLog(enabled=run.comms_logger.enabled, verbose=run.comms_logger.verbose)
     mesh = Mesh(data=run.parallel.data, model=run.parallel.tensor, log=log_comms)
-    z = run.zero
-    plan = zero(z.stage, reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
-                param_persistence_threshold=z.param_persistence_threshold, prefetch=z.prefetch)
+    plan = Plan(zero=build_zero_config(run))  # stage, buckets, prefetch and the offload blocks
     if run.parallel.tensor > 1:
         plan = plan | tensor_slicing(GPT_RULES)
     return mesh, plan
@@ -129,6 +128,9 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
         f"{plan!r} on {mesh!r}" if plan else "one process", time.perf_counter() - t0,
     )
 
+    log.info("%s", estimate_memory(params, plan or Plan(), mesh.sizes if mesh else {"data": 1}, precision,
+                                   optimizer_state_bytes=state_bytes_per_parameter(optimizer),
+                                   logical_axes=model.logical_axes))
     train_step = make_train_step(model.loss, optimizer, grad_accum=triad.grad_accum, plan=plan, mesh=mesh)
     eval_step = make_eval_step(model.loss, plan=plan, mesh=mesh)
 

@@ -11,6 +11,7 @@ import fspeed.optim as optim
 import fspeed.precision as precision
 from fspeed.models import GPTConfig, pad_vocab
 from fspeed.optim import schedules
+from fspeed.plan import ZeroConfig
 
 from .schema import RunConfig
 
@@ -101,11 +102,34 @@ def build_optimizer(run: RunConfig) -> optim.GradientTransformation:
             transform = optim.lamb(lr, b1, b2, opt.eps, opt.weight_decay, bias_correction=opt.bias_correction,
                                    eps_inside_sqrt=opt.eps_inside_sqrt, max_coeff=opt.max_coeff,
                                    min_coeff=opt.min_coeff)
+        elif opt.name in ("onebit_adam", "zero_one_adam", "onebit_lamb"):
+            transform = build_onebit(run, lr)
         else:
-            raise ValueError(f"optimizer {opt.name!r} has no builder; allowed: adam, adamw, lamb, sgd")
+            raise ValueError(f"optimizer {opt.name!r} has no builder; allowed: adam, adamw, lamb, sgd, onebit_adam, "
+                             "zero_one_adam, onebit_lamb")
     if run.train.gradient_clipping > 0:
         return optim.chain(optim.clip_by_global_norm(run.train.gradient_clipping), transform)
     return transform
+
+
+def build_onebit(run: RunConfig, lr: schedules.Schedule) -> optim.GradientTransformation:
+    """1-bit Adam, 0/1 Adam or 1-bit LAMB. Their beta1 is a number (no OneCycle momentum cycling);
+    the error buffers are sized for parallel.data (the process group's size when -1)."""
+    opt, sched = run.optimizer, run.scheduler
+    if sched.name == "one_cycle" and sched.cycle_momentum:
+        log.warning("one_cycle: cycle_momentum is ignored by %s (its beta1 is fixed at %g)", opt.name, opt.betas[0])
+    b1, b2 = opt.betas
+    world = run.parallel.data if run.parallel.data > 0 else None
+    common = dict(b1=b1, b2=b2, eps=opt.eps, weight_decay=opt.weight_decay, world_size=world)
+    if opt.name == "onebit_adam":
+        return optim.onebit_adam(lr, opt.freeze_step, **common)
+    if opt.name == "zero_one_adam":
+        return optim.zero_one_adam(lr, **common, var_freeze_step=opt.var_freeze_step,
+                                   var_update_scaler=opt.var_update_scaler, local_step_scaler=opt.local_step_scaler,
+                                   local_step_clipper=opt.local_step_clipper)
+    return optim.onebit_lamb(lr, opt.freeze_step, **common, max_coeff=opt.max_coeff, min_coeff=opt.min_coeff,
+                             coeff_beta=opt.coeff_beta, factor_max=opt.factor_max, factor_min=opt.factor_min,
+                             factor_threshold=opt.factor_threshold)
 
 
 def build_precision(run: RunConfig) -> precision.Precision:
@@ -123,6 +147,11 @@ def build_precision(run: RunConfig) -> precision.Precision:
             grad_accum_dtype=p.grad_accum_dtype, unscale_with_updated_scale=p.unscale_with_updated_scale,
         )
     raise ValueError(f"precision {p.name!r} has no builder; allowed: fp32, bf16, fp16")
+
+
+def build_zero_config(run: RunConfig) -> ZeroConfig:
+    """The ZeRO plan options of run.zero (stage, buckets, persistence, prefetch, offload blocks)."""
+    return run.zero.to_library()
 
 
 def build_model_config(run: RunConfig, vocab_size: int) -> GPTConfig:

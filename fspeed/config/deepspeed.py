@@ -3,7 +3,9 @@
 Translated: the batch triad, ``fp16`` / ``bf16`` (alias ``bfloat16``) and
 ``data_types.grad_accum_dtype``, ``optimizer`` (Adam, AdamW, Lamb, SGD), ``scheduler``
 (LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR), ``gradient_clipping``,
-``steps_per_print`` and ``csv_monitor.enabled``. Every other key is accounted for by name:
+``steps_per_print``, ``csv_monitor.enabled`` and ``zero_optimization`` (stage, buckets, persistence,
+prefetch, and the ``offload_optimizer`` / ``offload_param`` blocks with device cpu, also from the
+legacy ``cpu_offload`` booleans). Every other key is accounted for by name:
 
 * unknown keys (typos) are errors with a did-you-mean;
 * known keys fspeed does not support yet are errors when set to a non-default or enabled value,
@@ -289,11 +291,16 @@ def _optimizer(ds: Mapping[str, Any], w: _Ledger) -> None:
         consumed = {"max_grad_norm"}
         if lower == "sgd" and ds_type != "SGD":
             w.notes.append(f"optimizer type {ds_type!r} read as SGD (DeepSpeed looks up torch.optim.SGD case-sensitively)")
+    elif lower in K.ONEBIT_TYPES:
+        kind = family = K.ONEBIT_TYPES[lower]
+        defaults = dict(K.OPTIMIZER_PARAMS[kind])
+        consumed = {"max_grad_norm"}
     else:
         what = ("a DeepSpeed optimizer fspeed does not translate yet" if lower in K.DEEPSPEED_ONLY_OPTIMIZERS
                 else "unknown optimizer type")
-        guess = did_you_mean(ds_type, ["Adam", "AdamW", "Lamb", "SGD"])
-        w.problems.append(Problem("optimizer.type", what, ds_type, "Adam, AdamW, Lamb, SGD (case-insensitive)",
+        guess = did_you_mean(ds_type, ["Adam", "AdamW", "Lamb", "SGD", "OneBitAdam", "ZeroOneAdam", "OneBitLamb"])
+        w.problems.append(Problem("optimizer.type", what, ds_type, "Adam, AdamW, Lamb, SGD, OneBitAdam, ZeroOneAdam, "
+                                  "OneBitLamb (case-insensitive)",
                                   f"did you mean {guess!r}?" if guess and lower not in K.DEEPSPEED_ONLY_OPTIMIZERS else None))
         return
     w.overrides.insert(0, format_override("optimizer", kind))
@@ -397,17 +404,72 @@ def _zero(ds: Mapping[str, Any], w: _Ledger) -> None:
         elif ds_key in block:
             _at_default(w, f"zero_optimization.{ds_key}", block[ds_key], default, reason)
     for ds_key in ("offload_optimizer", "offload_param"):
-        if ds_key in block:
-            device = block[ds_key].get("device", "none") if isinstance(block[ds_key], Mapping) else block[ds_key]
-            if device in (None, "none"):
-                w.accept(f"zero_optimization.{ds_key}", block[ds_key], "device none: nothing offloaded")
-            else:
-                w.unsupported(f"zero_optimization.{ds_key}.device", device, "none (ZeRO-Offload is not built yet)")
+        if ds_key in block and block[ds_key] is not None:
+            _offload(ds_key, block[ds_key], w)
+    _legacy_offload(block, w)
     handled = {"stage", *K.ZERO_TRANSLATED, *K.ZERO_NO_EFFECT, "offload_optimizer", "offload_param",
-               "stage3_prefetch_bucket_size", "prefetch_bucket_size"}
+               "stage3_prefetch_bucket_size", "prefetch_bucket_size", *K.LEGACY_OFFLOAD, "cpu_offload_use_pin_memory"}
     for key, value in block.items():
         if key in K.ZERO_KEYS and key not in handled:
             w.unsupported(f"zero_optimization.{key}", value, "the key's default (not supported by fspeed yet)")
+
+
+def _offload(name: str, raw: Any, w: _Ledger) -> None:
+    """An offload block: device cpu / none and pin_memory (and ratio 1.0) translate; NVMe-only and
+    tuning keys are accepted by name as having no effect; nvme, partial offload and unknown keys are errors."""
+    ds_name = f"zero_optimization.{name}"
+    block = w.block(ds_name, raw)
+    if block is None:
+        return
+    translated, no_effect, unsupported = K.OFFLOAD_TRANSLATED[name], K.OFFLOAD_NO_EFFECT[name], K.OFFLOAD_UNSUPPORTED[name]
+    known = [*translated, *no_effect, *unsupported]
+    for key, value in block.items():
+        if key not in known:
+            w.unknown(f"{ds_name}.{key}", value, known)
+    device = block.get("device", "none")
+    device = "none" if device is None else device
+    if device == "nvme":
+        w.unsupported(f"{ds_name}.device", device, "'none', 'cpu'", "NVMe offload is not supported by fspeed")
+        return
+    if device not in ("none", "cpu"):
+        w.unsupported(f"{ds_name}.device", device, "'none', 'cpu'", "not an offload device")
+        return
+    if device == "none":
+        w.accept(ds_name, dict(block), "device none: nothing offloaded")
+        return
+    for key in translated:
+        if key == "ratio" and key in block and not _same(block[key], 1.0):
+            w.unsupported(f"{ds_name}.ratio", block[key], "1.0", "partial offload is not supported by fspeed")
+        elif key in block:
+            w.emit(f"{ds_name}.{key}", f"zero.{name}.{key}", block[key])
+    for key, reason in no_effect.items():
+        if key in block:
+            w.accept(f"{ds_name}.{key}", block[key], reason)
+    for key, default in unsupported.items():
+        if key in block:
+            _at_default(w, f"{ds_name}.{key}", block[key], default, "not supported by fspeed")
+
+
+def _legacy_offload(block: Mapping[str, Any], w: _Ledger) -> None:
+    """DeepSpeed's deprecated booleans: cpu_offload, cpu_offload_param, cpu_offload_use_pin_memory."""
+    pin = block.get("cpu_offload_use_pin_memory")
+    for ds_key, name in K.LEGACY_OFFLOAD.items():
+        if ds_key not in block:
+            continue
+        value = block[ds_key]
+        if not isinstance(value, bool):
+            w.unsupported(f"zero_optimization.{ds_key}", value, "true, false", "expected a boolean")
+        elif value and isinstance(block.get(name), Mapping):
+            w.problems.append(Problem(f"zero_optimization.{ds_key}", f"conflicts with zero_optimization.{name}; "
+                                      "set only the block (the boolean is deprecated)", value))
+        elif value:
+            w.emit(f"zero_optimization.{ds_key}", f"zero.{name}.device", "cpu")
+            if pin is not None:
+                w.emit("zero_optimization.cpu_offload_use_pin_memory", f"zero.{name}.pin_memory", pin)
+        else:
+            w.accept(f"zero_optimization.{ds_key}", value, "nothing offloaded")
+    if pin is not None and not any(block.get(k) is True for k in K.LEGACY_OFFLOAD):
+        w.accept("zero_optimization.cpu_offload_use_pin_memory", pin, "nothing offloaded by the legacy booleans")
 
 
 def _tensor_parallel(ds: Mapping[str, Any], w: _Ledger) -> None:

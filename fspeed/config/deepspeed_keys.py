@@ -48,18 +48,34 @@ DTYPE_ALIASES = {
 # ---------------------------------------------------------------------------------- optimizers
 
 _ADAM_PARAMS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "bias_correction": True}
+_ONEBIT_PARAMS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {  # fspeed kind -> DeepSpeed params and defaults
     "adam": _ADAM_PARAMS,
     "adamw": _ADAM_PARAMS,  # FusedAdam with adam_w_mode; weight_decay default 0 (not 0.01)
     "lamb": {**_ADAM_PARAMS, "eps_inside_sqrt": False, "max_coeff": 10.0, "min_coeff": 0.01},
     "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False},  # torch.optim.SGD
+    "onebit_adam": {**_ONEBIT_PARAMS, "freeze_step": 100000},
+    "zero_one_adam": {**_ONEBIT_PARAMS, "var_freeze_step": 100000, "var_update_scaler": 16,
+                      "local_step_scaler": 32678, "local_step_clipper": 16},
+    "onebit_lamb": {**_ONEBIT_PARAMS, "freeze_step": 100000, "max_coeff": 10.0, "min_coeff": 0.01, "coeff_beta": 0.9,
+                    "factor_max": 4.0, "factor_min": 0.5, "factor_threshold": 0.1},
 }
+ONEBIT_TYPES = {"onebitadam": "onebit_adam", "zerooneadam": "zero_one_adam", "onebitlamb": "onebit_lamb"}
 TORCH_ADAM_PARAMS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8}  # torch.optim.Adam / AdamW
 TORCH_ADAM_WEIGHT_DECAY = {"adam": 0.0, "adamw": 0.01}  # torch's own defaults differ from FusedAdam's
 OPTIMIZER_UNSUPPORTED_PARAMS: dict[str, dict[str, Any]] = {  # accepted only at these values
     "adam": {"amsgrad": False, "maximize": False},
     "lamb": {"amsgrad": False},
     "sgd": {"maximize": False},
+    **{kind: {"amsgrad": False} for kind in ("onebit_adam", "zero_one_adam", "onebit_lamb")},
+}
+_ONEBIT_NO_EFFECT = {
+    "bias_correction": "DeepSpeed's 1-bit optimizers ignore it too (they never bias-correct)",
+    "eps_inside_sqrt": "DeepSpeed's 1-bit optimizers ignore it too (eps is added after the sqrt)",
+    "cuda_aware": "not applicable: an MPI-backend flag; fspeed's compressed all-reduce runs on the mesh's "
+                  "torch.distributed group",
+    "comm_backend_name": "not applicable: fspeed's compressed all-reduce always uses the mesh's torch.distributed "
+                         "group (nccl on GPUs, gloo on CPUs); nccl/mpi/hccl/compressed all map to it",
 }
 OPTIMIZER_NO_EFFECT_PARAMS: dict[str, dict[str, str]] = {
     "adam": {
@@ -75,10 +91,11 @@ OPTIMIZER_NO_EFFECT_PARAMS: dict[str, dict[str, str]] = {
         "fused": "implementation choice; fspeed picks its own kernels",
         "differentiable": "autograd-through-the-step flag of torch.optim",
     },
+    **{kind: _ONEBIT_NO_EFFECT for kind in ("onebit_adam", "zero_one_adam", "onebit_lamb")},
 }
 OPTIMIZER_BLOCK_KEYS = {"type", "params", "legacy_fusion"}
 DEEPSPEED_ONLY_OPTIMIZERS = (  # DeepSpeed names fspeed does not translate yet
-    "onebitadam", "zerooneadam", "onebitlamb", "adagrad", "lion", "muon", "muadam", "muadamw", "musgd",
+    "adagrad", "lion", "muon", "muadam", "muadamw", "musgd",
 )
 
 # ---------------------------------------------------------------------------------- schedulers
@@ -189,6 +206,35 @@ ZERO_NO_EFFECT = {  # keys whose DeepSpeed default is what fspeed does anyway (o
     "stage3_gather_16bit_weights_on_model_save": (False, "DeepSpeed's default"),
     "gather_16bit_weights_on_model_save": (False, "DeepSpeed's default"),
 }
+OFFLOAD_TRANSLATED = {  # offload block -> its keys fspeed translates to zero.<block>.<key>
+    "offload_optimizer": ("device", "pin_memory", "ratio"),
+    "offload_param": ("device", "pin_memory"),
+}
+OFFLOAD_NO_EFFECT: dict[str, dict[str, str]] = {  # accepted at any value, reported by name with the reason
+    "offload_optimizer": {
+        "nvme_path": "NVMe only; fspeed offloads to CPU memory",
+        "buffer_count": "NVMe swap buffers; fspeed offloads to CPU memory",
+        "pipeline_read": "NVMe read overlap; fspeed offloads to CPU memory",
+        "pipeline_write": "NVMe write overlap; fspeed offloads to CPU memory",
+        "fast_init": "NVMe initialisation shortcut; fspeed offloads to CPU memory",
+        "cpuadam_cores_perc": "fspeed's CPU Adam uses torch's thread count (torch.set_num_threads / OMP_NUM_THREADS)",
+    },
+    "offload_param": {
+        "nvme_path": "NVMe only; fspeed offloads to CPU memory",
+        "buffer_count": "NVMe swap buffers; fspeed offloads to CPU memory",
+        "buffer_size": "NVMe swap buffer size; fspeed offloads to CPU memory",
+        "max_in_cpu": "NVMe only (parameters kept in CPU memory); with device cpu every shard is in CPU memory",
+    },
+}
+OFFLOAD_UNSUPPORTED: dict[str, dict[str, Any]] = {  # accepted only at DeepSpeed's default
+    "offload_optimizer": {"super_offload": False},
+    "offload_param": {},
+}
+LEGACY_OFFLOAD = {  # deprecated zero_optimization booleans -> the block whose device they set to cpu
+    "cpu_offload": "offload_optimizer",
+    "cpu_offload_param": "offload_param",
+}
+
 ZERO_KEYS = (  # zero_optimization keys (reference 2.3)
     "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
     "allgather_partitions", "allgather_bucket_size", "overlap_comm", "load_from_fp32_weights",

@@ -161,6 +161,17 @@ class ValidatedConfig:
         hints = _hints(type(self))
         for f in config_fields(type(self)):
             value = getattr(self, f.name)
+            nested = hints[f.name]
+            if isinstance(nested, type) and issubclass(nested, ValidatedConfig):  # a sub-section
+                if isinstance(value, Mapping):
+                    try:
+                        object.__setattr__(self, f.name, from_mapping(nested, value))
+                    except ConfigError as err:
+                        problems += err.under(f.name).problems
+                elif not isinstance(value, nested):
+                    problems.append(Problem(f.name, f"expected a mapping of {f.name} keys, got {type(value).__name__}",
+                                            value))
+                continue
             try:
                 coerced = coerce(value, hints[f.name])
             except _Mismatch as err:

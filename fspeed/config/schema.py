@@ -9,6 +9,8 @@ DeepSpeed's code defaults; the YAML options tune a few of them for the small def
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -120,7 +122,64 @@ class SGDConfig(ValidatedConfig):
         return []
 
 
-OptimizerConfig = Union[AdamConfig, AdamWConfig, LambConfig, SGDConfig]
+@dataclass(frozen=True, kw_only=True)
+class OneBitConfig(ValidatedConfig):
+    """What DeepSpeed's 1-bit optimizers share: Adam's numbers (no bias correction: DeepSpeed ignores
+    it), and they compress the data-parallel all-reduce themselves (ZeRO stage 0, no tensor slicing)."""
+
+    lr: float = setting(1e-3, POSITIVE)
+    betas: Betas = setting((0.9, 0.999), each(UNIT_INTERVAL))
+    eps: float = setting(1e-8, POSITIVE)
+    weight_decay: float = setting(0.0, NON_NEGATIVE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OneBitAdamConfig(OneBitConfig):
+    """1-bit Adam (DeepSpeed OnebitAdam): freeze_step warmup steps of Adam, then frozen variance and
+    1-bit compressed momentum all-reduce."""
+
+    name: Literal["onebit_adam"] = "onebit_adam"
+    freeze_step: int = setting(100000, NON_NEGATIVE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroOneAdamConfig(OneBitConfig):
+    """0/1 Adam (DeepSpeed ZeroOneAdam): sparser variance updates until var_freeze_step, then 1-bit
+    synchronised local steps."""
+
+    name: Literal["zero_one_adam"] = "zero_one_adam"
+    var_freeze_step: int = setting(100000, NON_NEGATIVE)
+    var_update_scaler: int = setting(16, POSITIVE)
+    local_step_scaler: int = setting(32678, POSITIVE)
+    local_step_clipper: int = setting(16, POSITIVE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OneBitLambConfig(OneBitConfig):
+    """1-bit LAMB (DeepSpeed OnebitLamb): LAMB warmup, then a frozen trust coefficient scaled by a
+    bounded factor and one fused 1-bit all-reduce of all momenta."""
+
+    name: Literal["onebit_lamb"] = "onebit_lamb"
+    freeze_step: int = setting(100000, NON_NEGATIVE)
+    max_coeff: float = setting(10.0, POSITIVE)
+    min_coeff: float = setting(0.01, POSITIVE)
+    coeff_beta: float = setting(0.9, UNIT_INTERVAL)
+    factor_max: float = setting(4.0, POSITIVE)
+    factor_min: float = setting(0.5, POSITIVE)
+    factor_threshold: float = setting(0.1, UNIT_INTERVAL)
+
+    def relation_problems(self) -> list[Problem]:
+        if self.min_coeff > self.max_coeff:
+            return [Problem("min_coeff", f"must be <= max_coeff={self.max_coeff}", self.min_coeff)]
+        if self.factor_min > self.factor_max:
+            return [Problem("factor_min", f"must be <= factor_max={self.factor_max}", self.factor_min)]
+        return []
+
+
+ONEBIT_OPTIMIZERS = ("onebit_adam", "zero_one_adam", "onebit_lamb")
+
+OptimizerConfig = Union[AdamConfig, AdamWConfig, LambConfig, SGDConfig, OneBitAdamConfig, ZeroOneAdamConfig,
+                        OneBitLambConfig]
 
 # ------------------------------------------------------------------------------- schedulers
 
@@ -296,6 +355,25 @@ class MonitorConfig(ValidatedConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
+class OffloadOptimizerSection(ValidatedConfig):
+    """DeepSpeed's `zero_optimization.offload_optimizer` (ZeRO-Offload): "cpu" keeps this rank's fp32
+    masters and optimizer state in CPU memory and runs the optimizer there (stages 1-3)."""
+
+    device: Literal["none", "cpu", "nvme"] = "none"  # nvme is DeepSpeed's; refused with a reason
+    pin_memory: bool = True  # page-locked host buffers (where CUDA exists)
+    ratio: float = setting(1.0, POSITIVE, at_most(1.0))  # only 1.0: partial offload is not supported
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadParamSection(ValidatedConfig):
+    """DeepSpeed's `zero_optimization.offload_param` (stage 3): "cpu" keeps the parameter shards in
+    CPU memory; each goes to the device just before its gather."""
+
+    device: Literal["none", "cpu", "nvme"] = "none"
+    pin_memory: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
 class ZeroSection(ValidatedConfig):
     """DeepSpeed's `zero_optimization` keys that fspeed implements (same names and meanings)."""
 
@@ -304,6 +382,26 @@ class ZeroSection(ValidatedConfig):
     allgather_bucket_size: int = setting(500_000_000, POSITIVE)
     param_persistence_threshold: int = setting(100_000, NON_NEGATIVE)  # stage3_param_persistence_threshold
     prefetch: bool = True  # stage 3: gather the next layer while one computes (prefetch_bucket_size > 0)
+    offload_optimizer: OffloadOptimizerSection = field(default_factory=OffloadOptimizerSection)
+    offload_param: OffloadParamSection = field(default_factory=OffloadParamSection)
+
+    def relation_problems(self) -> list[Problem]:
+        try:
+            self.to_library()
+        except ValueError as err:  # the library's rules (stages, nvme, ratio, pairing); messages start "zero.<key>"
+            message = str(err)
+            named = re.match(r"zero\.([a-z_]+(?:\.[a-z_]+)?)", message)
+            return [Problem(named.group(1) if named else "offload_optimizer", message)]
+        return []
+
+    def to_library(self):
+        """The `fspeed.plan.ZeroConfig` these keys describe (raises ValueError on a bad combination)."""
+        from ..plan import ZeroConfig  # noqa: PLC0415 (the schema module stays free of torch imports)
+
+        fields = ("stage", "reduce_bucket_size", "allgather_bucket_size", "param_persistence_threshold", "prefetch")
+        return ZeroConfig(**{f: getattr(self, f) for f in fields},
+                          offload_optimizer=dataclasses.asdict(self.offload_optimizer),
+                          offload_param=dataclasses.asdict(self.offload_param))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -363,7 +461,9 @@ class CommsLoggerConfig(ValidatedConfig):
 
 # ---------------------------------------------------------------------------------- the run
 
-OPTIMIZERS: dict[str, type] = {"adam": AdamConfig, "adamw": AdamWConfig, "lamb": LambConfig, "sgd": SGDConfig}
+OPTIMIZERS: dict[str, type] = {"adam": AdamConfig, "adamw": AdamWConfig, "lamb": LambConfig, "sgd": SGDConfig,
+                               "onebit_adam": OneBitAdamConfig, "zero_one_adam": ZeroOneAdamConfig,
+                               "onebit_lamb": OneBitLambConfig}
 SCHEDULERS: dict[str, type] = {
     "constant": ConstantConfig,
     "warmup": WarmupConfig,
@@ -424,6 +524,11 @@ class RunConfig(ValidatedConfig):
 
     def relation_problems(self) -> list[Problem]:
         sched, lr = self.scheduler, getattr(self.optimizer, "lr", None)
+        if self.optimizer.name in ONEBIT_OPTIMIZERS and (self.zero.stage >= 1 or self.parallel.tensor > 1):
+            what = f"zero.stage={self.zero.stage}" if self.zero.stage >= 1 else f"parallel.tensor={self.parallel.tensor}"
+            return [Problem("optimizer", f"{self.optimizer.name} compresses the all-reduce of whole replicated buffers "
+                            f"and cannot run with {what} (DeepSpeed's 1-bit optimizers reject ZeRO too); allowed: "
+                            "zero.stage=0 and parallel.tensor=1", self.optimizer.name)]
         if isinstance(sched, WarmupConfig) and sched.warmup_max_lr is None and lr is not None \
                 and sched.warmup_min_lr > lr:
             return [Problem("scheduler.warmup_min_lr", f"must be <= the lr it warms up to (warmup_max_lr is null, "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .errors import ConfigError, Problem, did_you_mean, unknown_key
-from .fields import config_fields, from_mapping
+from .fields import ValidatedConfig, config_fields, from_mapping
 from .schema import GROUPS, KINDS, RUNTIME_FIELDS, SECTIONS, RunConfig, option_schema
 
 CONFIG_KEYS = tuple(f.name for f in config_fields(RunConfig) if f.name not in RUNTIME_FIELDS)
@@ -204,12 +205,24 @@ def _check_value_override(override: Override, choices: Mapping[str, list[str] | 
         label = f"{top} option '{option}'" if top in KINDS else top
         if leaf not in names:
             problems.append(unknown_key(f"{top}.{leaf}", value, names, f"unknown key for {label}"))
+        elif len(path) > 2 and _sub_section(cls, leaf) is not None:  # e.g. zero.offload_optimizer.device
+            sub_names = [f.name for f in config_fields(_sub_section(cls, leaf))]
+            if path[2] not in sub_names:
+                problems.append(unknown_key(f"{top}.{leaf}.{path[2]}", value, sub_names, f"unknown key for {top}.{leaf}"))
+            elif len(path) > 3:
+                problems.append(Problem(key, f"{top}.{leaf}.{path[2]} has no sub-keys; set it whole", value))
         elif len(path) > 2:
             problems.append(Problem(key, f"{top}.{leaf} has no sub-keys; set it whole", value))
         elif leaf == "name" and top in KINDS:
             problems.append(Problem(key, f"choose the {top} with {top}=<option>, not by setting its name",
                                     value, ", ".join(KINDS[top])))
     return problems[:1]
+
+
+def _sub_section(cls: type, name: str) -> type | None:
+    """The config class of field `name` of `cls` when it is a nested section, else None."""
+    tp = typing.get_type_hints(cls).get(name)
+    return tp if isinstance(tp, type) and issubclass(tp, ValidatedConfig) else None
 
 
 def check_overrides(overrides: Sequence[str], *, default_choices: Mapping[str, str] | None = None) -> None:

@@ -11,11 +11,14 @@ from .base import (
     chain,
     global_norm,
     learning_rate,
+    needs_full_allreduce,
     optimizer_step,
     per_tensor_norms,
 )
 from .clipping import clip_by_global_norm
 from .lamb import LambState, lamb
+from .onebit import OneBitAdamState, ZeroOneAdamState, onebit_adam, zero_one_adam
+from .onebit_lamb import OneBitLambState, onebit_lamb
 from .schedules import (
     ONE_CYCLE_BETA2,
     as_schedule,
@@ -30,7 +33,9 @@ from .schedules import (
 from .sgd import SGDState, sgd
 
 __all__ = [
-    "AdamState", "EmptyState", "GradientTransformation", "LambState", "ONE_CYCLE_BETA2", "SGDState",
+    "AdamState", "EmptyState", "GradientTransformation", "LambState", "ONE_CYCLE_BETA2", "OneBitAdamState",
+    "OneBitLambState", "SGDState", "ZeroOneAdamState", "needs_full_allreduce", "onebit_adam", "onebit_lamb",
+    "zero_one_adam",
     "ScalarOrSchedule", "Schedule", "TransformInfo", "adam", "adamw", "apply_updates", "as_schedule",
     "chain", "clip_by_global_norm", "constant", "global_norm", "lamb", "learning_rate", "lr_range_test",
     "one_cycle", "one_cycle_momentum", "optimizer_step", "per_tensor_norms", "sgd", "warmup",

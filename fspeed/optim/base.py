@@ -15,6 +15,16 @@ Mixed precision: `apply(grads, state, params, *, cast_to=None)` also writes the 
 cast, into `cast_to` (the bf16/fp16 compute copy, same structure as params). A fused kernel does
 it in the same pass over memory; otherwise it is one cast after the update. Either way the bits
 are exactly `params.to(dtype)`.
+
+Optimizers that communicate themselves (the 1-bit family, DeepSpeed's `enable_backward_allreduce`
+protocol): such a transform sets `gradient_allreduce(state) -> bool`. Before each step the runtime
+asks it, with the optimizer state the step will start from, whether this step's gradient must be
+all-reduced in full precision over the data axis first (True: warmup, 0/1 Adam's variance steps),
+or whether `apply` gets this rank's local gradient (False). Either way the gradient reaching
+`apply` is in mean units: the local one is this rank's own mean gradient (not divided by the
+data size), and `apply(..., comm=)` receives the data axis' `AxisComm` (None in one process) to
+do its compressed all-reduce. Ordinary transforms leave it None: always all-reduced, no `comm`.
+In a `chain`, only the last transform may set it.
 """
 
 from __future__ import annotations
@@ -58,12 +68,14 @@ def _show(value: Any) -> str:
 class GradientTransformation(NamedTuple):
     """`init(params) -> state`; `update(updates, state, params) -> (updates, state)`;
     optional fused `apply(grads, state, params, *, cast_to=None) -> (params, state)` (donates its
-    arguments; see the module docstring for `cast_to`)."""
+    arguments; see the module docstring for `cast_to`); optional `gradient_allreduce(state) ->
+    bool` for optimizers that do their own data-parallel communication (module docstring)."""
 
     init: Callable[[Params], OptState]
     update: Callable[..., tuple[Updates, OptState]]
     apply: Optional[Callable[..., tuple[Params, OptState]]] = None
     info: Optional[TransformInfo] = None
+    gradient_allreduce: Optional[Callable[[OptState], bool]] = None
 
     def __repr__(self) -> str:
         return repr(self.info) if self.info is not None else "GradientTransformation(...)"
@@ -121,14 +133,23 @@ def _accepts_cast_to(apply: Callable) -> bool:
     return any(p.name == "cast_to" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
+def needs_full_allreduce(opt: GradientTransformation, state: OptState) -> bool:
+    """Whether the runtime must all-reduce this step's gradient before `opt` (module docstring)."""
+    return opt.gradient_allreduce is None or bool(opt.gradient_allreduce(state))
+
+
 def optimizer_step(
-    opt: GradientTransformation, grads: Updates, state: OptState, params: Params, *, cast_to: Params = None
+    opt: GradientTransformation, grads: Updates, state: OptState, params: Params, *, cast_to: Params = None,
+    comm: Any = None,
 ) -> tuple[Params, OptState]:
     """One optimizer step that may update `params` and `state` in place (donates all arguments).
 
     With `cast_to`, the updated params are also written, cast, into it: by the transform's `apply`
-    (fused) when it takes `cast_to`, otherwise here, after the update.
+    (fused) when it takes `cast_to`, otherwise here, after the update. `comm` (the data axis) is
+    passed to optimizers that communicate themselves (`gradient_allreduce` set).
     """
+    if opt.gradient_allreduce is not None:
+        return opt.apply(grads, state, params, cast_to=cast_to, comm=comm)
     if opt.apply is not None:
         if cast_to is None:
             return opt.apply(grads, state, params)
@@ -160,7 +181,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    def apply(grads, state, params, *, cast_to=None):
+    def apply(grads, state, params, *, cast_to=None, comm=None):
         _check_state(state, len(transforms))
         if not transforms:
             if cast_to is not None:
@@ -170,11 +191,22 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         for t, s in zip(transforms[:-1], state[:-1]):
             grads, s = t.update(grads, s, params)
             new_state.append(s)
-        params, s = optimizer_step(transforms[-1], grads, state[-1], params, cast_to=cast_to)
+        params, s = optimizer_step(transforms[-1], grads, state[-1], params, cast_to=cast_to, comm=comm)
         new_state.append(s)
         return params, tuple(new_state)
 
-    return GradientTransformation(init, update, apply, TransformInfo("chain", {}, tuple(transforms)))
+    communicating = [i for i, t in enumerate(transforms) if t.gradient_allreduce is not None]
+    if communicating and communicating != [len(transforms) - 1]:
+        raise ValueError(f"chain: transform {communicating[0]} ({transforms[communicating[0]].info}) does its own "
+                         "data-parallel communication and must be the last transform of the chain")
+    allreduce = None
+    if communicating:
+        last = transforms[-1]
+
+        def allreduce(state):
+            return last.gradient_allreduce(state[-1])
+
+    return GradientTransformation(init, update, apply, TransformInfo("chain", {}, tuple(transforms)), allreduce)
 
 
 def _check_state(state: Any, n: int) -> None:

@@ -1,0 +1,163 @@
+"""Per-rank model-state memory of a plan, on the device and in CPU memory, before anything is built.
+
+    est = fs.estimate_memory(params, fs.zero(2, offload_optimizer="cpu"), {"data": 8}, "bf16")
+    print(est)        # device and CPU bytes per rank, next to the ZeRO paper's formulas
+
+Two accounts, side by side:
+
+* fspeed's own buffers, exactly what `init_train_state` and `make_train_step` hold between steps
+  (padding included): compute params, gradient buffers, fp32 masters, optimizer moments, and
+  with ZeRO-Offload the host gradient copy and the 16-bit upload staging buffer. Stage 3 adds
+  the largest unit gathered in full (a transient peak, as DeepSpeed's estimator counts it).
+* the ZeRO paper's formulas for mixed-precision Adam (reference 2.2): 2 bytes of params,
+  2 of grads and K = 12 of optimizer state per parameter, with `N` data ranks. Offloading the
+  optimizer moves the K bytes of the partition and its fp32 gradient copy (4 bytes) to CPU
+  (16 Psi / N, reference 3.5); offloading parameters (stage 3) moves their 2 + 2 bytes too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Union
+
+import torch
+
+from .plan import Layout, Plan, resolve
+from .precision import Precision
+from .pytree import PyTree, tensor_leaves
+
+PAPER_PARAM_BYTES, PAPER_GRAD_BYTES, PAPER_K = 2, 2, 12
+ADAM_STATE_BYTES = 8  # two fp32 moments
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank by buffer, on the device and in CPU memory, and the paper's totals."""
+
+    plan: str
+    precision: str
+    parameters: int  # per model-parallel rank (Psi)
+    data_size: int
+    device: dict[str, int]
+    cpu: dict[str, int]
+    paper_device: int
+    paper_cpu: int
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def cpu_total(self) -> int:
+        return sum(self.cpu.values())
+
+    def __str__(self) -> str:
+        def line(where: str, parts: dict[str, int], total: int, paper: int) -> str:
+            shown = ", ".join(f"{k} {_gib(v)}" for k, v in parts.items() if v) or "nothing"
+            return f"  {where:<6} {_gib(total):>10} per rank ({shown}); ZeRO paper formula {_gib(paper)}"
+
+        return "\n".join([
+            f"model-state memory, {self.plan}, {self.precision}, {self.parameters:,} parameters, "
+            f"{self.data_size} data rank(s):",
+            line("device", self.device, self.device_total, self.paper_device),
+            line("CPU", self.cpu, self.cpu_total, self.paper_cpu),
+        ])
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**26 else f"{n / 2**20:.2f} MiB"
+
+
+def _precision(precision: Union[Precision, str]) -> Precision:
+    if isinstance(precision, Precision):
+        return precision
+    from . import precision as policies  # noqa: PLC0415 (the module shares the argument's name)
+
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision={precision!r}: allowed: 'fp32', 'bf16', 'fp16' or a fspeed Precision")
+    return getattr(policies, precision)()
+
+
+def _layout(params_or_numel: Union[PyTree, int], plan: Plan, mesh_sizes: Mapping[str, int],
+            logical_axes=None) -> Layout:
+    if isinstance(params_or_numel, bool) or (isinstance(params_or_numel, int) and params_or_numel < 1):
+        raise ValueError(f"params_or_numel={params_or_numel!r}: pass a parameter tree or a positive element count")
+    params = {"params": torch.empty(params_or_numel, device="meta")} if isinstance(params_or_numel, int) \
+        else params_or_numel
+    sizes = {axis: int(size) for axis, size in mesh_sizes.items()}
+    return resolve(plan, params, sizes, {axis: 0 for axis in sizes}, logical_axes)
+
+
+def estimate_memory(params_or_numel: Union[PyTree, int], plan: Plan, mesh_sizes: Mapping[str, int],
+                    precision: Union[Precision, str] = "bf16", *, optimizer_state_bytes: int = ADAM_STATE_BYTES,
+                    logical_axes=None) -> MemoryEstimate:
+    """Per-rank device and CPU bytes of the model states `plan` gives (see the module docstring).
+
+    `params_or_numel`: the parameter tree (global shapes; meta tensors are fine) or a parameter
+    count (one flat tensor: stage 3 then has a single unit). `mesh_sizes`: {"data": N, "model": M}.
+    `optimizer_state_bytes`: per parameter, 8 for Adam's two fp32 moments, 4 for SGD momentum.
+    """
+    policy = _precision(precision)
+    layout = _layout(params_or_numel, plan, mesh_sizes, logical_axes)
+    pb = torch.empty(0, dtype=policy.param_dtype).element_size()
+    gb = torch.empty(0, dtype=policy.grad_accum_dtype).element_size()
+    offload, offload_params = layout.zero.offload_optimizer.enabled, layout.zero.offload_param.enabled
+    psi, n, stage = layout.local.numel, layout.data_size, layout.stage
+    device = {"params": 0, "grads": 0, "master": 0, "optimizer": 0, "gathered": 0}
+    cpu = {"params": 0, "grads": 0, "master": 0, "optimizer": 0, "staging": 0}
+    if stage == 3:
+        local = sum(u.shard_numel for u in layout.units)
+        device["gathered"] = max((u.numel for u in layout.sharded_units), default=0) * pb
+        updated = local  # what the optimizer updates: every local element
+        params_at, grads_at = (cpu, cpu) if offload_params else (device, device)
+        params_at["params"] = local * pb
+        grads_at["grads"] = local * gb
+        separate_master = policy.has_master or (offload and not offload_params)
+    else:
+        part = layout.partition_numel
+        padded = n * part if stage else psi
+        updated = part if stage else psi
+        device["params"] = padded * pb
+        # stage 1 keeps the accumulation buffer and the reduce-scattered slice; stage 2 only the slice
+        device["grads"] = {0: psi, 1: padded + part, 2: part}[stage] * gb
+        separate_master = policy.has_master or stage in (1, 2)
+    state_at = cpu if offload else device
+    state_at["master"] = updated * 4 if separate_master else 0
+    state_at["optimizer"] = updated * optimizer_state_bytes
+    if offload and not offload_params:
+        cpu["grads"] = updated * gb  # the reduced gradient, downloaded in the accumulation dtype
+        cpu["staging"] = updated * pb if policy.has_master else 0  # the 16-bit cast, uploaded
+    paper_device, paper_cpu = _paper_formula(stage, psi, n, offload, offload_params)
+    return MemoryEstimate(repr(plan), policy.name, psi, n, device, cpu, paper_device, paper_cpu)
+
+
+def state_bytes_per_parameter(optimizer) -> int:
+    """Bytes of optimizer state per parameter `optimizer` keeps (8 for Adam, 4 for SGD with
+    momentum, 0 without), measured on a probe tensor by the optimizer's own `init`."""
+    probe = 64
+    state = optimizer.init({"probe": torch.zeros(probe)})
+    leaves = [t for t in tensor_leaves(state) if isinstance(t, torch.Tensor) and t.numel() == probe]
+    return sum(t.element_size() for t in leaves)
+
+
+def _paper_formula(stage: int, psi: int, n: int, offload: bool, offload_params: bool) -> tuple[int, int]:
+    """(device, CPU) bytes per rank from the ZeRO paper's model (2 + 2 + K bytes per parameter)."""
+    p, g, k = PAPER_PARAM_BYTES, PAPER_GRAD_BYTES, PAPER_K
+    device = {
+        0: (p + g + k) * psi,
+        1: (p + g) * psi + k * psi / n,
+        2: p * psi + (g + k) * psi / n,
+        3: (p + g + k) * psi / n,
+    }[stage]
+    cpu = 0.0
+    if offload:  # the K bytes of the partition move to CPU, with an fp32 copy of its gradient
+        device -= k * psi / n
+        cpu += (k + 4) * psi / n
+    if offload_params:  # stage 3: the 16-bit parameter and gradient shards move too
+        device -= (p + g) * psi / n
+        cpu += (p + g) * psi / n
+    return int(math.ceil(device)), int(math.ceil(cpu))
+
+
+__all__ = ["MemoryEstimate", "estimate_memory", "state_bytes_per_parameter"]

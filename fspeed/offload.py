@@ -1,0 +1,207 @@
+"""ZeRO-Offload: the host side of a rank's model states, and the copies between host and device.
+
+With `zero.offload_optimizer.device = "cpu"` (stages 1-3) the fp32 masters and the optimizer
+state of this rank's partition live in CPU memory, page-locked where CUDA exists. Per step
+(reference 3.5): the reduced gradient partition goes down into a CPU buffer (in the
+accumulation dtype: the CPU Adam kernel reads bf16/fp16 gradients as they are), the grad norm
+and clipping run there, the optimizer updates the partition on CPU (the CPU Adam kernel writes
+the 16-bit cast into a pinned staging buffer in the same pass) and the staging buffer goes up:
+stages 1-2 into the device partition that is then all-gathered, stage 3 into the shard.
+
+With `zero.offload_param.device = "cpu"` too (stage 3), the compute parameters themselves stay
+on CPU: `OffloadedShardedOps` uploads a unit's shard just before its all-gather and brings the
+reduce-scattered gradient back to CPU, and resident (small) units are copied up as the model
+uses them. The optimizer then writes the 16-bit CPU shards directly.
+
+On a machine without CUDA the "device" is the CPU: every copy below still happens (explicit
+`copy_` between distinct buffers), but pinning and streams are skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .plan import Layout, ShardedUnit
+from .pytree import tree_map
+from .sharded_ops import ShardedOps
+
+# Transforms whose math runs on CPU tensors as well as on device tensors (element-wise, no
+# collectives, no whole-tensor statistics that a ZeRO slice would cut).
+CPU_CAPABLE_TRANSFORMS = frozenset({"chain", "clip_by_global_norm", "adam", "adamw", "sgd"})
+
+
+def offloads_optimizer(layout: Optional[Layout]) -> bool:
+    return layout is not None and layout.zero.offload_optimizer.enabled
+
+
+def offloads_params(layout: Optional[Layout]) -> bool:
+    return layout is not None and layout.zero.offload_param.enabled
+
+
+def check_optimizer_for_offload(names: list[str], layout: Layout) -> None:
+    """Refuse optimizers that have no CPU path when the layout offloads the optimizer."""
+    if not offloads_optimizer(layout):
+        return
+    bad = [n for n in names if n not in CPU_CAPABLE_TRANSFORMS]
+    if bad:
+        raise ValueError(
+            f"zero.offload_optimizer.device='cpu' runs the optimizer on CPU, but {bad[0]!r} has no CPU offload path "
+            "in fspeed (communication-compressed and whole-tensor optimizers need their state on the device); "
+            f"allowed: {', '.join(sorted(CPU_CAPABLE_TRANSFORMS - {'chain'}))}. Use offload_optimizer.device=none "
+            "for this optimizer."
+        )
+
+
+def host_buffer(numel: int, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
+    """A zeroed CPU buffer, page-locked when asked and CUDA exists (pinning needs a CUDA driver)."""
+    return torch.zeros(numel, dtype=dtype, pin_memory=pin_memory and torch.cuda.is_available())
+
+
+def to_host(t: torch.Tensor, pin_memory: bool) -> torch.Tensor:
+    """A fresh CPU copy of `t` (never a view of it), page-locked when asked and CUDA exists."""
+    out = host_buffer(t.numel(), t.dtype, pin_memory).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def compute_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where the model computes when parameters are stored on CPU: where the collectives of
+    `group` run (NCCL: the current CUDA device; gloo: CPU); without a process group, CUDA if present."""
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend(group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class HostDeviceCopies:
+    """Copies between a rank's pinned host buffers and its device, on side streams where CUDA exists.
+
+    `download` returns once the host buffer holds the data (the CPU optimizer reads it next).
+    `upload` is asynchronous: the current stream waits for it before using the device buffer,
+    and `wait_for_uploads` blocks the host before it overwrites the source buffers.
+    """
+
+    def __init__(self):
+        self._down: Optional[torch.cuda.Stream] = None
+        self._up: Optional[torch.cuda.Stream] = None
+        self._uploaded: Optional[torch.cuda.Event] = None
+
+    def download(self, host: torch.Tensor, device_src: torch.Tensor) -> torch.Tensor:
+        if device_src.device.type != "cuda":
+            host.copy_(device_src)
+            return host
+        if self._down is None:
+            self._down = torch.cuda.Stream(device_src.device)
+        self._down.wait_stream(torch.cuda.current_stream(device_src.device))
+        with torch.cuda.stream(self._down):
+            host.copy_(device_src, non_blocking=host.is_pinned())
+        device_src.record_stream(self._down)
+        self._down.synchronize()
+        return host
+
+    def upload(self, device_dst: torch.Tensor, host_src: torch.Tensor) -> torch.Tensor:
+        if device_dst.device.type != "cuda":
+            device_dst.copy_(host_src)
+            return device_dst
+        if self._up is None:
+            self._up = torch.cuda.Stream(device_dst.device)
+        current = torch.cuda.current_stream(device_dst.device)
+        self._up.wait_stream(current)  # the device buffer's previous readers are done
+        with torch.cuda.stream(self._up):
+            device_dst.copy_(host_src, non_blocking=host_src.is_pinned())
+        self._uploaded = torch.cuda.Event()
+        self._uploaded.record(self._up)
+        current.wait_stream(self._up)
+        device_dst.record_stream(self._up)
+        return device_dst
+
+    def wait_for_uploads(self) -> None:
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+            self._uploaded = None
+
+
+# ------------------------------------------------------------------- stage 3 + offload_param
+
+
+class _CopyTo(torch.autograd.Function):
+    """`x` on `device` (non-blocking from pinned memory); the gradient goes back to x's device."""
+
+    @staticmethod
+    def forward(x, device):
+        return x.to(device, non_blocking=x.is_pinned())
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.source = inputs[0].device
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.source), None
+
+
+def copy_to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Differentiable copy to `device` (identity when already there)."""
+    return x if x.device == device else _CopyTo.apply(x, device)
+
+
+class _DeviceSideComm:
+    """The data axis's collectives for shards stored on the host: a shard goes to the compute
+    device just before its all-gather, and the reduce-scattered gradient comes back to the host.
+    Everything else is the wrapped `AxisComm`."""
+
+    def __init__(self, comm, device: torch.device):
+        self._comm = comm
+        self._device = device
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+    def gathered(self, shard: torch.Tensor) -> torch.Tensor:
+        return self._comm.gathered(shard.to(self._device, non_blocking=shard.is_pinned()))
+
+    def start_gather(self, shard: torch.Tensor):
+        return self._comm.start_gather(shard.to(self._device, non_blocking=shard.is_pinned()))
+
+    def reduce_scattered(self, full: torch.Tensor) -> torch.Tensor:
+        return self._comm.reduce_scattered(full).to("cpu")
+
+
+class OffloadedShardedOps(ShardedOps):
+    """`ShardedOps` for parameters stored on the host (stage 3 + offload_param): shards are
+    uploaded just in time for their gather, resident parameters as the model uses them, and
+    their gradients come back to the host."""
+
+    def __init__(self, layout: Layout, mesh, tensor_axes, device: torch.device):
+        super().__init__(layout, mesh, tensor_axes)
+        self.device = device
+        self.data = _DeviceSideComm(self.data, device)
+
+    def param(self, p: Any) -> Any:
+        if isinstance(p, ShardedUnit):
+            if self.data.size == 1:  # no gather: the shard is the unit
+                return p.unit.layout.unflatten(copy_to(p.shard, self.device))
+            return super().param(p)
+        return tree_map(lambda t: copy_to(t, self.device), p)
+
+    def scan(self, fn, blocks, x, rng=None):
+        blocks = [b if isinstance(b, ShardedUnit) else self.param(b) for b in blocks]
+        return super().scan(fn, blocks, x, rng)
+
+
+def sharded_ops_for(layout: Layout, mesh) -> ShardedOps:
+    """The model ops of a layout: `OffloadedShardedOps` when parameters are offloaded."""
+    if offloads_params(layout):
+        return OffloadedShardedOps(layout, mesh, layout.tensor_axes, compute_device(mesh.comm("data").group))
+    return ShardedOps(layout, mesh, layout.tensor_axes)
+
+
+__all__ = [
+    "CPU_CAPABLE_TRANSFORMS", "HostDeviceCopies", "OffloadedShardedOps", "check_optimizer_for_offload",
+    "compute_device", "copy_to", "host_buffer", "offloads_optimizer", "offloads_params", "sharded_ops_for",
+    "to_host",
+]

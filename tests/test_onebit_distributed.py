@@ -1,0 +1,252 @@
+"""The 1-bit family on gloo ranks: the compressed all-reduce against the one-process model bit for
+bit (outputs, both error buffers, bytes), multi-rank training against a one-process model of the
+algorithm, and a small GPT trained with 1-bit Adam against Adam."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fspeed as fs
+from fspeed.comm import CommLog
+from fspeed.compressed_allreduce import CompressionPlan, compressed_allreduce, simulate_compressed_allreduce
+from fspeed.flat import Flat
+from fspeed.optim.onebit import ZeroOneAdamState, zero_one_counters, zero_one_full_allreduce
+from fspeed.testing import GlooWorld
+from test_onebit_optim import SHAPES, batch_for, linear_loss, tree
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with GlooWorld(2) as world:
+        yield world
+
+
+@pytest.fixture(scope="module")
+def world4():
+    with GlooWorld(4) as world:
+        yield world
+
+
+# ---------------------------------------------------------------------------------- the collective
+
+
+def collective_case(sizes, seed, steps):
+    """On every rank: `steps` compressed all-reduces of rank-specific inputs; returns outputs and errors."""
+    import torch.distributed as dist
+
+    from fspeed.mesh import Mesh
+
+    mesh = Mesh(data=-1, log=CommLog())
+    comm = mesh.comm("data")
+    rank, n = comm.rank, comm.size
+    plan = CompressionPlan(tuple(sizes), n)
+    we, se = torch.zeros(plan.total), torch.zeros(plan.server_numel)
+    outs = []
+    for step in range(steps):
+        x = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(seed * 1000 + step * 10 + rank))
+        outs.append(compressed_allreduce(plan.pad(x), we, se, plan, comm))
+    bytes_by_op = dict(mesh.log.bytes_by_op)
+    dist.barrier()
+    return outs, we, se, bytes_by_op
+
+
+def model_case(world, sizes, seed, steps):
+    plan = CompressionPlan(tuple(sizes), world)
+    we = [torch.zeros(plan.total) for _ in range(world)]
+    se = [torch.zeros(plan.server_numel) for _ in range(world)]
+    outs = []
+    for step in range(steps):
+        xs = [torch.randn(sum(sizes), generator=torch.Generator().manual_seed(seed * 1000 + step * 10 + r))
+              for r in range(world)]
+        outs.append(simulate_compressed_allreduce([plan.pad(x) for x in xs], we, se, plan))
+    return outs, we, se
+
+
+def check_against_model(results, world, sizes, seed, steps):
+    outs, we, se = model_case(world, sizes, seed, steps)
+    plan = CompressionPlan(tuple(sizes), world)
+    for r, (r_outs, r_we, r_se, bytes_by_op) in enumerate(results):
+        for step in range(steps):
+            assert torch.equal(r_outs[step], outs[step][r]), f"rank {r} step {step}"
+        assert torch.equal(r_we, we[r]) and torch.equal(r_se, se[r]), f"rank {r} error buffers"
+        segs = len(sizes)
+        assert bytes_by_op["all_to_all"] == steps * plan.total // 8
+        assert bytes_by_op["all_gather"] == steps * (plan.server_numel // 8 + 2 * 4 * segs)
+
+
+@settings(max_examples=6, deadline=None)
+@given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=5), seed=st.integers(0, 1000))
+def test_gloo_2_ranks_equal_model_exactly(world2, sizes, seed):
+    check_against_model(world2.run(collective_case, sizes, seed, 3), 2, sizes, seed, 3)
+
+
+@settings(max_examples=4, deadline=None)
+@given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=5), seed=st.integers(0, 1000))
+def test_gloo_4_ranks_equal_model_exactly(world4, sizes, seed):
+    check_against_model(world4.run(collective_case, sizes, seed, 3), 4, sizes, seed, 3)
+
+
+# ---------------------------------------------------------------------------------- training
+
+
+def make_onebit(kind, world):
+    if kind == "onebit_adam":
+        return fs.optim.onebit_adam(1e-2, freeze_step=3, weight_decay=0.01, world_size=world)
+    return fs.optim.zero_one_adam(1e-2, weight_decay=0.01, var_freeze_step=6, var_update_scaler=2, local_step_scaler=2,
+                                  local_step_clipper=4, world_size=world)
+
+
+def train_ranks(kind, steps, rows):
+    mesh = fs.Mesh(data=-1, log=fs.comm.CommLog())
+    n, rank = mesh.size("data"), mesh.coordinate("data")
+    opt = make_onebit(kind, n)
+    plan = fs.plan.zero(0)
+    state = fs.init_train_state(tree(0), opt, plan=plan, mesh=mesh)
+    step = fs.make_train_step(linear_loss, opt, plan=plan, mesh=mesh)
+    for i in range(steps):
+        x = batch_for(i, rows * n)["x"]
+        state, _ = step(state, {"x": x[rank * rows:(rank + 1) * rows]})
+    return state.params.buffer.clone(), state.opt_state.worker_error.clone(), state.opt_state.server_error.clone()
+
+
+def model_training(kind, world, steps, rows):
+    """The algorithm for `world` ranks in one process, per tensor (DeepSpeed's per-parameter calls)."""
+    opt_hp = make_onebit(kind, world).info.hparams
+    lr, b1, b2, eps, wd = (opt_hp[k] for k in ("lr", "b1", "b2", "eps", "weight_decay"))
+    sizes = [math.prod(SHAPES[k]) for k in sorted(SHAPES)]
+    plans = [CompressionPlan((s,), world) for s in sizes]
+    p = Flat.from_tree(tree(0)).buffer.clone()
+    m, v = torch.zeros(62), torch.zeros(62)
+    we = [[torch.zeros(pl.total) for _ in range(world)] for pl in plans]
+    se = [[torch.zeros(pl.server_numel) for _ in range(world)] for pl in plans]
+    state = ZeroOneAdamState(0, lr, None, None, None, 0.0, 1, 0, 1, 0, None, None)
+    lrs, ps, ms, accs = 0.0, [], [], [torch.zeros(62) for _ in range(world)]
+
+    def allreduce(per_rank):  # list over ranks of flat buffers -> the common result
+        pieces = [x.split(sizes) for x in per_rank]
+        out = [simulate_compressed_allreduce([pl.pad(pr[k]) for pr in pieces], we[k], se[k], pl)[0]
+               for k, pl in enumerate(plans)]
+        return torch.cat([pl.unpad(o) for pl, o in zip(plans, out)])
+
+    def adamw(p, m, v):
+        denom = v.sqrt().add_(eps)
+        p.mul_(1 - lr * wd)
+        p.addcdiv_(m, denom, value=-lr)
+
+    for i in range(steps):
+        t = i + 1
+        x = batch_for(i, rows * world)["x"]
+        local = [x[r * rows:(r + 1) * rows].mean(0) for r in range(world)]
+        mean = sum(local) / world
+        if kind == "onebit_adam":
+            if t <= opt_hp["freeze_step"]:
+                m.lerp_(mean, 1 - b1)
+                v.mul_(b2).addcmul_(mean, mean, value=1 - b2)
+            else:
+                m = allreduce([m.clone().lerp_(g, 1 - b1) for g in local])
+            adamw(p, m, v)
+            continue
+        vfs = opt_hp["var_freeze_step"]
+        if t <= vfs + 1:
+            ps = ps if t > 1 else [p.clone() for _ in local]
+            if zero_one_full_allreduce(state, vfs):
+                v.mul_(b2).addcmul_(mean, mean, value=1 - b2)
+                m.lerp_(mean, 1 - b1)
+            else:
+                m.lerp_(allreduce(local), 1 - b1)
+            for pr in ps:
+                adamw(pr, m, v)
+            ms = [m.clone() for _ in local]
+        else:
+            # every rank's local step, then the sync; (p + acc) - acc is not p bitwise, so ranks differ
+            lrs += lr
+            denom = v.sqrt().add_(eps)
+            for r, g in enumerate(local):
+                ms[r].lerp_(g, 1 - b1)
+                u = ms[r] / denom
+                u.add_(ps[r], alpha=wd)
+                ps[r].add_(u, alpha=-lr)
+                accs[r].add_(u, alpha=-lr)
+            assert t % state.local_step_interval == 0, "the test's schedule syncs every phase-B step"
+            for r in range(world):
+                ps[r].sub_(accs[r])
+                accs[r].mul_(denom)
+            reduced = allreduce(accs)
+            ms = [torch.div(reduced, -lrs) for _ in local]
+            for pr in ps:
+                pr.add_(reduced / denom)
+            accs = [torch.zeros(62) for _ in local]
+            lrs = 0.0
+        state = state._replace(count=t, **zero_one_counters(state, t, vfs, opt_hp["var_update_scaler"],
+                                                           opt_hp["local_step_scaler"], opt_hp["local_step_clipper"]))
+        if t == vfs + 1:
+            for errs in we + se:
+                for e in errs:
+                    e.zero_()
+    if kind == "zero_one_adam":
+        return ps, we, se
+    return [p] * world, we, se
+
+
+@pytest.mark.parametrize("kind", ["onebit_adam", "zero_one_adam"])
+def test_two_ranks_match_the_one_process_model(world2, kind):
+    steps = 8 if kind == "onebit_adam" else 9  # 0/1: phase A with 1-bit steps, then synced local steps
+    results = world2.run(train_ranks, kind, steps, 4)
+    p, we, se = model_training(kind, 2, steps, 4)
+    sizes = [math.prod(SHAPES[k]) for k in sorted(SHAPES)]
+    for r, (params, worker_error, server_error) in enumerate(results):
+        assert torch.equal(params, p[r]), (kind, r)
+        assert torch.equal(worker_error, torch.cat([we[k][r] for k in range(len(sizes))]))
+        assert torch.equal(server_error, torch.cat([se[k][r] for k in range(len(sizes))]))
+
+
+def test_four_ranks_match_the_one_process_model(world4):
+    results = world4.run(train_ranks, "onebit_adam", 6, 2)
+    p, we, se = model_training("onebit_adam", 4, 6, 2)
+    for r, (params, worker_error, _) in enumerate(results):
+        assert torch.equal(params, p[r]), r
+        assert torch.equal(worker_error, torch.cat([we[k][r] for k in range(3)]))
+
+
+# ---------------------------------------------------------------------------------- a GPT
+
+
+def noisy_counting(cfg, rows, seed):
+    """Sequences that count up mod vocab, with 20% random tokens: learnable, with a loss floor."""
+    gen = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, cfg.vocab_size, (rows, 1), generator=gen)
+    x = (start + torch.arange(cfg.seq_len + 1)) % cfg.vocab_size
+    noise = torch.rand(x.shape, generator=gen) < 0.2
+    x = torch.where(noise, torch.randint(0, cfg.vocab_size, x.shape, generator=gen), x)
+    return {"inputs": x[:, :-1], "targets": x[:, 1:]}
+
+
+def train_gpt(kind, steps):
+    mesh = fs.Mesh(data=-1)
+    n, rank = mesh.size("data"), mesh.coordinate("data")
+    cfg = fs.models.GPTConfig(vocab_size=16, seq_len=12, n_layer=1, n_head=2, d_model=32)
+    model = fs.models.gpt(cfg)
+    params = model.init(torch.Generator().manual_seed(0))
+    opt = (fs.optim.onebit_adam(3e-3, freeze_step=steps // 4, world_size=n) if kind == "onebit_adam"
+           else fs.optim.adam(3e-3))
+    plan = fs.plan.zero(0)
+    state = fs.init_train_state(params, opt, plan=plan, mesh=mesh)
+    step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)
+    rows = 16
+    for i in range(steps):
+        batch = noisy_counting(cfg, rows * n, 1 + i)
+        state, _ = step(state, {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()})
+    val = noisy_counting(cfg, 64, 10**6)
+    return fs.make_eval_step(model.loss, plan=plan, mesh=mesh)(state, val)
+
+
+def test_gpt_trains_with_onebit_adam_like_adam(world2):
+    steps = 60
+    adam = world2.run(train_gpt, "adam", steps)[0]
+    onebit = world2.run(train_gpt, "onebit_adam", steps)[0]
+    initial = math.log(16)
+    assert adam < 0.75 * initial  # it learned something
+    assert abs(onebit - adam) <= 0.05 * adam, (onebit, adam)
