@@ -1,9 +1,13 @@
-"""Shared test setup: a deterministic hypothesis profile for CI, a faster one by default."""
+"""Shared test setup: a deterministic hypothesis profile for CI, a faster one by default, and
+gloo worlds of 2 and 4 ranks reused by a test module's tests."""
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+from fspeed.testing import GlooWorld
 
 settings.register_profile(
     "ci", derandomize=True, database=None, deadline=None, max_examples=25,
@@ -15,3 +19,15 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with GlooWorld(2) as world:
+        yield world
+
+
+@pytest.fixture(scope="module")
+def world4():
+    with GlooWorld(4) as world:
+        yield world

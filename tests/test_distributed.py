@@ -13,17 +13,6 @@ from fspeed.testing import GlooWorld, WorkerError
 from fspeed.zero import gather_params
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with GlooWorld(2) as world:
-        yield world
-
-
-@pytest.fixture(scope="module")
-def world4():
-    with GlooWorld(4) as world:
-        yield world
-
 
 def gpt_setup(seed, n_layer=2, d_model=16, n_head=4, vocab=24, seq=8):
     cfg = fs.models.GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=n_layer, n_head=n_head, d_model=d_model)

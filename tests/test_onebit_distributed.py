@@ -18,17 +18,6 @@ from fspeed.testing import GlooWorld
 from test_onebit_optim import SHAPES, batch_for, linear_loss, tree
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with GlooWorld(2) as world:
-        yield world
-
-
-@pytest.fixture(scope="module")
-def world4():
-    with GlooWorld(4) as world:
-        yield world
-
 
 # ---------------------------------------------------------------------------------- the collective
 
