@@ -107,6 +107,7 @@ class ZeroConfig:
     allgather_bucket_size: int = 500_000_000
     param_persistence_threshold: int = 100_000
     prefetch: bool = True  # stage 3: gather the next unit while the current one computes
+    recompute_blocks: bool = False  # stage 3: keep only each block's input, recompute it in backward
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     offload_param: OffloadParamConfig = OffloadParamConfig()
 

@@ -12,7 +12,7 @@ backward). `scan` runs each sharded block unit through `_GatheredUnit`: forward 
 records the block's graph and frees the gathered weights (the graph keeps empty views of them);
 backward gathers them again into the same storage, runs the recorded backward and
 reduce-scatters the weight gradient to the shard. Nothing is recomputed, as in DeepSpeed
-(`recompute_blocks` trades a third more compute for keeping only each block's input). While one
+(`zero.recompute_blocks=true` trades a third more compute for keeping only each block's input). While one
 unit computes, the next one's all-gather is already in flight (forward: next block; backward:
 previous block).
 """
@@ -54,7 +54,7 @@ class ShardedOps(DenseOps):
         self.model: AxisComm = mesh.comm("model")
         self.data: AxisComm = mesh.comm("data")
         self.tensor_axes = frozenset(tensor_axes) if self.model.size > 1 else frozenset()
-        self.recompute = getattr(layout.zero, "recompute_blocks", False)
+        self.recompute = layout.zero.recompute_blocks
 
     # -- ZeRO-3 -------------------------------------------------------------------------
 

@@ -173,4 +173,18 @@ def check_optimizer_for_layout(optimizer: GradientTransformation, layout: Layout
             "tensor-sliced parameters yet (DeepSpeed likewise rejects LAMB under ZeRO). Use adam/adamw/sgd, "
             "or zero stage 0 without tensor slicing."
         )
+    if optimizer.gradient_allreduce is not None:
+        check_self_communicating(optimizer, layout)
     check_optimizer_for_offload(_transform_names(optimizer), layout)
+
+
+def check_self_communicating(optimizer: GradientTransformation, layout) -> None:
+    """An optimizer that does its own data-parallel communication (1-bit family) needs whole,
+    replicated buffers: ZeRO stage 0 without tensor slicing (DeepSpeed likewise asserts no ZeRO)."""
+    if layout is not None and (layout.stage >= 1 or layout.model_size > 1):
+        what = f"ZeRO stage {layout.stage}" if layout.stage >= 1 else f"tensor slicing over {layout.model_size} ranks"
+        raise ValueError(
+            f"{optimizer.info.name if optimizer.info else 'this optimizer'} compresses the data-parallel all-reduce of whole replicated buffers and cannot "
+            f"run with {what}; allowed: zero stage 0 without tensor slicing (DeepSpeed's 1-bit optimizers are not "
+            "compatible with ZeRO either). Use adam/adamw/lamb for ZeRO >= 1."
+        )

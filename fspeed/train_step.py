@@ -41,7 +41,7 @@ from .optim.clipping import clip_coefficient
 from .plan import Plan, ShardedUnit
 from .pytree import PyTree, tree_flatten_with_paths, tree_leaves, tree_map, tree_unflatten
 from .offload import sharded_ops_for
-from .train_state import TrainState
+from .train_state import TrainState, check_self_communicating
 from .zero import LocalRuntime, ZeroRuntime
 
 log = logging.getLogger("fspeed")
@@ -235,18 +235,6 @@ def make_train_step(
 
     train_step.persistent_grad_bytes = persistent_grad_bytes
     return train_step
-
-
-def check_self_communicating(optimizer: GradientTransformation, layout) -> None:
-    """An optimizer that does its own data-parallel communication (1-bit family) needs whole,
-    replicated buffers: ZeRO stage 0 without tensor slicing (DeepSpeed likewise asserts no ZeRO)."""
-    if layout is not None and (layout.stage >= 1 or layout.model_size > 1):
-        what = f"ZeRO stage {layout.stage}" if layout.stage >= 1 else f"tensor slicing over {layout.model_size} ranks"
-        raise ValueError(
-            f"{optimizer.info!r} compresses the data-parallel all-reduce of whole replicated buffers and cannot "
-            f"run with {what}; allowed: zero stage 0 without tensor slicing (DeepSpeed's 1-bit optimizers are not "
-            "compatible with ZeRO either). Use adam/adamw/lamb for ZeRO >= 1."
-        )
 
 
 def _rows(batch: PyTree) -> int:

@@ -32,14 +32,14 @@ def global_batch(cfg, rows, seed, step):
 
 
 def train(seed, steps, grad_accum, micro, opt_kind, precision="fp32", stage=None, tp=1, persistence=0, bucket=None,
-          mesh=None, dims=None):
+          mesh=None, dims=None, recompute=False):
     """Train the tiny GPT; with a plan, each data rank takes its share of every global batch."""
     cfg, model, params = gpt_setup(seed, **(dims or {}))
     opt = make_opt(opt_kind)
     prec = getattr(fs.precision, precision)()
     plan = None
     if stage is not None:
-        options = {"param_persistence_threshold": persistence}
+        options = {"param_persistence_threshold": persistence, "recompute_blocks": recompute}
         if bucket:
             options.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
         plan = zero(stage, **options)
@@ -62,10 +62,10 @@ def train(seed, steps, grad_accum, micro, opt_kind, precision="fp32", stage=None
 
 
 def distributed_case(seed, steps, grad_accum, micro, opt_kind, stage, tp, precision="fp32", persistence=0, bucket=None,
-                     dims=None):
+                     dims=None, recompute=False):
     mesh = fs.Mesh(data=-1, model=tp)
     flat, losses, norms, state = train(seed, steps, grad_accum, micro, opt_kind, precision, stage, tp, persistence,
-                                       bucket, mesh, dims)
+                                       bucket, mesh, dims, recompute)
     sizes = {"params": state.params.buffer.numel(),
              "master": state.master.buffer.numel() if state.master is not None else 0}
     return flat, losses, norms, sizes
@@ -89,6 +89,14 @@ def test_zero_stages_match_one_process_on_2_ranks(world2, stage, grad_accum):
     seed, steps, micro = 11 + stage, 3, 2
     results = world2.run(distributed_case, seed, steps, grad_accum, micro, "sgd", stage, 1, "fp32", 0, 1000)
     assert_matches_one_process(results, seed, steps, grad_accum, micro, dp=2)
+
+
+def test_zero3_recompute_blocks_matches_one_process_on_2_ranks(world2):
+    """zero.recompute_blocks: backward recomputes each block (same dropout stream) instead of replaying it."""
+    seed, steps, micro, grad_accum = 13, 3, 2, 2
+    dims = {"n_layer": 2, "d_model": 16}
+    results = world2.run(distributed_case, seed, steps, grad_accum, micro, "sgd", 3, 1, "fp32", 0, 1000, dims, True)
+    assert_matches_one_process(results, seed, steps, grad_accum, micro, dp=2, dims=dims)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
@@ -306,7 +314,7 @@ def test_a_save_failing_on_one_rank_keeps_the_last_checkpoint(world2, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left
 
 
-def gathered_bytes_case():
+def gathered_bytes_case(recompute):
     """Bytes of gathered ZeRO-3 weights still held when each unit's backward starts."""
     import fspeed.sharded_ops as so
     calls, held = [], []
@@ -321,13 +329,14 @@ def gathered_bytes_case():
         return real_backward(ctx, grad)
     so._UnitCall.__init__, so._GatheredUnit.backward = init, staticmethod(backward)
     try:
-        flat, *_ = distributed_case(1, 1, 1, 2, "sgd", 3, 1, dims={"n_layer": 3, "d_model": 32})
+        flat, *_ = distributed_case(1, 1, 1, 2, "sgd", 3, 1, dims={"n_layer": 3, "d_model": 32}, recompute=recompute)
     finally:
         so._UnitCall.__init__, so._GatheredUnit.backward = real_init, staticmethod(real_backward)
     return len(calls), held
 
 
-def test_zero3_frees_gathered_layers_between_forward_and_backward(world2):
-    for n_calls, held in world2.run(gathered_bytes_case):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_zero3_frees_gathered_layers_between_forward_and_backward(world2, recompute):
+    for n_calls, held in world2.run(gathered_bytes_case, recompute):
         assert n_calls == 3 and len(held) == 3
         assert held == [0, 0, 0]  # every gathered layer was freed after its forward

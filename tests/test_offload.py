@@ -16,14 +16,7 @@ from fspeed.config.build import build_zero_config
 from fspeed.config.deepspeed import DeepSpeedConfigError, translate_deepspeed_config
 from fspeed.optim.base import GradientTransformation, TransformInfo
 from fspeed.plan import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig, zero
-from fspeed.testing import GlooWorld
 from fspeed.zero import gather_params
-
-
-@pytest.fixture(scope="module")
-def world2():
-    with GlooWorld(2) as world:
-        yield world
 
 
 def tiny_gpt(seed, n_layer=2, d_model=16, vocab=24, seq=8):

@@ -13,7 +13,9 @@ import fspeed as fs
 from fspeed.comm import CommLog
 from fspeed.compressed_allreduce import CompressionPlan, compressed_allreduce, simulate_compressed_allreduce
 from fspeed.flat import Flat
+from fspeed.optim.base import per_tensor_norms
 from fspeed.optim.onebit import ZeroOneAdamState, zero_one_counters, zero_one_full_allreduce
+from fspeed.optim.onebit_lamb import frozen_factor, momentum_scaling, trust_ratios
 from fspeed.testing import GlooWorld
 from test_onebit_optim import SHAPES, batch_for, linear_loss, tree
 
@@ -82,6 +84,8 @@ def test_gloo_4_ranks_equal_model_exactly(world4, sizes, seed):
 
 
 def make_onebit(kind, world):
+    if kind == "onebit_lamb":
+        return fs.optim.onebit_lamb(1e-2, freeze_step=3, weight_decay=0.01, world_size=world)
     if kind == "onebit_adam":
         return fs.optim.onebit_adam(1e-2, freeze_step=3, weight_decay=0.01, world_size=world)
     return fs.optim.zero_one_adam(1e-2, weight_decay=0.01, var_freeze_step=6, var_update_scaler=2, local_step_scaler=2,
@@ -200,6 +204,111 @@ def test_four_ranks_match_the_one_process_model(world4):
         assert torch.equal(worker_error, torch.cat([we[k][r] for k in range(3)]))
 
 
+def lamb_model_training(world, steps, rows):
+    """1-bit LAMB for `world` ranks in one process: warmup on the mean gradient, then every rank's
+    momentum (scaled per tensor) goes through one fused 1-bit all-reduce with a persistent padding tail."""
+    hp = make_onebit("onebit_lamb", world).info.hparams
+    lr, b1, b2, eps, wd, freeze = (hp[k] for k in ("lr", "b1", "b2", "eps", "weight_decay", "freeze_step"))
+    sizes = [math.prod(SHAPES[k]) for k in sorted(SHAPES)]
+    plan = CompressionPlan((62,), world)
+    p = Flat.from_tree(tree(0)).buffer.clone()
+    m, v, vf, tail = torch.zeros(62), torch.zeros(62), torch.zeros(62), torch.zeros(plan.total - 62)
+    we = [torch.zeros(plan.total) for _ in range(world)]
+    se = [torch.zeros(plan.server_numel) for _ in range(world)]
+    coeff_freeze, last = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    counts = torch.tensor(sizes)
+
+    def norms(x):
+        return per_tensor_norms(list(x.split(sizes)))
+
+    for i in range(steps):
+        t = i + 1
+        x = batch_for(i, rows * world)["x"]
+        local = [x[r * rows:(r + 1) * rows].mean(0) for r in range(world)]
+        if t <= freeze:
+            mean = sum(local) / world
+            m.lerp_(mean, 1 - b1)
+            v.mul_(b2).addcmul_(mean, mean, value=1 - b2)
+            if t == freeze:
+                vf.copy_(v)
+            u = (m / v.sqrt().add_(eps)).add_(p, alpha=wd)
+            coeffs = trust_ratios(norms(p), norms(u), hp["min_coeff"], hp["max_coeff"])
+            cb = hp["coeff_beta"]
+            coeff_freeze = torch.where(coeffs != 1.0, cb * coeff_freeze + (1 - cb) * coeffs.double(), coeff_freeze)
+            p.add_(u.mul_((coeffs * -lr).repeat_interleave(counts)))
+            continue
+        m_prev = m.clone()
+        if t == freeze + 1:
+            scale = momentum_scaling(norms(m_prev), sizes).float().repeat_interleave(counts)
+        sent = [torch.cat([m.clone().lerp_(g, 1 - b1).mul_(scale), tail]) for g in local]
+        out = simulate_compressed_allreduce(sent, we, se, plan)[0]
+        m, tail = out[:62].div_(scale), out[62:]
+        reconstructed = (m - m_prev * b1) / (1 - b1)
+        vf.mul_(b2).addcmul_(reconstructed, reconstructed, value=1 - b2)
+        denom = v.sqrt().add_(eps)
+        prelim = m / denom
+        u = prelim + wd * p
+        ratio = torch.stack([d.max() for d in (denom / vf.sqrt().add_(eps)).split(sizes)]).double()
+        update_ratio = torch.clamp(norms(prelim).double() / norms(u).double(), max=1.0)
+        ratio = ratio * update_ratio + (1.0 - update_ratio)
+        last = frozen_factor(ratio, last, hp["factor_min"], hp["factor_max"], hp["factor_threshold"])
+        p.add_(u.mul_((coeff_freeze * last * -lr).float().repeat_interleave(counts)))
+    return p, we, se
+
+
+@pytest.mark.parametrize("world_name", ["world2", "world4"])
+def test_onebit_lamb_ranks_match_the_one_process_model(world_name, request):
+    world = request.getfixturevalue(world_name)
+    n, steps, rows = int(world_name[-1]), 7, 2
+    results = world.run(train_ranks, "onebit_lamb", steps, rows)
+    p, we, se = lamb_model_training(n, steps, rows)
+    for r, (params, worker_error, server_error) in enumerate(results):
+        assert torch.equal(params, p), r
+        assert torch.equal(worker_error, we[r]) and torch.equal(server_error, se[r]), r
+    assert not torch.equal(we[0], we[1])  # the ranks' errors differ: a checkpoint must keep each
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+
+
+def resume_ranks(kind, directory, split, steps, rows):
+    """Train `split` steps and save; then both continue the live state and resume a fresh one from the
+    checkpoint to `steps`. Returns both runs' params and error buffers on this rank."""
+    mesh = fs.Mesh(data=-1)
+    n, rank = mesh.size("data"), mesh.coordinate("data")
+    opt, plan = make_onebit(kind, n), fs.plan.zero(0)
+    step = fs.make_train_step(linear_loss, opt, plan=plan, mesh=mesh)
+
+    def run(state, start):
+        for i in range(start, steps):
+            x = batch_for(i, rows * n)["x"]
+            state, _ = step(state, {"x": x[rank * rows:(rank + 1) * rows]})
+        return [t.clone() for t in (state.params.buffer, state.opt_state.worker_error, state.opt_state.server_error)]
+
+    state = fs.init_train_state(tree(0), opt, plan=plan, mesh=mesh)
+    for i in range(split):
+        x = batch_for(i, rows * n)["x"]
+        state, _ = step(state, {"x": x[rank * rows:(rank + 1) * rows]})
+    fs.checkpoint.save_checkpoint(directory, state, mesh=mesh)
+    saved_errors = state.opt_state.worker_error.clone()
+    continued = run(state, split)
+    template = fs.init_train_state(tree(1), opt, plan=plan, mesh=mesh)
+    loaded, _ = fs.checkpoint.load_checkpoint(directory, template, mesh=mesh)
+    assert loaded.step == split and torch.equal(loaded.opt_state.worker_error, saved_errors)
+    return continued, run(loaded, split), saved_errors
+
+
+@pytest.mark.parametrize("kind", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
+def test_resume_keeps_every_ranks_error_buffers(world2, tmp_path, kind):
+    """After compressed steps each rank has its own error buffers (and, for 0/1 Adam's local steps,
+    its own params): every rank saves and restores its own, and the resumed run equals the live one."""
+    results = world2.run(resume_ranks, kind, str(tmp_path), 5, 9, 2)
+    for r, (continued, resumed, _) in enumerate(results):
+        for a, b in zip(continued, resumed):
+            assert torch.equal(a, b), (kind, r)
+    assert not torch.equal(results[0][2], results[1][2])
+
+
 # ---------------------------------------------------------------------------------- a GPT
 
 
@@ -239,3 +348,30 @@ def test_gpt_trains_with_onebit_adam_like_adam(world2):
     initial = math.log(16)
     assert adam < 0.75 * initial  # it learned something
     assert abs(onebit - adam) <= 0.05 * adam, (onebit, adam)
+
+
+# ---------------------------------------------------------------------------------- the CLI
+
+
+def test_fspeed_train_launch_with_onebit_adam_then_resume(tmp_path):
+    """The issue's command at a small size: compressed steps after freeze_step, per-rank checkpoint, resume."""
+    import csv
+
+    from tests.test_cli import fspeed_train
+
+    common = ("--launch", "optimizer=onebit_adam", "optimizer.freeze_step=2", "parallel.data=2",
+              "train.eval_every=0", "train.eval_batches=1", "data.max_bytes=100000", "model.n_layer=1",
+              "model.d_model=32", "model.seq_len=32", "train.micro_batch_size=4", "monitor.progress_bar=false")
+    proc = fspeed_train(*common, "train.steps=4", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "onebit_adam(" in proc.stdout + proc.stderr and "freeze_step=2" in proc.stdout + proc.stderr
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in (ckpt / "global_step4").iterdir()) == [
+        "meta.json", "rank_00000.safetensors", "rank_00001.safetensors"]
+    proc = fspeed_train(*common, "train.steps=6", "checkpoint.resume=true", f"checkpoint.dir={ckpt}",
+                        f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "at step 4" in proc.stdout + proc.stderr
+    with open(tmp_path / "resumed" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows][-2:] == ["5", "6"] and all(float(r["loss"]) > 0 for r in rows if r["loss"])

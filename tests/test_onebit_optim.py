@@ -228,12 +228,15 @@ def test_onebit_lamb_compression_step_against_transcription():
 
 
 def test_zero_stage_one_and_more_is_a_clear_error():
+    """Refused when the state is built, and by the step for a state built with another optimizer."""
     mesh = fs.Mesh(data=-1)
     params = tree(0)
     for stage in (1, 2, 3):
         plan = fs.plan.zero(stage)
         opt = fs.optim.onebit_adam(1e-3, freeze_step=2)
-        state = fs.init_train_state(params, opt, plan=plan, mesh=mesh)
+        with pytest.raises(ValueError, match=f"onebit_adam .* cannot run with ZeRO stage {stage}"):
+            fs.init_train_state(params, opt, plan=plan, mesh=mesh)
+        state = fs.init_train_state(params, fs.optim.adamw(1e-3), plan=plan, mesh=mesh)
         step = fs.make_train_step(linear_loss, opt, plan=plan, mesh=mesh)
         with pytest.raises(ValueError, match=f"cannot run with ZeRO stage {stage}"):
             step(state, batch_for(0, 4))

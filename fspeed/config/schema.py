@@ -382,6 +382,7 @@ class ZeroSection(ValidatedConfig):
     allgather_bucket_size: int = setting(500_000_000, POSITIVE)
     param_persistence_threshold: int = setting(100_000, NON_NEGATIVE)  # stage3_param_persistence_threshold
     prefetch: bool = True  # stage 3: gather the next layer while one computes (prefetch_bucket_size > 0)
+    recompute_blocks: bool = False  # fspeed's own, stage 3: recompute each block in backward (less memory)
     offload_optimizer: OffloadOptimizerSection = field(default_factory=OffloadOptimizerSection)
     offload_param: OffloadParamSection = field(default_factory=OffloadParamSection)
 
@@ -398,7 +399,8 @@ class ZeroSection(ValidatedConfig):
         """The `fspeed.plan.ZeroConfig` these keys describe (raises ValueError on a bad combination)."""
         from ..plan import ZeroConfig  # noqa: PLC0415 (the schema module stays free of torch imports)
 
-        fields = ("stage", "reduce_bucket_size", "allgather_bucket_size", "param_persistence_threshold", "prefetch")
+        fields = ("stage", "reduce_bucket_size", "allgather_bucket_size", "param_persistence_threshold", "prefetch",
+                  "recompute_blocks")
         return ZeroConfig(**{f: getattr(self, f) for f in fields},
                           offload_optimizer=dataclasses.asdict(self.offload_optimizer),
                           offload_param=dataclasses.asdict(self.offload_param))
