@@ -8,15 +8,15 @@ so it is denser than 10% at short S, and its density is printed).
 
 Each (method, S) runs in its own process: time is the median of a few forward+backward (and
 forward-only) calls after a warm-up, and memory is the peak resident memory above the process's
-level before the call, sampled every 0.5 ms by a thread (after `malloc_trim`), so it covers every
-allocation the call makes. Methods:
+level before one more call, sampled every 0.5 ms by a thread (after `malloc_trim`), so it covers
+every allocation the call makes (timed calls run without the sampler, which would take CPU). Methods:
 
   sdpa          dense scaled_dot_product_attention, no mask (full attention: more work, O(S) memory)
   sdpa_mask     dense SDPA with the layout expanded to a [S, S] bool mask (the same function)
-  fspeed        fs.sparse.attention with a prebuilt plan (backend "auto" = torch's CPU flash kernel per chunk)
+  fspeed        fs.sparse.attention with a prebuilt plan (backend "auto" = gather + bmm + in-place softmax)
   flex          torch.compile(flex_attention) with the same BlockMask; forward only, because torch 2.13
                 has no FlexAttention backward on CPU
-  fspeed_bmm / fspeed_numba   fspeed's other CPU backends, at S=4096 only
+  fspeed_flash / fspeed_numba   fspeed's other CPU backends, at S=4096 only
 
 The longest sequence within MEMORY_BUDGET (forward+backward) is extrapolated per method from a
 least-squares fit of peak memory = a + b S + c S^2 over the measured S.
@@ -117,7 +117,7 @@ def measure(method: str, layout_name: str, S: int, reps: int, threads: int) -> d
         mask = sp.expand_layout(layout, BLOCK)[None]  # [1, H, S, S] bool
         fn = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=mask)  # noqa: E731
     elif method.startswith("fspeed"):
-        backend = {"fspeed": "auto", "fspeed_bmm": "bmm", "fspeed_numba": "numba"}[method]
+        backend = {"fspeed": "auto", "fspeed_bmm": "bmm", "fspeed_numba": "numba", "fspeed_flash": "flash"}[method]
         plan = sp.make_plan(layout, BLOCK)
         fn = lambda a, b, c: sp.attention(a, b, c, plan, backend=backend)  # noqa: E731
     elif method == "flex":
@@ -143,14 +143,13 @@ def measure(method: str, layout_name: str, S: int, reps: int, threads: int) -> d
     for kind, call in kinds.items():
         call()  # warm-up: compiles, JITs, faults pages in
         times = []
-        peak = 0
-        for _ in range(reps):
-            with PeakRSS() as mem:
-                t0 = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - t0)
-            peak = max(peak, mem.extra)
-        result[kind] = {"ms": 1e3 * statistics.median(times), "peak_mb": peak / 2**20}
+        for _ in range(reps):  # timed without the memory sampler: its thread would take CPU from the call
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        with PeakRSS() as mem:
+            call()
+        result[kind] = {"ms": 1e3 * statistics.median(times), "peak_mb": mem.extra / 2**20}
     return result
 
 
@@ -217,7 +216,7 @@ def main() -> None:
         for S in seqs:
             methods = ["sdpa", "sdpa_mask", "fspeed", "flex"]
             if S == 4096:
-                methods += ["fspeed_bmm", "fspeed_numba"]
+                methods += ["fspeed_flash", "fspeed_numba"]
             for method in methods:
                 if method == "sdpa" and layout_name == "fixed":
                     results[(layout_name, method, S)] = results[("bigbird", method, S)]  # layout-independent

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from .plan import BlockPlan, RowChunk
-from .torch_blocks import _batch_slices, _slice_bias
+from .torch_blocks import _batch_slices, _slice_bias, rows_of_batch
 
 _ops = torch.ops.aten
 
@@ -67,23 +67,24 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, 
             key_bias: Optional[torch.Tensor] = None, attn_bias: Optional[torch.Tensor] = None):
     """(out [B,H,S,D] in q's dtype, lse [B,H,S] fp32 or fp64) for CPU tensors q, k, v [B,H,S,D]."""
     B, H, S, D = q.shape
-    blk, nb = plan.block, plan.num_blocks
-    q3, k3, v3 = (x.contiguous().view(B, H * nb, blk * D) for x in (q, k, v))
-    out = torch.zeros(B, H * nb, blk * D, dtype=q.dtype)
-    lse = torch.zeros(B, H * nb, blk, dtype=_acc_dtype(q.dtype))
+    blk, n = plan.block, H * plan.num_blocks
+    q2, k2, v2 = (x.contiguous().view(B * n, blk * D) for x in (q, k, v))
+    out = torch.zeros(B * n, blk * D, dtype=q.dtype)
+    lse = torch.zeros(B * n, blk, dtype=_acc_dtype(q.dtype))
     for b in _batch_slices(plan, B):
         Bs = b.stop - b.start
         kb, ab = _slice_bias(key_bias, b), _slice_bias(attn_bias, b)
         for ch in plan.chunks:
             R, C = ch.num_rows, ch.width
-            q_rows = q3[b].index_select(1, ch.q_index).view(Bs, R, blk, D)
-            k_cols = k3[b].index_select(1, ch.kv_index).view(Bs, R, C * blk, D)
-            v_cols = v3[b].index_select(1, ch.kv_index).view(Bs, R, C * blk, D)
+            q_at, kv_at = rows_of_batch(ch.q_index, b, n), rows_of_batch(ch.kv_index, b, n)
+            q_rows = q2.index_select(0, q_at).view(Bs, R, blk, D)
+            k_cols = k2.index_select(0, kv_at).view(Bs, R, C * blk, D)
+            v_cols = v2.index_select(0, kv_at).view(Bs, R, C * blk, D)
             mask = _chunk_mask(ch, plan, kb, ab, _acc_dtype(q.dtype), q.device)
             o, row_lse = _ops._scaled_dot_product_flash_attention_for_cpu(
                 q_rows, k_cols, v_cols, 0.0, False, attn_mask=mask, scale=scale)
-            out[b].index_copy_(1, ch.q_index, o.reshape(Bs, R, blk * D))
-            lse[b].index_copy_(1, ch.q_index, row_lse.reshape(Bs, R, blk))
+            out.index_copy_(0, q_at, o.reshape(Bs * R, blk * D))
+            lse.index_copy_(0, q_at, row_lse.reshape(Bs * R, blk))
     return out.view(B, H, S, D), lse.view(B, H, S)
 
 
@@ -92,28 +93,29 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              attn_bias: Optional[torch.Tensor] = None):
     """(dq, dk, dv) in the inputs' dtype; the kernel recomputes probabilities from `lse`."""
     B, H, S, D = q.shape
-    blk, nb = plan.block, plan.num_blocks
-    q3, k3, v3, o3, do3 = (x.contiguous().view(B, H * nb, blk * D) for x in (q, k, v, out, dout))
-    lse3 = lse.view(B, H * nb, blk)
+    blk, n = plan.block, H * plan.num_blocks
+    q2, k2, v2, o2, do2 = (x.contiguous().view(B * n, blk * D) for x in (q, k, v, out, dout))
+    lse2 = lse.reshape(B * n, blk)
     acc = _acc_dtype(q.dtype)
-    dq = torch.zeros(B, H * nb, blk * D, dtype=q.dtype)
-    dk = torch.zeros(B, H * nb, blk * D, dtype=acc)
-    dv = torch.zeros(B, H * nb, blk * D, dtype=acc)
+    dq = torch.zeros(B * n, blk * D, dtype=q.dtype)
+    dk = torch.zeros(B * n, blk * D, dtype=acc)
+    dv = torch.zeros(B * n, blk * D, dtype=acc)
     for b in _batch_slices(plan, B):
         Bs = b.stop - b.start
         kb, ab = _slice_bias(key_bias, b), _slice_bias(attn_bias, b)
         for ch in plan.chunks:
             R, C = ch.num_rows, ch.width
-            rows = lambda x: x[b].index_select(1, ch.q_index).view(Bs, R, blk, D)  # noqa: E731
-            k_cols = k3[b].index_select(1, ch.kv_index).view(Bs, R, C * blk, D)
-            v_cols = v3[b].index_select(1, ch.kv_index).view(Bs, R, C * blk, D)
-            row_lse = lse3[b].index_select(1, ch.q_index).view(Bs, R, blk)
+            q_at, kv_at = rows_of_batch(ch.q_index, b, n), rows_of_batch(ch.kv_index, b, n)
+            rows = lambda x: x.index_select(0, q_at).view(Bs, R, blk, D)  # noqa: E731
+            k_cols = k2.index_select(0, kv_at).view(Bs, R, C * blk, D)
+            v_cols = v2.index_select(0, kv_at).view(Bs, R, C * blk, D)
+            row_lse = lse2.index_select(0, q_at).view(Bs, R, blk)
             mask = _chunk_mask(ch, plan, kb, ab, acc, q.device)
             g_q, g_k, g_v = _ops._scaled_dot_product_flash_attention_for_cpu_backward(
-                rows(do3), rows(q3), k_cols, v_cols, rows(o3), row_lse, 0.0, False, attn_mask=mask, scale=scale)
-            dq[b].index_copy_(1, ch.q_index, g_q.reshape(Bs, R, blk * D))
-            dk[b].index_add_(1, ch.kv_index, g_k.reshape(Bs, R * C, blk * D).to(acc))
-            dv[b].index_add_(1, ch.kv_index, g_v.reshape(Bs, R * C, blk * D).to(acc))
+                rows(do2), rows(q2), k_cols, v_cols, rows(o2), row_lse, 0.0, False, attn_mask=mask, scale=scale)
+            dq.index_copy_(0, q_at, g_q.reshape(Bs * R, blk * D))
+            dk.index_add_(0, kv_at, g_k.reshape(Bs * R * C, blk * D).to(acc))
+            dv.index_add_(0, kv_at, g_v.reshape(Bs * R * C, blk * D).to(acc))
     shape = (B, H, S, D)
     return dq.view(shape), dk.view(shape).to(k.dtype), dv.view(shape).to(v.dtype)
 
