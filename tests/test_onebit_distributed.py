@@ -268,6 +268,49 @@ def test_onebit_lamb_ranks_match_the_one_process_model(world_name, request):
     assert not torch.equal(we[0], we[1])  # the ranks' errors differ: a checkpoint must keep each
 
 
+def masked_momentum_ranks(kind, masked, steps):
+    """Train with the first 10 entries of tensor "c" always getting a zero gradient; returns the momentum."""
+    mesh = fs.Mesh(data=-1)
+    n, rank = mesh.size("data"), mesh.coordinate("data")
+    mask = {"c": (torch.arange(40) >= 10).float()} if masked else None
+    make = fs.optim.onebit_adam if kind == "onebit_adam" else fs.optim.onebit_lamb
+    opt = make(1e-2, freeze_step=2, weight_decay=0.01, world_size=n, exp_avg_mask=mask)
+    plan = fs.plan.zero(0)
+    state = fs.init_train_state(tree(0), opt, plan=plan, mesh=mesh)
+    step = fs.make_train_step(linear_loss, opt, plan=plan, mesh=mesh)
+    for i in range(steps):
+        x = batch_for(i, 2 * n)["x"]
+        x[:, 22:32] = 0  # flat order a (15), b (7), c (40): c[:10]
+        state, _ = step(state, {"x": x[rank * 2:(rank + 1) * 2]})
+    return state.opt_state.mu.buffer.clone()
+
+
+@pytest.mark.parametrize("kind", ["onebit_adam", "onebit_lamb"])
+def test_exp_avg_mask_keeps_zero_momentum_at_zero(world2, kind):
+    """1-bit compression cannot send zeros: without the mask, entries whose gradient is always 0
+    pick up momentum from the error feedback; with it they stay exactly 0 (DeepSpeed's exp_avg_mask)."""
+    plain = world2.run(masked_momentum_ranks, kind, False, 6)
+    masked = world2.run(masked_momentum_ranks, kind, True, 6)
+    for mu in plain:
+        assert mu[22:32].abs().max() > 0
+    for mu in masked:
+        assert torch.equal(mu[22:32], torch.zeros(10)) and mu[32:].abs().min() > 0
+
+
+def test_exp_avg_mask_errors_name_the_problem():
+    params = Flat.from_tree(tree(0))
+    opt = fs.optim.onebit_adam(freeze_step=0, exp_avg_mask={"nope": torch.ones(3)})
+    state = opt.init(params)
+    with pytest.raises(ValueError, match=r"exp_avg_mask names parameters that do not exist: \['nope'\]"):
+        opt.apply(Flat(torch.zeros(62), params.layout), state, params)
+    opt = fs.optim.onebit_lamb(freeze_step=0, exp_avg_mask={"c": torch.ones(3)})
+    state = opt.init(params)
+    with pytest.raises(ValueError, match=r"exp_avg_mask\['c'\] has shape \[3\], which does not broadcast"):
+        opt.apply(Flat(torch.zeros(62), params.layout), state, params)
+    with pytest.raises(TypeError, match="exp_avg_mask must be a dict"):
+        fs.optim.onebit_adam(exp_avg_mask=[torch.ones(3)])
+
+
 # ---------------------------------------------------------------------------------- checkpoints
 
 

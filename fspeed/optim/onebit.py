@@ -25,7 +25,10 @@ its warmup has freeze_step - 1 updates; here it has freeze_step); error buffers 
 and survive checkpoints (DeepSpeed drops them on load); 0/1 Adam in one process uses the local
 gradient on non-variance steps (DeepSpeed's world-of-1 path skips the momentum update there).
 As in DeepSpeed, a world of one rank does no compression (there is nothing to communicate).
-`exp_avg_mask` (a DeepSpeed param-group key) is not supported.
+`exp_avg_mask` (DeepSpeed's param-group key) is `exp_avg_mask={path: 0/1 tensor}` on 1-bit Adam
+and 1-bit LAMB: it multiplies the momentum after each compressed all-reduce, so entries whose
+gradient is always exactly zero (padding rows of an embedding) stay zero; 1-bit compression
+cannot represent zero, and without the mask their error would keep accumulating.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch.distributed as dist
 
 from ..compressed_allreduce import CompressionPlan, compressed_allreduce, padded_numel
 from ..flat import Flat, segments
-from ..pytree import tree_leaves, tree_map, tree_zeros_like
+from ..pytree import tree_flatten_with_paths, tree_leaves, tree_map, tree_zeros_like
 from .adam import check_hparams
 from .base import GradientTransformation, ScalarOrSchedule, TransformInfo, cast_params_into, resolve
 
@@ -149,6 +152,48 @@ def plan_cache() -> Callable[[tuple[int, ...], int], CompressionPlan]:
     return plan_for
 
 
+def momentum_mask(name: str, exp_avg_mask: Optional[dict]) -> Callable[[Any, torch.Tensor], Optional[torch.Tensor]]:
+    """`exp_avg_mask` ({parameter path: 0/1 tensor broadcastable to its shape}) as a function of
+    (params, flat momentum) -> the flat mask (ones where no mask is given), built once per layout;
+    None without masks."""
+    if exp_avg_mask is None or not exp_avg_mask:
+        return lambda params, flat: None
+    if not isinstance(exp_avg_mask, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                     for k, v in exp_avg_mask.items()):
+        raise TypeError(f"{name}: exp_avg_mask must be a dict {{parameter path: tensor}}, got "
+                        f"{type(exp_avg_mask).__name__}")
+    built: dict = {}
+
+    def mask_for(params: Any, flat: torch.Tensor) -> torch.Tensor:
+        if isinstance(params, Flat):
+            paths, shapes = params.layout.paths, params.layout.shapes
+        else:
+            paths, leaves, _ = tree_flatten_with_paths(params)
+            shapes = tuple(tuple(x.shape) for x in leaves)
+        key = (tuple(paths), tuple(shapes), flat.dtype, flat.device)
+        if key not in built:
+            unknown = sorted(set(exp_avg_mask) - set(paths))
+            if unknown:
+                raise ValueError(f"{name}: exp_avg_mask names parameters that do not exist: {unknown[:4]}; "
+                                 f"parameter paths look like {list(paths[:4])}")
+            pieces = []
+            for path, shape in zip(paths, shapes):
+                mask = exp_avg_mask.get(path)
+                if mask is None:
+                    pieces.append(torch.ones(shape, dtype=flat.dtype, device=flat.device).reshape(-1))
+                    continue
+                try:
+                    pieces.append(torch.broadcast_to(mask.to(flat), shape).reshape(-1))
+                except RuntimeError:
+                    raise ValueError(f"{name}: exp_avg_mask[{path!r}] has shape {list(mask.shape)}, which does "
+                                     f"not broadcast to the parameter's {list(shape)}") from None
+            built.clear()
+            built[key] = torch.cat(pieces)
+        return built[key]
+
+    return mask_for
+
+
 def pure_update(apply: Callable) -> Callable:
     """The pure `update` of an optimizer whose implementation is its in-place `apply`: runs it on
     copies and returns params' change as the updates."""
@@ -192,20 +237,23 @@ def onebit_adam(
     weight_decay: float = 0.0,
     *,
     world_size: Optional[int] = None,
+    exp_avg_mask: Optional[dict] = None,
 ) -> GradientTransformation:
     """1-bit Adam (DeepSpeed OnebitAdam): `freeze_step` warmup updates of plain Adam (no bias
     correction, full-precision all-reduce), then frozen variance and a 1-bit error-feedback
     all-reduce of the momentum, per parameter tensor.
 
     `world_size`: the data-parallel size the error buffers are sized for (default: the
-    torch.distributed world size at `init`, 1 without a process group). See the module docstring
-    for what differs from DeepSpeed.
+    torch.distributed world size at `init`, 1 without a process group). `exp_avg_mask`:
+    {parameter path: 0/1 tensor}, multiplied into the momentum after each compressed all-reduce
+    (DeepSpeed's param-group key). See the module docstring for what differs from DeepSpeed.
     """
     name = "onebit_adam"
     check_hparams(name, lr=lr, b2=b2, eps=eps, weight_decay=weight_decay)
     _check_b1(name, b1)
     check_step_count(name, "freeze_step", freeze_step)
     plan_for = plan_cache()
+    mask_for = momentum_mask(name, exp_avg_mask)
 
     def init(params):
         world = resolve_world(world_size, name)
@@ -223,9 +271,13 @@ def onebit_adam(
         m.flat.lerp_(grad, 1.0 - b1)
         if t <= freeze_step:
             v.flat.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
-        elif world > 1:
-            plan = plan_for(tuple(segment_sizes(params)), world)
-            onebit_allreduce(m.flat, (state.worker_error, state.server_error), plan, comm)
+        else:
+            if world > 1:
+                plan = plan_for(tuple(segment_sizes(params)), world)
+                onebit_allreduce(m.flat, (state.worker_error, state.server_error), plan, comm)
+            mask = mask_for(params, m.flat)
+            if mask is not None:
+                m.flat.mul_(mask)
         _adamw_update(p.flat, m.flat, v.flat, lr_t, eps, weight_decay)
         for view in (p, m, v):
             view.write_back()
@@ -233,8 +285,14 @@ def onebit_adam(
             cast_params_into(cast_to, params)
         return params, state._replace(count=t, lr=resolve(lr, t))
 
-    info = TransformInfo(name, dict(lr=lr, freeze_step=freeze_step, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    info = TransformInfo(name, dict(lr=lr, freeze_step=freeze_step, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                                    **masked_paths(exp_avg_mask)))
     return GradientTransformation(init, pure_update(apply), apply, info, gradient_allreduce)
+
+
+def masked_paths(exp_avg_mask: Optional[dict]) -> dict:
+    """For TransformInfo: the masked parameter paths (not the tensors), only when there are some."""
+    return {"exp_avg_mask": sorted(exp_avg_mask)} if exp_avg_mask else {}
 
 
 # ------------------------------------------------------------------------------ 0/1 Adam

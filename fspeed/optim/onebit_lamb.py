@@ -35,8 +35,8 @@ from ..pytree import tree_zeros_like
 from .adam import check_hparams
 from .base import GradientTransformation, ScalarOrSchedule, TransformInfo, cast_params_into, per_tensor_norms, resolve
 from .onebit import (
-    _check_b1, _device, check_comm, check_step_count, flat_view, plan_cache, pure_update, resolve_world,
-    segment_sizes, state_world,
+    _check_b1, _device, check_comm, check_step_count, flat_view, masked_paths, momentum_mask, plan_cache,
+    pure_update, resolve_world, segment_sizes, state_world,
 )
 
 
@@ -70,8 +70,10 @@ def onebit_lamb(
     factor_min: float = 0.5,
     factor_threshold: float = 0.1,
     world_size: Optional[int] = None,
+    exp_avg_mask: Optional[dict] = None,
 ) -> GradientTransformation:
-    """1-bit LAMB (module docstring). `world_size` as in `onebit_adam`."""
+    """1-bit LAMB (module docstring). `world_size` and `exp_avg_mask` as in `onebit_adam` (the mask
+    multiplies the momentum once it is unscaled after the compressed all-reduce, as in DeepSpeed)."""
     name = "onebit_lamb"
     check_hparams(name, lr=lr, b2=b2, eps=eps, weight_decay=weight_decay)
     _check_b1(name, b1)
@@ -86,6 +88,7 @@ def onebit_lamb(
     if not 0 <= factor_threshold < 1:
         raise ValueError(f"{name}: factor_threshold={factor_threshold} must be in [0, 1)")
     plan_for = plan_cache()
+    mask_for = momentum_mask(name, exp_avg_mask)
 
     def init(params):
         world = resolve_world(world_size, name)
@@ -139,6 +142,9 @@ def onebit_lamb(
                 m.flat.copy_(out[: m.flat.numel()])
                 state.momentum_tail.copy_(out[m.flat.numel():])
             m.flat.div_(scale_elems)
+            mask = mask_for(params, m.flat)
+            if mask is not None:
+                m.flat.mul_(mask)
             reconstructed = (m.flat - m_prev * b1) / (1 - b1)
             vf.flat.mul_(b2).addcmul_(reconstructed, reconstructed, value=1 - b2)
             denom = v.flat.sqrt().add_(eps)
@@ -165,7 +171,8 @@ def onebit_lamb(
 
     info = TransformInfo(name, dict(lr=lr, freeze_step=freeze_step, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                                     max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
-                                    factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold))
+                                    factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold,
+                                    **masked_paths(exp_avg_mask)))
     return GradientTransformation(init, pure_update(apply), apply, info, gradient_allreduce)
 
 
