@@ -86,6 +86,7 @@ def main() -> None:
         if lead:
             torch.save(weights, "gpt_weights.pt")
             print("full fp32 weights gathered from all ranks: gpt_weights.pt")
+    fs.shutdown_distributed()  # leave together (a no-op on one process)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .comm import CommError, CommLog
 from .flat import Flat, FlatLayout
 from .memory import MemoryEstimate, estimate_memory
-from .mesh import Mesh, init_distributed
+from .mesh import Mesh, init_distributed, shutdown_distributed
 from .plan import OffloadOptimizerConfig, OffloadParamConfig, Plan, ZeroConfig, explain, tensor_slicing, zero
 from .sharding import P, PartitionSpec
 from .zero import gather_params
@@ -29,7 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CommError", "CommLog", "Mesh", "P", "PartitionSpec", "Plan", "ZeroConfig", "explain", "gather_params",
-    "init_distributed", "tensor_slicing", "zero",
+    "init_distributed", "shutdown_distributed", "tensor_slicing", "zero",
     "MemoryEstimate", "OffloadOptimizerConfig", "OffloadParamConfig", "estimate_memory",
     "CheckpointError", "checkpoint", "data", "load_checkpoint", "save_checkpoint", "sparse",
     "DonatedStateError", "Flat", "FlatLayout", "LossScaleAtMinimumError", "LossScaleState", "Model",

@@ -41,6 +41,17 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def shutdown_distributed() -> None:
+    """Leave together and tear the default process group down (a no-op without one).
+
+    Call it at the end of a distributed script: a rank that exits while its gloo threads still
+    run can die in std::terminate (seen as a SIGABRT at exit, a failed run after a good one).
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 class Mesh:
     """Named axes over the default process group (see module docstring)."""
 

@@ -21,7 +21,6 @@ from typing import Any, Optional
 
 import hydra
 import torch
-import torch.distributed as dist
 from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -33,7 +32,7 @@ from ..config.build import build_model_config, build_optimizer, build_precision,
 from ..config.schema import RunConfig
 from ..comm import CommLog
 from ..memory import estimate_memory, state_bytes_per_parameter
-from ..mesh import Mesh, init_distributed
+from ..mesh import Mesh, init_distributed, shutdown_distributed
 from ..models import GPT_RULES, count_params, gpt
 from ..plan import Plan, tensor_slicing
 from ..monitor import CSVMonitor
@@ -235,11 +234,7 @@ def _hydra_app(cfg: DictConfig) -> Optional[float]:
         sys.exit(2)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     summary = run_training(run, out_dir)
-    if dist.is_initialized():
-        # Leave together and tear gloo down explicitly: a rank that exits while its process
-        # group's threads still run can die in std::terminate (seen as SIGABRT at exit).
-        dist.barrier()
-        dist.destroy_process_group()
+    shutdown_distributed()
     return summary["val_loss_end"]
 
 
