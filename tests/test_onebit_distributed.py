@@ -273,8 +273,12 @@ def masked_momentum_ranks(kind, masked, steps):
     mesh = fs.Mesh(data=-1)
     n, rank = mesh.size("data"), mesh.coordinate("data")
     mask = {"c": (torch.arange(40) >= 10).float()} if masked else None
-    make = fs.optim.onebit_adam if kind == "onebit_adam" else fs.optim.onebit_lamb
-    opt = make(1e-2, freeze_step=2, weight_decay=0.01, world_size=n, exp_avg_mask=mask)
+    if kind == "zero_one_adam":  # phase A with 1-bit steps, then synced local steps
+        opt = fs.optim.zero_one_adam(1e-2, weight_decay=0.01, var_freeze_step=4, var_update_scaler=2,
+                                     local_step_scaler=2, local_step_clipper=2, world_size=n, exp_avg_mask=mask)
+    else:
+        make = fs.optim.onebit_adam if kind == "onebit_adam" else fs.optim.onebit_lamb
+        opt = make(1e-2, freeze_step=2, weight_decay=0.01, world_size=n, exp_avg_mask=mask)
     plan = fs.plan.zero(0)
     state = fs.init_train_state(tree(0), opt, plan=plan, mesh=mesh)
     step = fs.make_train_step(linear_loss, opt, plan=plan, mesh=mesh)
@@ -285,12 +289,13 @@ def masked_momentum_ranks(kind, masked, steps):
     return state.opt_state.mu.buffer.clone()
 
 
-@pytest.mark.parametrize("kind", ["onebit_adam", "onebit_lamb"])
+@pytest.mark.parametrize("kind", ["onebit_adam", "onebit_lamb", "zero_one_adam"])
 def test_exp_avg_mask_keeps_zero_momentum_at_zero(world2, kind):
     """1-bit compression cannot send zeros: without the mask, entries whose gradient is always 0
     pick up momentum from the error feedback; with it they stay exactly 0 (DeepSpeed's exp_avg_mask)."""
-    plain = world2.run(masked_momentum_ranks, kind, False, 6)
-    masked = world2.run(masked_momentum_ranks, kind, True, 6)
+    steps = 8 if kind == "zero_one_adam" else 6
+    plain = world2.run(masked_momentum_ranks, kind, False, steps)
+    masked = world2.run(masked_momentum_ranks, kind, True, steps)
     for mu in plain:
         assert mu[22:32].abs().max() > 0
     for mu in masked:

@@ -25,8 +25,9 @@ its warmup has freeze_step - 1 updates; here it has freeze_step); error buffers 
 and survive checkpoints (DeepSpeed drops them on load); 0/1 Adam in one process uses the local
 gradient on non-variance steps (DeepSpeed's world-of-1 path skips the momentum update there).
 As in DeepSpeed, a world of one rank does no compression (there is nothing to communicate).
-`exp_avg_mask` (DeepSpeed's param-group key) is `exp_avg_mask={path: 0/1 tensor}` on 1-bit Adam
-and 1-bit LAMB: it multiplies the momentum after each compressed all-reduce, so entries whose
+`exp_avg_mask` (DeepSpeed's param-group key) is `exp_avg_mask={path: 0/1 tensor}`: it multiplies
+the momentum after each compressed all-reduce (0/1 Adam: whatever was all-reduced, only with
+several ranks, as DeepSpeed), so entries whose
 gradient is always exactly zero (padding rows of an embedding) stay zero; 1-bit compression
 cannot represent zero, and without the mask their error would keep accumulating.
 """
@@ -310,11 +311,13 @@ def zero_one_adam(
     local_step_scaler: int = 32678,
     local_step_clipper: int = 16,
     world_size: Optional[int] = None,
+    exp_avg_mask: Optional[dict] = None,
 ) -> GradientTransformation:
     """0/1 Adam (DeepSpeed ZeroOneAdam): variance updated on an exponentially sparser schedule
     until `var_freeze_step`, 1-bit all-reduced gradients in between, then local steps with a 1-bit
     synchronisation every `local_step_interval` steps (module docstring). DeepSpeed's defaults,
-    including local_step_scaler=32678 (sic)."""
+    including local_step_scaler=32678 (sic). `exp_avg_mask` multiplies the result of every 1-bit
+    all-reduce (the gradient in phase A, the momentum drift in phase B), as DeepSpeed does."""
     name = "zero_one_adam"
     check_hparams(name, lr=lr, b2=b2, eps=eps, weight_decay=weight_decay)
     _check_b1(name, b1)
@@ -323,6 +326,7 @@ def zero_one_adam(
                        ("local_step_clipper", local_step_clipper)):
         check_step_count(name, key, value, minimum=1)
     plan_for = plan_cache()
+    mask_for = momentum_mask(name, exp_avg_mask)
 
     def init(params):
         world = resolve_world(world_size, name)
@@ -343,6 +347,9 @@ def zero_one_adam(
         def allreduced(flat: torch.Tensor) -> torch.Tensor:
             if world > 1:
                 onebit_allreduce(flat, errors, plan_for(tuple(segment_sizes(params)), world), comm)
+                mask = mask_for(params, flat)
+                if mask is not None:
+                    flat.mul_(mask)
             return flat
 
         lrs = state.lrs
@@ -382,7 +389,8 @@ def zero_one_adam(
 
     info = TransformInfo(name, dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                                     var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
-                                    local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper))
+                                    local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
+                                    **masked_paths(exp_avg_mask)))
     return GradientTransformation(init, pure_update(apply), apply, info, gradient_allreduce)
 
 
