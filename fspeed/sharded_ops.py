@@ -12,9 +12,9 @@ backward). `scan` runs each sharded block unit through `_GatheredUnit`: forward 
 records the block's graph and frees the gathered weights (the graph keeps empty views of them);
 backward gathers them again into the same storage, runs the recorded backward and
 reduce-scatters the weight gradient to the shard. Nothing is recomputed, as in DeepSpeed
-(`zero.recompute_blocks=true` trades a third more compute for keeping only each block's input). While one
-unit computes, the next one's all-gather is already in flight (forward: next block; backward:
-previous block).
+(`zero.recompute_blocks=true` trades a third more compute for keeping only each block's input).
+While one unit computes, the next one's all-gather is already in flight (forward: next block;
+backward: previous block).
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ gradient on non-variance steps (DeepSpeed's world-of-1 path skips the momentum u
 As in DeepSpeed, a world of one rank does no compression (there is nothing to communicate).
 `exp_avg_mask` (DeepSpeed's param-group key) is `exp_avg_mask={path: 0/1 tensor}`: it multiplies
 the momentum after each compressed all-reduce (0/1 Adam: whatever was all-reduced, only with
-several ranks, as DeepSpeed), so entries whose
-gradient is always exactly zero (padding rows of an embedding) stay zero; 1-bit compression
-cannot represent zero, and without the mask their error would keep accumulating.
+several ranks, as DeepSpeed), so entries whose gradient is always exactly zero (padding rows of
+an embedding) stay zero; 1-bit compression cannot represent zero, and without the mask their
+error would keep accumulating.
 """
 
 from __future__ import annotations
@@ -153,11 +153,11 @@ def plan_cache() -> Callable[[tuple[int, ...], int], CompressionPlan]:
     return plan_for
 
 
-def momentum_mask(name: str, exp_avg_mask: Optional[dict]) -> Callable[[Any, torch.Tensor], Optional[torch.Tensor]]:
-    """`exp_avg_mask` ({parameter path: 0/1 tensor broadcastable to its shape}) as a function of
-    (params, flat momentum) -> the flat mask (ones where no mask is given), built once per layout;
-    None without masks."""
-    if exp_avg_mask is None or not exp_avg_mask:
+def momentum_mask(name: str, exp_avg_mask: Optional[dict]) -> Callable[[Any, torch.Tensor], None]:
+    """`exp_avg_mask` ({parameter path: 0/1 tensor broadcastable to its shape}) as an in-place
+    `mask_(params, flat_momentum)`: multiplies by the flat mask (ones where no mask is given),
+    built once per layout; does nothing without masks."""
+    if not exp_avg_mask:
         return lambda params, flat: None
     if not isinstance(exp_avg_mask, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                                      for k, v in exp_avg_mask.items()):
@@ -165,7 +165,25 @@ def momentum_mask(name: str, exp_avg_mask: Optional[dict]) -> Callable[[Any, tor
                         f"{type(exp_avg_mask).__name__}")
     built: dict = {}
 
-    def mask_for(params: Any, flat: torch.Tensor) -> torch.Tensor:
+    def flat_mask(paths: tuple, shapes: tuple, like: torch.Tensor) -> torch.Tensor:
+        unknown = sorted(set(exp_avg_mask) - set(paths))
+        if unknown:
+            raise ValueError(f"{name}: exp_avg_mask names parameters that do not exist: {unknown[:4]}; "
+                             f"parameter paths look like {list(paths[:4])}")
+        pieces = []
+        for path, shape in zip(paths, shapes):
+            mask = exp_avg_mask.get(path)
+            if mask is None:
+                pieces.append(torch.ones(shape, dtype=like.dtype, device=like.device).reshape(-1))
+                continue
+            try:
+                pieces.append(torch.broadcast_to(mask.to(like), shape).reshape(-1))
+            except RuntimeError:
+                raise ValueError(f"{name}: exp_avg_mask[{path!r}] has shape {list(mask.shape)}, which does "
+                                 f"not broadcast to the parameter's {list(shape)}") from None
+        return torch.cat(pieces)
+
+    def mask_(params: Any, flat: torch.Tensor) -> None:
         if isinstance(params, Flat):
             paths, shapes = params.layout.paths, params.layout.shapes
         else:
@@ -173,26 +191,11 @@ def momentum_mask(name: str, exp_avg_mask: Optional[dict]) -> Callable[[Any, tor
             shapes = tuple(tuple(x.shape) for x in leaves)
         key = (tuple(paths), tuple(shapes), flat.dtype, flat.device)
         if key not in built:
-            unknown = sorted(set(exp_avg_mask) - set(paths))
-            if unknown:
-                raise ValueError(f"{name}: exp_avg_mask names parameters that do not exist: {unknown[:4]}; "
-                                 f"parameter paths look like {list(paths[:4])}")
-            pieces = []
-            for path, shape in zip(paths, shapes):
-                mask = exp_avg_mask.get(path)
-                if mask is None:
-                    pieces.append(torch.ones(shape, dtype=flat.dtype, device=flat.device).reshape(-1))
-                    continue
-                try:
-                    pieces.append(torch.broadcast_to(mask.to(flat), shape).reshape(-1))
-                except RuntimeError:
-                    raise ValueError(f"{name}: exp_avg_mask[{path!r}] has shape {list(mask.shape)}, which does "
-                                     f"not broadcast to the parameter's {list(shape)}") from None
             built.clear()
-            built[key] = torch.cat(pieces)
-        return built[key]
+            built[key] = flat_mask(tuple(paths), tuple(shapes), flat)
+        flat.mul_(built[key])
 
-    return mask_for
+    return mask_
 
 
 def pure_update(apply: Callable) -> Callable:
@@ -254,7 +257,7 @@ def onebit_adam(
     _check_b1(name, b1)
     check_step_count(name, "freeze_step", freeze_step)
     plan_for = plan_cache()
-    mask_for = momentum_mask(name, exp_avg_mask)
+    mask_momentum = momentum_mask(name, exp_avg_mask)
 
     def init(params):
         world = resolve_world(world_size, name)
@@ -276,9 +279,7 @@ def onebit_adam(
             if world > 1:
                 plan = plan_for(tuple(segment_sizes(params)), world)
                 onebit_allreduce(m.flat, (state.worker_error, state.server_error), plan, comm)
-            mask = mask_for(params, m.flat)
-            if mask is not None:
-                m.flat.mul_(mask)
+            mask_momentum(params, m.flat)
         _adamw_update(p.flat, m.flat, v.flat, lr_t, eps, weight_decay)
         for view in (p, m, v):
             view.write_back()
@@ -326,7 +327,7 @@ def zero_one_adam(
                        ("local_step_clipper", local_step_clipper)):
         check_step_count(name, key, value, minimum=1)
     plan_for = plan_cache()
-    mask_for = momentum_mask(name, exp_avg_mask)
+    mask_momentum = momentum_mask(name, exp_avg_mask)
 
     def init(params):
         world = resolve_world(world_size, name)
@@ -347,9 +348,7 @@ def zero_one_adam(
         def allreduced(flat: torch.Tensor) -> torch.Tensor:
             if world > 1:
                 onebit_allreduce(flat, errors, plan_for(tuple(segment_sizes(params)), world), comm)
-                mask = mask_for(params, flat)
-                if mask is not None:
-                    flat.mul_(mask)
+                mask_momentum(params, flat)
             return flat
 
         lrs = state.lrs

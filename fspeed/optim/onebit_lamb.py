@@ -88,7 +88,7 @@ def onebit_lamb(
     if not 0 <= factor_threshold < 1:
         raise ValueError(f"{name}: factor_threshold={factor_threshold} must be in [0, 1)")
     plan_for = plan_cache()
-    mask_for = momentum_mask(name, exp_avg_mask)
+    mask_momentum = momentum_mask(name, exp_avg_mask)
 
     def init(params):
         world = resolve_world(world_size, name)
@@ -142,9 +142,7 @@ def onebit_lamb(
                 m.flat.copy_(out[: m.flat.numel()])
                 state.momentum_tail.copy_(out[m.flat.numel():])
             m.flat.div_(scale_elems)
-            mask = mask_for(params, m.flat)
-            if mask is not None:
-                m.flat.mul_(mask)
+            mask_momentum(params, m.flat)
             reconstructed = (m.flat - m_prev * b1) / (1 - b1)
             vf.flat.mul_(b2).addcmul_(reconstructed, reconstructed, value=1 - b2)
             denom = v.flat.sqrt().add_(eps)

@@ -3,9 +3,10 @@
 The op is a `torch.autograd.Function` with a separate `setup_context` and a `vmap` rule, so
 `torch.func.grad`, `vjp`, `vmap` (and `vmap(grad(...))`) work. The forward pass computes only the
 blocks in the layout and saves the output (and, for the backends that read it, the per-row
-log-sum-exp); the backward pass recomputes the probabilities (flash attention's trade: no O(nnz x block^2) tensor is kept between
-the passes). Masks follow DeepSpeed's softmax: `scores * scale + key_padding_mask + attn_mask`,
-then a softmax over the row's present blocks; a row with nothing left gives 0 (not NaN).
+log-sum-exp); the backward pass recomputes the probabilities (flash attention's trade: no
+O(nnz x block^2) tensor is kept between the passes). Masks follow DeepSpeed's softmax:
+`scores * scale + key_padding_mask + attn_mask`, then a softmax over the row's present blocks; a
+row with nothing left gives 0 (not NaN).
 
 Backends (`backend=`), all computing only the layout's blocks, O(S x D + chunk) memory:
 "bmm" (gather + bmm + in-place softmax + bmm in torch ops, any device, `torch_blocks`), "flash"

@@ -70,8 +70,8 @@ def _batch_slices(plan: BlockPlan, batch: int) -> list[slice]:
 
 
 def _scores(ch: RowChunk, plan: BlockPlan, q2: torch.Tensor, k2: torch.Tensor, q_at: torch.Tensor,
-            kv_at: torch.Tensor, B: int, scale: float, key_bias: Optional[torch.Tensor], attn_bias: Optional[torch.Tensor],
-            ws: _Workspace, D: int):
+            kv_at: torch.Tensor, B: int, scale: float, key_bias: Optional[torch.Tensor],
+            attn_bias: Optional[torch.Tensor], ws: _Workspace, D: int):
     """Scaled, masked scores [B*R, blk, C*blk] of one chunk, plus the gathered Q rows and K blocks
     (rows `q_at` and `kv_at` of the [batch * blocks, blk * D] views `q2` and `k2`)."""
     blk, R, C = plan.block, ch.num_rows, ch.width
@@ -103,12 +103,13 @@ def _scores(ch: RowChunk, plan: BlockPlan, q2: torch.Tensor, k2: torch.Tensor, q
     return s, q_rows, k_cols
 
 
-def _probabilities(s: torch.Tensor, row_max: Optional[torch.Tensor]) -> torch.Tensor:
-    """Row softmax of the scores, in place (one fused pass). With `row_max` given (masks that can
-    leave a row with no key), rows whose every score is -inf become 0 instead of NaN."""
+def _probabilities(s: torch.Tensor, rows_can_be_empty: bool) -> torch.Tensor:
+    """Row softmax of the scores, in place (one fused pass). With `rows_can_be_empty` (masks that
+    can leave a row with no key), rows whose every score is -inf become 0 instead of NaN."""
+    empty = s.amax(-1, keepdim=True) == float("-inf") if rows_can_be_empty else None
     p = torch._softmax(s, -1, False, out=s)
-    if row_max is not None:
-        p.masked_fill_(row_max == float("-inf"), 0.0)
+    if empty is not None:
+        p.masked_fill_(empty, 0.0)
     return p
 
 
@@ -138,7 +139,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, 
             R, C = ch.num_rows, ch.width
             q_at, kv_at = rows_of_batch(ch.q_index, b, n), rows_of_batch(ch.kv_index, b, n)
             s, _, _ = _scores(ch, plan, q2, k2, q_at, kv_at, Bs, scale, kb, ab, ws, D)
-            p = _probabilities(s, s.amax(-1, keepdim=True) if masks_can_empty_rows else None)
+            p = _probabilities(s, masks_can_empty_rows)
             v_cols = torch.index_select(v2, 0, kv_at, out=ws.view(ws.v, Bs * R * C, blk * D))
             o = torch.bmm(p, v_cols.view(Bs * R, C * blk, D), out=ws.view(ws.o, Bs * R, blk, D))
             out.index_copy_(0, q_at, o.view(Bs * R, blk * D))
@@ -169,7 +170,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             R, C = ch.num_rows, ch.width
             q_at, kv_at = rows_of_batch(ch.q_index, b, n), rows_of_batch(ch.kv_index, b, n)
             s, q_rows, k_cols = _scores(ch, plan, q2, k2, q_at, kv_at, Bs, scale, kb, ab, ws, D)
-            p = _probabilities(s, s.amax(-1, keepdim=True) if masks_can_empty_rows else None)
+            p = _probabilities(s, masks_can_empty_rows)
             do_rows = torch.index_select(do2, 0, q_at, out=ws.view(ws.do, Bs * R, blk * D)).view(Bs * R, blk, D)
             v_cols = torch.index_select(v2, 0, kv_at, out=ws.view(ws.v, Bs * R * C, blk * D))
             dkv = ws.view(ws.dkv, Bs * R, C * blk, D)
