@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from .plan import BlockPlan, RowChunk
-from .torch_blocks import _batch_slices, _slice_bias, rows_of_batch
+from .torch_blocks import _batch_slices, _slice_bias, row_blocks_buffer, rows_of_batch
 
 _ops = torch.ops.aten
 
@@ -69,8 +69,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, 
     B, H, S, D = q.shape
     blk, n = plan.block, H * plan.num_blocks
     q2, k2, v2 = (x.contiguous().view(B * n, blk * D) for x in (q, k, v))
-    out = torch.zeros(B * n, blk * D, dtype=q.dtype)
-    lse = torch.zeros(B * n, blk, dtype=_acc_dtype(q.dtype))
+    out = row_blocks_buffer(plan, B, blk * D, q.dtype, q.device)
+    lse = row_blocks_buffer(plan, B, blk, _acc_dtype(q.dtype), q.device)
     for b in _batch_slices(plan, B):
         Bs = b.stop - b.start
         kb, ab = _slice_bias(key_bias, b), _slice_bias(attn_bias, b)
@@ -97,7 +97,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     q2, k2, v2, o2, do2 = (x.contiguous().view(B * n, blk * D) for x in (q, k, v, out, dout))
     lse2 = lse.reshape(B * n, blk)
     acc = _acc_dtype(q.dtype)
-    dq = torch.zeros(B * n, blk * D, dtype=q.dtype)
+    dq = row_blocks_buffer(plan, B, blk * D, q.dtype, q.device)
     dk = torch.zeros(B * n, blk * D, dtype=acc)
     dv = torch.zeros(B * n, blk * D, dtype=acc)
     for b in _batch_slices(plan, B):

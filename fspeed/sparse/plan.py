@@ -68,6 +68,7 @@ class BlockPlan:
     chunks: tuple[RowChunk, ...]
     max_rows: int               # largest chunk, in rows
     max_slots: int              # largest chunk, in (row, key block) slots
+    empty_rows: torch.Tensor    # [E] long: head * blocks + row of the query blocks with no key block
 
     @property
     def seq_len(self) -> int:
@@ -130,6 +131,7 @@ def make_plan(layout, block: int, *, causal: bool = False, chunk_blocks: int = C
         row_ptr=row_ptr, col_idx=col_idx, col_ptr=col_ptr, row_idx=row_idx, chunks=tuple(chunks),
         max_rows=max((c.num_rows for c in chunks), default=0),
         max_slots=max((c.num_rows * c.width for c in chunks), default=0),
+        empty_rows=torch.from_numpy(np.flatnonzero(counts.reshape(-1) == 0)),
     )
 
 

@@ -64,6 +64,17 @@ def rows_of_batch(index: torch.Tensor, b: slice, blocks: int) -> torch.Tensor:
     return (torch.arange(b.start, b.stop, device=index.device)[:, None] * blocks + index).reshape(-1)
 
 
+def row_blocks_buffer(plan: BlockPlan, batch: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised [batch * heads * blocks, width] buffer for per-query-block results, with the
+    rows no chunk writes (query blocks without key blocks) set to 0: every other row is written by
+    exactly one chunk, so zero-filling the whole buffer would be a wasted pass."""
+    n = plan.num_heads * plan.num_blocks
+    buf = torch.empty(batch * n, width, dtype=dtype, device=device)
+    if plan.empty_rows.numel():
+        buf.view(batch, n, width).index_fill_(1, plan.empty_rows.to(device), 0)
+    return buf
+
+
 def _batch_slices(plan: BlockPlan, batch: int) -> list[slice]:
     step = max(1, WORKSPACE_SLOTS // max(plan.max_slots, 1))
     return [slice(b, min(b + step, batch)) for b in range(0, batch, step)]
@@ -130,7 +141,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, 
     k2 = k.to(cd).reshape(B * n, blk * D)
     v2 = v.to(cd).reshape(B * n, blk * D)
     masks_can_empty_rows = key_bias is not None or attn_bias is not None
-    out = torch.zeros(B * n, blk * D, dtype=cd, device=q.device)
+    out = row_blocks_buffer(plan, B, blk * D, cd, q.device)
     for b in _batch_slices(plan, B):
         Bs = b.stop - b.start
         ws = _Workspace(plan, Bs, D, cd, q.device, backward=False)
@@ -159,9 +170,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     v2 = v.to(cd).reshape(B * n, blk * D)
     do2 = dout.to(cd).reshape(B * n, blk * D)
     masks_can_empty_rows = key_bias is not None or attn_bias is not None
-    dq = torch.zeros(B * n, blk * D, dtype=cd, device=q.device)
-    dk = torch.zeros_like(dq)
-    dv = torch.zeros_like(dq)
+    dq = row_blocks_buffer(plan, B, blk * D, cd, q.device)
+    dk = torch.zeros(B * n, blk * D, dtype=cd, device=q.device)
+    dv = torch.zeros_like(dk)
     for b in _batch_slices(plan, B):
         Bs = b.stop - b.start
         ws = _Workspace(plan, Bs, D, cd, q.device, backward=True)
