@@ -68,10 +68,34 @@ def _make_kernels(load):
             extra += attn_bias[b if attn_bias.shape[0] > 1 else 0, h if attn_bias.shape[1] > 1 else 0, qi, kj]
         return extra
 
+    @cuda.jit(device=True, inline=True)
+    def stage(tile, x, b, h, first, t, blk, D):
+        """Copy rows first .. first + blk of x[b, h] into the shared tile as fp32, thread t taking
+        every blk-th element; synchronised before (the tile's last readers are done) and after."""
+        cuda.syncthreads()
+        for e in range(t, blk * D, blk):
+            tile[e] = load(x[b, h, first + e // D, e % D])
+        cuda.syncthreads()
+
+    @cuda.jit(device=True, inline=True)
+    def dot_row(row, tile, j, D):
+        """row . (row j of the staged tile)."""
+        acc = float32(0.0)
+        for d in range(D):
+            acc += row[d] * tile[j * D + d]
+        return acc
+
+    @cuda.jit(device=True, inline=True)
+    def score(qrow, tile, j, D, key_bias, attn_bias, causal, b, h, r, c, i, blk):
+        """Masked score of query row i of block r (qrow, pre-scaled) against key j of staged block c."""
+        if causal and c == r and j > i:
+            return float32(-math.inf)
+        return dot_row(qrow, tile, j, D) + bias(key_bias, attn_bias, b, h, r * blk + i, c * blk + j)
+
     def forward(q, k, v, row_ptr, col_idx, key_bias, attn_bias, causal, scale, out, lse):
         r, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         i = cuda.threadIdx.x
-        S, D = q.shape[2], q.shape[3]
+        D = q.shape[3]
         blk = cuda.blockDim.x
         tile = cuda.shared.array(TILE_ELEMS, float32)
         qrow = cuda.local.array(MAX_HEAD_DIM, float32)
@@ -85,23 +109,12 @@ def _make_kernels(load):
         l = float32(0.0)
         for n in range(row_ptr[h, r], row_ptr[h, r + 1]):
             c = col_idx[n]
-            for e in range(i, blk * D, blk):
-                tile[e] = load(k[b, h, c * blk + e // D, e % D])
-            cuda.syncthreads()
+            stage(tile, k, b, h, c * blk, i, blk, D)
             row_max = m
             for j in range(blk):
-                dot = float32(0.0)
-                for d in range(D):
-                    dot += qrow[d] * tile[j * D + d]
-                dot += bias(key_bias, attn_bias, b, h, qi, c * blk + j)
-                if causal and c == r and j > i:
-                    dot = -math.inf
-                s[j] = dot
-                row_max = max(row_max, dot)
-            cuda.syncthreads()
-            for e in range(i, blk * D, blk):
-                tile[e] = load(v[b, h, c * blk + e // D, e % D])
-            cuda.syncthreads()
+                s[j] = score(qrow, tile, j, D, key_bias, attn_bias, causal, b, h, r, c, i, blk)
+                row_max = max(row_max, s[j])
+            stage(tile, v, b, h, c * blk, i, blk, D)
             if row_max > -math.inf:
                 corr = math.exp(m - row_max)
                 m = row_max
@@ -113,7 +126,6 @@ def _make_kernels(load):
                     l += p
                     for d in range(D):
                         acc[d] += p * tile[j * D + d]
-            cuda.syncthreads()
         if l > 0:
             for d in range(D):
                 out[b, h, qi, d] = acc[d] / l
@@ -142,35 +154,17 @@ def _make_kernels(load):
         row_delta = delta[b, h, qi]
         for n in range(row_ptr[h, r], row_ptr[h, r + 1]):
             c = col_idx[n]
-            for e in range(i, blk * D, blk):
-                tile[e] = load(k[b, h, c * blk + e // D, e % D])
-            cuda.syncthreads()
+            stage(tile, k, b, h, c * blk, i, blk, D)
+            for j in range(blk):  # P, then dS = P * (dO . v - delta)
+                ds[j] = math.exp(score(qrow, tile, j, D, key_bias, attn_bias, causal, b, h, r, c, i, blk) - row_lse)
+            stage(tile, v, b, h, c * blk, i, blk, D)
             for j in range(blk):
-                dot = float32(0.0)
-                for d in range(D):
-                    dot += qrow[d] * tile[j * D + d]
-                dot += bias(key_bias, attn_bias, b, h, qi, c * blk + j)
-                if causal and c == r and j > i:
-                    dot = -math.inf
-                ds[j] = math.exp(dot - row_lse)  # P for now
-            cuda.syncthreads()
-            for e in range(i, blk * D, blk):
-                tile[e] = load(v[b, h, c * blk + e // D, e % D])
-            cuda.syncthreads()
-            for j in range(blk):
-                dp = float32(0.0)
-                for d in range(D):
-                    dp += dorow[d] * tile[j * D + d]
-                ds[j] = ds[j] * (dp - row_delta)
-            cuda.syncthreads()
-            for e in range(i, blk * D, blk):
-                tile[e] = load(k[b, h, c * blk + e // D, e % D])
-            cuda.syncthreads()
+                ds[j] = ds[j] * (dot_row(dorow, tile, j, D) - row_delta)
+            stage(tile, k, b, h, c * blk, i, blk, D)
             for j in range(blk):
                 g = ds[j]
                 for d in range(D):
                     acc[d] += g * tile[j * D + d]
-            cuda.syncthreads()
         for d in range(D):
             dq[b, h, qi, d] = acc[d] * scale
 
@@ -194,22 +188,14 @@ def _make_kernels(load):
             acc_v[d] = 0.0
         for n in range(col_ptr[h, c], col_ptr[h, c + 1]):
             r = row_idx[n]
-            for e in range(j, blk * D, blk):
-                tile[e] = load(q[b, h, r * blk + e // D, e % D])
-            cuda.syncthreads()
+            stage(tile, q, b, h, r * blk, j, blk, D)
             for i in range(blk):
                 qi = r * blk + i
-                dot = float32(0.0)
-                for d in range(D):
-                    dot += tile[i * D + d] * krow[d]
-                dot = dot * scale + bias(key_bias, attn_bias, b, h, qi, kj)
-                if causal and c == r and j > i:
-                    dot = -math.inf
+                dot = float32(-math.inf)
+                if not (causal and c == r and j > i):
+                    dot = dot_row(krow, tile, i, D) * scale + bias(key_bias, attn_bias, b, h, qi, kj)
                 p[i] = math.exp(dot - lse[b, h, qi])
-            cuda.syncthreads()
-            for e in range(j, blk * D, blk):
-                tile[e] = load(dout[b, h, r * blk + e // D, e % D])
-            cuda.syncthreads()
+            stage(tile, dout, b, h, r * blk, j, blk, D)
             for i in range(blk):
                 dp = float32(0.0)
                 for d in range(D):
@@ -217,15 +203,11 @@ def _make_kernels(load):
                     dp += g * vrow[d]
                     acc_v[d] += p[i] * g
                 ds[i] = p[i] * (dp - delta[b, h, r * blk + i])
-            cuda.syncthreads()
-            for e in range(j, blk * D, blk):
-                tile[e] = load(q[b, h, r * blk + e // D, e % D])
-            cuda.syncthreads()
+            stage(tile, q, b, h, r * blk, j, blk, D)
             for i in range(blk):
                 g = ds[i]
                 for d in range(D):
                     acc_k[d] += g * tile[i * D + d]
-            cuda.syncthreads()
         for d in range(D):
             dk[b, h, kj, d] = acc_k[d] * scale
             dv[b, h, kj, d] = acc_v[d]
