@@ -61,6 +61,55 @@ def test_forward_and_grads_equal_dense_masked_attention(backend, p):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9)
 
 
+@st.composite
+def grouped_problems(draw):
+    """`problems` with runs of identical layout rows (row groups) and a random chunk budget."""
+    p = draw(problems())
+    nb = p["layout"].shape[-1]
+    p["layout"] = p["layout"].repeat_interleave(draw(st.integers(2, 4)), dim=1)[:, :nb]
+    p["chunk_blocks"] = draw(st.sampled_from([1, 3, 8, 256]))
+    return p
+
+
+@pytest.mark.parametrize("backend", TORCH_BACKENDS)
+@given(p=grouped_problems())
+def test_row_groups_equal_dense_masked_attention(backend, p):
+    (q, k, v), kwargs = _split(p)
+    B, H, S, D = q.shape
+    nb = p["layout"].shape[-1]
+    plan = sp.make_plan(p["layout"].expand(H, nb, nb), S // nb, causal=p["causal"], chunk_blocks=p["chunk_blocks"])
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    out = sp.attention(q, k, v, plan, backend=backend, **kwargs)
+    ref = sp.reference_attention(q, k, v, p["layout"], **kwargs)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    cotangent = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), cotangent), torch.autograd.grad(ref, (q, k, v), cotangent)):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9)
+
+
+@pytest.mark.parametrize("backend", TORCH_BACKENDS)
+def test_fixed_layout_windows_run_as_row_groups(backend):
+    """A bidirectional fixed layout's local windows become groups (keys gathered once per window),
+    split to fit the chunk budget, mixed with padded groups; the result is unchanged."""
+    H, block, S, B = 2, 4, 96, 2
+    layout = sp.layout(sp.FixedConfig(num_heads=H, block=block, num_local_blocks=4, num_global_blocks=1,
+                                      attention="bidirectional", different_layout_per_head=True), S)
+    layout[1, 8:12, 3] = 0  # a narrower window: padded when chunked with the others
+    layout[1, 5, 3] = 0  # one row leaves its window's group
+    plan = sp.make_plan(layout, block, chunk_blocks=108)
+    assert any(c.group > 1 and c.num_rows > c.group and c.pad is not None for c in plan.chunks)
+    assert all(c.num_rows % c.group == 0 and c.kv_index.numel() * c.group == c.num_rows * c.width
+               for c in plan.chunks)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    kpm = torch.rand(B, S, generator=g) > 0.2
+    out = sp.attention(q, k, v, plan, key_padding_mask=kpm, backend=backend)
+    ref = sp.reference_attention(q, k, v, layout, key_padding_mask=kpm)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9)
+
+
 def test_reference_is_dense_sdpa_when_every_block_is_present():
     q, k, v = (torch.randn(2, 3, 12, 4, dtype=torch.float64) for _ in range(3))
     dense = torch.ones(3, 4, 4, dtype=torch.long)

@@ -7,7 +7,10 @@
 * row chunks for the batched torch path: query-block rows grouped by how many key blocks they
   hold, each row's key blocks padded to the chunk's width at the front (so with causal masking
   the diagonal block is always the last slot), and chunks cut so each one's score tile stays
-  small enough to be reused from cache.
+  small enough to be reused from cache. Rows of one head with the very same key blocks (a
+  `fixed` layout's local window) form a group: the group's keys are gathered once and its
+  queries go through each matmul as one tall matrix, so the key/value gradient sum over the
+  group happens inside the matmul instead of in a scatter.
 
 With `causal=True` the blocks above the diagonal are dropped here: they would be fully masked.
 """
@@ -33,8 +36,10 @@ PAD_RATIO = 0.8
 class RowChunk:
     """Query-block rows sharing one padded width, for one batched gather + bmm."""
 
-    q_index: torch.Tensor        # [R] long: head * blocks + row, the query blocks of this chunk
-    kv_index: torch.Tensor       # [R * C] long: head * blocks + col, their key blocks (padding repeats a real one)
+    q_index: torch.Tensor        # [R] long: head * blocks + row, the query blocks of this chunk, group by group
+    kv_index: torch.Tensor       # [R / group * C] long: head * blocks + col, each group's key blocks (padding
+                                 # repeats a real one)
+    kv_index_rows: torch.Tensor  # [R * C] long: the same per row (= kv_index when group is 1)
     col_index: torch.Tensor      # [R * C] long: col alone, for key padding masks (shared by heads)
     heads: torch.Tensor          # [R] long
     rows: torch.Tensor           # [R] long
@@ -42,6 +47,7 @@ class RowChunk:
     pad: Optional[torch.Tensor]  # [R, C] bool, True where a slot is padding; None if no slot is
     diag_rows: Optional[torch.Tensor]  # [R] bool: last slot is the diagonal block (causal only); None if none is
     all_diag: bool               # every row's last slot is its diagonal block (causal only)
+    group: int = 1               # consecutive rows sharing their key blocks (R is a multiple of it)
 
     @property
     def width(self) -> int:
@@ -135,26 +141,49 @@ def make_plan(layout, block: int, *, causal: bool = False, chunk_blocks: int = C
     )
 
 
+def _row_groups(rows_of, causal: bool, chunk_blocks: int) -> list[tuple[int, np.ndarray, int]]:
+    """(head, rows, width) for every set of rows of one head with the same key blocks, split into
+    near-equal parts that fit the chunk budget. Under causal masking a row holding its diagonal
+    block stays alone: its diagonal mask is its own."""
+    groups = []
+    for h, per_head in enumerate(rows_of):
+        same: dict[bytes, list[int]] = {}
+        for r, cols in enumerate(per_head):
+            if len(cols) == 0:
+                continue
+            key = cols.tobytes() if not (causal and cols[-1] == r) else b"diag%d" % r
+            same.setdefault(key, []).append(r)
+        for rows in same.values():
+            width = len(per_head[rows[0]])
+            parts = -(-len(rows) // max(1, chunk_blocks // width))
+            size = -(-len(rows) // parts)
+            groups += [(h, np.array(rows[i:i + size]), width) for i in range(0, len(rows), size)]
+    return groups
+
+
 def _row_chunks(rows_of, counts: np.ndarray, nb: int, causal: bool, chunk_blocks: int) -> list[RowChunk]:
-    """Group non-empty rows by width (widest first), then cut each group to the chunk budget."""
-    heads, rows = np.nonzero(counts)
-    order = np.lexsort((rows, heads, -counts[heads, rows]))
-    heads, rows = heads[order], rows[order]
+    """Chunks of equal-size row groups, biggest groups and then widest first; a chunk takes groups
+    down to PAD_RATIO of its widest one's width, up to the chunk budget."""
+    groups = sorted(_row_groups(rows_of, causal, chunk_blocks), key=lambda u: (-len(u[1]), -u[2], u[0], u[1][0]))
     chunks: list[RowChunk] = []
     i = 0
-    while i < len(heads):
-        width = int(counts[heads[i], rows[i]])
-        max_rows = max(1, chunk_blocks // width)
-        j = i
-        while j < len(heads) and j - i < max_rows and counts[heads[j], rows[j]] >= PAD_RATIO * width:
+    while i < len(groups):
+        width, size = groups[i][2], len(groups[i][1])
+        max_rows = max(size, chunk_blocks // width)
+        j, rows = i, 0
+        while (j < len(groups) and rows + size <= max_rows and len(groups[j][1]) == size
+               and groups[j][2] >= PAD_RATIO * width):
+            rows += size
             j += 1
-        chunks.append(_make_chunk(rows_of, heads[i:j], rows[i:j], width, nb, causal))
+        chunks.append(_make_chunk(rows_of, groups[i:j], width, nb, causal))
         i = j
     return chunks
 
 
-def _make_chunk(rows_of, heads: np.ndarray, rows: np.ndarray, width: int, nb: int, causal: bool) -> RowChunk:
-    R = len(heads)
+def _make_chunk(rows_of, groups, width: int, nb: int, causal: bool) -> RowChunk:
+    heads = np.concatenate([np.full(len(rows), h) for h, rows, _ in groups]).astype(np.int64)
+    rows = np.concatenate([rows for _, rows, _ in groups]).astype(np.int64)
+    R, size = len(rows), len(groups[0][1])
     cols = np.empty((R, width), dtype=np.int64)
     pad = np.zeros((R, width), dtype=bool)
     for n, (h, r) in enumerate(zip(heads, rows)):
@@ -164,11 +193,12 @@ def _make_chunk(rows_of, heads: np.ndarray, rows: np.ndarray, width: int, nb: in
         cols[n, missing:] = real
         pad[n, :missing] = True
     diag = (cols[:, -1] == rows) if causal else np.zeros(R, dtype=bool)
-    kv_index = (heads[:, None] * nb + cols).reshape(-1)
+    kv_rows = (heads[:, None] * nb + cols)
     return RowChunk(
-        q_index=torch.from_numpy(heads * nb + rows), kv_index=torch.from_numpy(kv_index),
-        col_index=torch.from_numpy(cols.reshape(-1).copy()), heads=torch.from_numpy(heads.astype(np.int64)),
-        rows=torch.from_numpy(rows.astype(np.int64)), cols=torch.from_numpy(cols),
+        q_index=torch.from_numpy(heads * nb + rows), kv_index=torch.from_numpy(kv_rows[::size].reshape(-1).copy()),
+        kv_index_rows=torch.from_numpy(kv_rows.reshape(-1)),
+        col_index=torch.from_numpy(cols.reshape(-1).copy()), heads=torch.from_numpy(heads),
+        rows=torch.from_numpy(rows), cols=torch.from_numpy(cols),
         pad=torch.from_numpy(pad) if pad.any() else None,
-        diag_rows=torch.from_numpy(diag) if diag.any() else None, all_diag=bool(diag.all()),
+        diag_rows=torch.from_numpy(diag) if diag.any() else None, all_diag=bool(diag.all()), group=size,
     )

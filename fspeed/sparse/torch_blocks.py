@@ -83,14 +83,15 @@ def _batch_slices(plan: BlockPlan, batch: int) -> list[slice]:
 def _scores(ch: RowChunk, plan: BlockPlan, q2: torch.Tensor, k2: torch.Tensor, q_at: torch.Tensor,
             kv_at: torch.Tensor, B: int, scale: float, key_bias: Optional[torch.Tensor],
             attn_bias: Optional[torch.Tensor], ws: _Workspace, D: int):
-    """Scaled, masked scores [B*R, blk, C*blk] of one chunk, plus the gathered Q rows and K blocks
-    (rows `q_at` and `kv_at` of the [batch * blocks, blk * D] views `q2` and `k2`)."""
-    blk, R, C = plan.block, ch.num_rows, ch.width
+    """Scaled, masked scores [B*G, group*blk, C*blk] of one chunk of G row groups, plus the gathered
+    Q rows and K blocks (rows `q_at` and `kv_at` of the [batch * blocks, blk * D] views `q2`, `k2`).
+    Viewed as [B, R, blk, C*blk] the scores are row by row, which is how the masks are applied."""
+    blk, R, C, G = plan.block, ch.num_rows, ch.width, ch.num_rows // ch.group
     q_rows = torch.index_select(q2, 0, q_at, out=ws.view(ws.q, B * R, blk * D))
-    k_cols = torch.index_select(k2, 0, kv_at, out=ws.view(ws.k, B * R * C, blk * D))
-    s = ws.view(ws.s, B * R, blk, C * blk)
+    k_cols = torch.index_select(k2, 0, kv_at, out=ws.view(ws.k, B * G * C, blk * D))
+    s = ws.view(ws.s, B * G, ch.group * blk, C * blk)
     q_rows.mul_(scale)  # the gathered copy (not the whole q), so no pass over all of q is spent on it
-    torch.bmm(q_rows.view(B * R, blk, D), k_cols.view(B * R, C * blk, D).transpose(1, 2), out=s)
+    torch.bmm(q_rows.view(B * G, ch.group * blk, D), k_cols.view(B * G, C * blk, D).transpose(1, 2), out=s)
     s4 = s.view(B, R, blk, C * blk)
     if ch.pad is not None:
         s4.masked_fill_(ch.pad.to(s.device).repeat_interleave(blk, dim=1)[None, :, None, :], float("-inf"))
@@ -147,12 +148,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, 
         ws = _Workspace(plan, Bs, D, cd, q.device, backward=False)
         kb, ab = _slice_bias(key_bias, b), _slice_bias(attn_bias, b)
         for ch in plan.chunks:
-            R, C = ch.num_rows, ch.width
+            R, C, G, rows = ch.num_rows, ch.width, ch.num_rows // ch.group, ch.group * blk
             q_at, kv_at = rows_of_batch(ch.q_index, b, n), rows_of_batch(ch.kv_index, b, n)
             s, _, _ = _scores(ch, plan, q2, k2, q_at, kv_at, Bs, scale, kb, ab, ws, D)
             p = _probabilities(s, masks_can_empty_rows)
-            v_cols = torch.index_select(v2, 0, kv_at, out=ws.view(ws.v, Bs * R * C, blk * D))
-            o = torch.bmm(p, v_cols.view(Bs * R, C * blk, D), out=ws.view(ws.o, Bs * R, blk, D))
+            v_cols = torch.index_select(v2, 0, kv_at, out=ws.view(ws.v, Bs * G * C, blk * D))
+            o = torch.bmm(p, v_cols.view(Bs * G, C * blk, D), out=ws.view(ws.o, Bs * G, rows, D))
             out.index_copy_(0, q_at, o.view(Bs * R, blk * D))
     return out.view(B, H, S, D).to(q.dtype), torch.empty(B, H, 0, dtype=cd, device=q.device)
 
@@ -178,23 +179,23 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         ws = _Workspace(plan, Bs, D, cd, q.device, backward=True)
         kb, ab = _slice_bias(key_bias, b), _slice_bias(attn_bias, b)
         for ch in plan.chunks:
-            R, C = ch.num_rows, ch.width
+            R, C, G, rows = ch.num_rows, ch.width, ch.num_rows // ch.group, ch.group * blk
             q_at, kv_at = rows_of_batch(ch.q_index, b, n), rows_of_batch(ch.kv_index, b, n)
             s, q_rows, k_cols = _scores(ch, plan, q2, k2, q_at, kv_at, Bs, scale, kb, ab, ws, D)
             p = _probabilities(s, masks_can_empty_rows)
-            do_rows = torch.index_select(do2, 0, q_at, out=ws.view(ws.do, Bs * R, blk * D)).view(Bs * R, blk, D)
-            v_cols = torch.index_select(v2, 0, kv_at, out=ws.view(ws.v, Bs * R * C, blk * D))
-            dkv = ws.view(ws.dkv, Bs * R, C * blk, D)
-            torch.bmm(p.transpose(1, 2), do_rows, out=dkv)
-            dv.index_add_(0, kv_at, dkv.view(Bs * R * C, blk * D))
-            dp = torch.bmm(do_rows, v_cols.view(Bs * R, C * blk, D).transpose(1, 2),
-                           out=ws.view(ws.dp, Bs * R, blk, C * blk))
+            do_rows = torch.index_select(do2, 0, q_at, out=ws.view(ws.do, Bs * R, blk * D)).view(Bs * G, rows, D)
+            v_cols = torch.index_select(v2, 0, kv_at, out=ws.view(ws.v, Bs * G * C, blk * D))
+            dkv = ws.view(ws.dkv, Bs * G, C * blk, D)
+            torch.bmm(p.transpose(1, 2), do_rows, out=dkv)  # sums over the group's rows
+            dv.index_add_(0, kv_at, dkv.view(Bs * G * C, blk * D))
+            dp = torch.bmm(do_rows, v_cols.view(Bs * G, C * blk, D).transpose(1, 2),
+                           out=ws.view(ws.dp, Bs * G, rows, C * blk))
             # softmax's backward, p * (dp - rowsum(dp * p)), in place; the row sum is flash
             # attention's rowsum(dout * out) (every key block of a row is in this chunk)
             ds = torch._softmax_backward_data(dp, p, -1, cd, grad_input=dp)
-            dq_rows = torch.bmm(ds, k_cols.view(Bs * R, C * blk, D), out=ws.view(ws.o, Bs * R, blk, D)).mul_(scale)
+            dq_rows = torch.bmm(ds, k_cols.view(Bs * G, C * blk, D), out=ws.view(ws.o, Bs * G, rows, D)).mul_(scale)
             dq.index_copy_(0, q_at, dq_rows.view(Bs * R, blk * D))
-            torch.bmm(ds.transpose(1, 2), q_rows.view(Bs * R, blk, D), out=dkv)  # q_rows is scaled
-            dk.index_add_(0, kv_at, dkv.view(Bs * R * C, blk * D))
+            torch.bmm(ds.transpose(1, 2), q_rows.view(Bs * G, rows, D), out=dkv)  # q_rows is scaled
+            dk.index_add_(0, kv_at, dkv.view(Bs * G * C, blk * D))
     shape = (B, H, S, D)
     return (dq.view(shape).to(q.dtype), dk.view(shape).to(k.dtype), dv.view(shape).to(v.dtype))
