@@ -12,9 +12,9 @@ Backends (`backend=`), all computing only the layout's blocks, O(S x D + chunk) 
 "bmm" (gather + bmm + in-place softmax + bmm in torch ops, any device, `torch_blocks`), "flash"
 (CPU: row chunks through torch's fused CPU flash-attention kernel, `flash_blocks`), "numba"
 (fused flash-style Numba CPU kernels) and "cuda" (Numba CUDA kernels, CUDA tensors). "auto"
-picks "cuda" on CUDA tensors when numba-cuda sees a GPU, else "bmm": on 2 CPU threads, bigbird
-at 10% density, forward+backward, bmm takes 78 ms at S=4096 and 1240 ms at S=16384 against
-flash's 96 and 1645 (fixed layouts and causal alike; benchmarks/sparse_attention.py), because
+picks "cuda" on CUDA tensors when numba-cuda sees a GPU, else "bmm": on 2 CPU threads at
+S=4096, forward+backward, bmm takes 91 ms against flash's 106 and numba's 354 (bigbird, 9%
+dense) and 151 against 258 and 816 (fixed, 23% dense; benchmarks/sparse_attention.py), because
 its bmms run at dense flash attention's FLOP rate.
 The plain O(S^2) definition is `reference_attention`.
 """

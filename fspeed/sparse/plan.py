@@ -34,7 +34,8 @@ PAD_RATIO = 0.8
 
 @dataclass(frozen=True)
 class RowChunk:
-    """Query-block rows sharing one padded width, for one batched gather + bmm."""
+    """Query-block rows sharing one padded width, for one batched gather + bmm; `group` rows in a
+    row (same head, same key blocks) share one gather of their key blocks and one tall matmul."""
 
     q_index: torch.Tensor        # [R] long: head * blocks + row, the query blocks of this chunk, group by group
     kv_index: torch.Tensor       # [R / group * C] long: head * blocks + col, each group's key blocks (padding

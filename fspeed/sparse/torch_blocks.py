@@ -4,8 +4,9 @@ For each row chunk of a `BlockPlan`, the query blocks and their key/value blocks
 with `index_select` (along dim 0 of [batch * blocks, block * D] views: a memcpy per block) into
 reused workspace buffers, scores are one `bmm` over the chunk, the softmax runs in place over
 each query row's concatenated key blocks (exact and numerically stable), and the output is a
-second `bmm`. Memory beyond inputs and outputs is the workspace: O(chunk x block^2), never
-O(seq^2). On 2 CPU threads the bmms run at dense flash attention's FLOP rate; what is left is the
+second `bmm`. A chunk's row groups (rows with the same key blocks) gather those blocks once and
+put all their queries through each `bmm` as one matrix. Memory beyond inputs and outputs is
+the workspace: O(chunk x block^2), never O(seq^2). On 2 CPU threads the bmms run at dense flash attention's FLOP rate; what is left is the
 gathers, the two softmax passes and the gradient scatters.
 
 The backward pass recomputes the scores and their softmax (flash attention's trade: no
