@@ -4,10 +4,11 @@ For each row chunk of a `BlockPlan`, the query blocks and their key/value blocks
 with `index_select` (along dim 0 of [batch * blocks, block * D] views: a memcpy per block) into
 reused workspace buffers, scores are one `bmm` over the chunk, the softmax runs in place over
 each query row's concatenated key blocks (exact and numerically stable), and the output is a
-second `bmm`. A chunk's row groups (rows with the same key blocks) gather those blocks once and
-put all their queries through each `bmm` as one matrix. Memory beyond inputs and outputs is
-the workspace: O(chunk x block^2), never O(seq^2). On 2 CPU threads the bmms run at dense flash attention's FLOP rate; what is left is the
-gathers, the two softmax passes and the gradient scatters.
+second `bmm`; the matmuls apply the scale (`baddbmm_`'s alpha), so it costs no pass of its own.
+A chunk's row groups (rows with the same key blocks) gather those blocks once and put all their
+queries through each `bmm` as one matrix. Memory beyond inputs and outputs is the workspace:
+O(chunk x block^2), never O(seq^2). On 2 CPU threads the bmms run at dense flash attention's
+FLOP rate; what is left is the gathers, the two softmax passes and the gradient scatters.
 
 The backward pass recomputes the scores and their softmax (flash attention's trade: no
 probabilities kept between the passes), uses softmax's fused backward for dS, and scatters
@@ -91,8 +92,8 @@ def _scores(ch: RowChunk, plan: BlockPlan, q2: torch.Tensor, k2: torch.Tensor, q
     q_rows = torch.index_select(q2, 0, q_at, out=ws.view(ws.q, B * R, blk * D))
     k_cols = torch.index_select(k2, 0, kv_at, out=ws.view(ws.k, B * G * C, blk * D))
     s = ws.view(ws.s, B * G, ch.group * blk, C * blk)
-    q_rows.mul_(scale)  # the gathered copy (not the whole q), so no pass over all of q is spent on it
-    torch.bmm(q_rows.view(B * G, ch.group * blk, D), k_cols.view(B * G, C * blk, D).transpose(1, 2), out=s)
+    s.baddbmm_(q_rows.view(B * G, ch.group * blk, D), k_cols.view(B * G, C * blk, D).transpose(1, 2),
+               beta=0, alpha=scale)  # the matmul applies the scale: no extra pass
     s4 = s.view(B, R, blk, C * blk)
     if ch.pad is not None:
         s4.masked_fill_(ch.pad.to(s.device).repeat_interleave(blk, dim=1)[None, :, None, :], float("-inf"))
@@ -194,9 +195,10 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             # softmax's backward, p * (dp - rowsum(dp * p)), in place; the row sum is flash
             # attention's rowsum(dout * out) (every key block of a row is in this chunk)
             ds = torch._softmax_backward_data(dp, p, -1, cd, grad_input=dp)
-            dq_rows = torch.bmm(ds, k_cols.view(Bs * G, C * blk, D), out=ws.view(ws.o, Bs * G, rows, D)).mul_(scale)
+            dq_rows = ws.view(ws.o, Bs * G, rows, D)
+            dq_rows.baddbmm_(ds, k_cols.view(Bs * G, C * blk, D), beta=0, alpha=scale)
             dq.index_copy_(0, q_at, dq_rows.view(Bs * R, blk * D))
-            torch.bmm(ds.transpose(1, 2), q_rows.view(Bs * G, rows, D), out=dkv)  # q_rows is scaled
+            dkv.baddbmm_(ds.transpose(1, 2), q_rows.view(Bs * G, rows, D), beta=0, alpha=scale)
             dk.index_add_(0, kv_at, dkv.view(Bs * G * C, blk * D))
     shape = (B, H, S, D)
     return (dq.view(shape).to(q.dtype), dk.view(shape).to(k.dtype), dv.view(shape).to(v.dtype))
