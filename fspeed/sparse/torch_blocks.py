@@ -150,12 +150,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, 
         ws = _Workspace(plan, Bs, D, cd, q.device, backward=False)
         kb, ab = _slice_bias(key_bias, b), _slice_bias(attn_bias, b)
         for ch in plan.chunks:
-            R, C, G, rows = ch.num_rows, ch.width, ch.num_rows // ch.group, ch.group * blk
+            R, C, G, tokens = ch.num_rows, ch.width, ch.num_rows // ch.group, ch.group * blk  # tokens: queries per group
             q_at, kv_at = rows_of_batch(ch.q_index, b, n), rows_of_batch(ch.kv_index, b, n)
             s, _, _ = _scores(ch, plan, q2, k2, q_at, kv_at, Bs, scale, kb, ab, ws, D)
             p = _probabilities(s, masks_can_empty_rows)
             v_cols = torch.index_select(v2, 0, kv_at, out=ws.view(ws.v, Bs * G * C, blk * D))
-            o = torch.bmm(p, v_cols.view(Bs * G, C * blk, D), out=ws.view(ws.o, Bs * G, rows, D))
+            o = torch.bmm(p, v_cols.view(Bs * G, C * blk, D), out=ws.view(ws.o, Bs * G, tokens, D))
             out.index_copy_(0, q_at, o.view(Bs * R, blk * D))
     return out.view(B, H, S, D).to(q.dtype), torch.empty(B, H, 0, dtype=cd, device=q.device)
 
@@ -181,24 +181,24 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         ws = _Workspace(plan, Bs, D, cd, q.device, backward=True)
         kb, ab = _slice_bias(key_bias, b), _slice_bias(attn_bias, b)
         for ch in plan.chunks:
-            R, C, G, rows = ch.num_rows, ch.width, ch.num_rows // ch.group, ch.group * blk
+            R, C, G, tokens = ch.num_rows, ch.width, ch.num_rows // ch.group, ch.group * blk  # tokens: queries per group
             q_at, kv_at = rows_of_batch(ch.q_index, b, n), rows_of_batch(ch.kv_index, b, n)
             s, q_rows, k_cols = _scores(ch, plan, q2, k2, q_at, kv_at, Bs, scale, kb, ab, ws, D)
             p = _probabilities(s, masks_can_empty_rows)
-            do_rows = torch.index_select(do2, 0, q_at, out=ws.view(ws.do, Bs * R, blk * D)).view(Bs * G, rows, D)
+            do_rows = torch.index_select(do2, 0, q_at, out=ws.view(ws.do, Bs * R, blk * D)).view(Bs * G, tokens, D)
             v_cols = torch.index_select(v2, 0, kv_at, out=ws.view(ws.v, Bs * G * C, blk * D))
             dkv = ws.view(ws.dkv, Bs * G, C * blk, D)
             torch.bmm(p.transpose(1, 2), do_rows, out=dkv)  # sums over the group's rows
             dv.index_add_(0, kv_at, dkv.view(Bs * G * C, blk * D))
             dp = torch.bmm(do_rows, v_cols.view(Bs * G, C * blk, D).transpose(1, 2),
-                           out=ws.view(ws.dp, Bs * G, rows, C * blk))
+                           out=ws.view(ws.dp, Bs * G, tokens, C * blk))
             # softmax's backward, p * (dp - rowsum(dp * p)), in place; the row sum is flash
             # attention's rowsum(dout * out) (every key block of a row is in this chunk)
             ds = torch._softmax_backward_data(dp, p, -1, cd, grad_input=dp)
-            dq_rows = ws.view(ws.o, Bs * G, rows, D)
+            dq_rows = ws.view(ws.o, Bs * G, tokens, D)
             dq_rows.baddbmm_(ds, k_cols.view(Bs * G, C * blk, D), beta=0, alpha=scale)
             dq.index_copy_(0, q_at, dq_rows.view(Bs * R, blk * D))
-            dkv.baddbmm_(ds.transpose(1, 2), q_rows.view(Bs * G, rows, D), beta=0, alpha=scale)
+            dkv.baddbmm_(ds.transpose(1, 2), q_rows.view(Bs * G, tokens, D), beta=0, alpha=scale)
             dk.index_add_(0, kv_at, dkv.view(Bs * G * C, blk * D))
     shape = (B, H, S, D)
     return (dq.view(shape).to(q.dtype), dk.view(shape).to(k.dtype), dv.view(shape).to(v.dtype))
