@@ -150,7 +150,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, 
         ws = _Workspace(plan, Bs, D, cd, q.device, backward=False)
         kb, ab = _slice_bias(key_bias, b), _slice_bias(attn_bias, b)
         for ch in plan.chunks:
-            R, C, G, tokens = ch.num_rows, ch.width, ch.num_rows // ch.group, ch.group * blk  # tokens: queries per group
+            R, C, G, tokens = ch.num_rows, ch.width, ch.num_rows // ch.group, ch.group * blk  # tokens: queries a group
             q_at, kv_at = rows_of_batch(ch.q_index, b, n), rows_of_batch(ch.kv_index, b, n)
             s, _, _ = _scores(ch, plan, q2, k2, q_at, kv_at, Bs, scale, kb, ab, ws, D)
             p = _probabilities(s, masks_can_empty_rows)
@@ -181,7 +181,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         ws = _Workspace(plan, Bs, D, cd, q.device, backward=True)
         kb, ab = _slice_bias(key_bias, b), _slice_bias(attn_bias, b)
         for ch in plan.chunks:
-            R, C, G, tokens = ch.num_rows, ch.width, ch.num_rows // ch.group, ch.group * blk  # tokens: queries per group
+            R, C, G, tokens = ch.num_rows, ch.width, ch.num_rows // ch.group, ch.group * blk  # tokens: queries a group
             q_at, kv_at = rows_of_batch(ch.q_index, b, n), rows_of_batch(ch.kv_index, b, n)
             s, q_rows, k_cols = _scores(ch, plan, q2, k2, q_at, kv_at, Bs, scale, kb, ab, ws, D)
             p = _probabilities(s, masks_can_empty_rows)
