@@ -199,6 +199,19 @@ def test_softmax_is_stable_for_huge_scores(backend):
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
 
 
+def test_bmm_backend_keeps_everything_on_the_inputs_device():
+    """The plan's index tables live on the CPU; on another device (here "meta", which checks
+    devices and shapes without data) every index and mask must follow the inputs there."""
+    H, S = 2, 64
+    layout = sp.layout(sp.BigBirdConfig(num_heads=H, block=8, num_random_blocks=1), S)
+    q, k, v = (torch.randn(2, H, S, 8, device="meta", requires_grad=True) for _ in range(3))
+    kpm = torch.ones(2, S, dtype=torch.bool, device="meta")
+    am = torch.zeros(H, S, S, device="meta")
+    out = sp.attention(q, k, v, layout, causal=True, key_padding_mask=kpm, attn_mask=am, backend="bmm")
+    out.sum().backward()
+    assert out.device.type == q.grad.device.type == k.grad.device.type == "meta" and q.grad.shape == q.shape
+
+
 @pytest.mark.parametrize("backend", TORCH_BACKENDS)
 def test_fully_masked_rows_give_zero_output_and_finite_grads(backend):
     q, k, v = (torch.randn(2, 1, 8, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))

@@ -76,7 +76,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, 
         kb, ab = _slice_bias(key_bias, b), _slice_bias(attn_bias, b)
         for ch in plan.chunks:
             R, C = ch.num_rows, ch.width
-            q_at, kv_at = rows_of_batch(ch.q_index, b, n), rows_of_batch(ch.kv_index_rows, b, n)
+            q_at, kv_at = (rows_of_batch(index, b, n, q.device) for index in (ch.q_index, ch.kv_index_rows))
             q_rows = q2.index_select(0, q_at).view(Bs, R, blk, D)
             k_cols = k2.index_select(0, kv_at).view(Bs, R, C * blk, D)
             v_cols = v2.index_select(0, kv_at).view(Bs, R, C * blk, D)
@@ -105,7 +105,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         kb, ab = _slice_bias(key_bias, b), _slice_bias(attn_bias, b)
         for ch in plan.chunks:
             R, C = ch.num_rows, ch.width
-            q_at, kv_at = rows_of_batch(ch.q_index, b, n), rows_of_batch(ch.kv_index_rows, b, n)
+            q_at, kv_at = (rows_of_batch(index, b, n, q.device) for index in (ch.q_index, ch.kv_index_rows))
             rows = lambda x: x.index_select(0, q_at).view(Bs, R, blk, D)  # noqa: E731
             k_cols = k2.index_select(0, kv_at).view(Bs, R, C * blk, D)
             v_cols = v2.index_select(0, kv_at).view(Bs, R, C * blk, D)

@@ -57,10 +57,12 @@ class _Workspace:
         return buf[:n].view(*shape)
 
 
-def rows_of_batch(index: torch.Tensor, b: slice, blocks: int) -> torch.Tensor:
+def rows_of_batch(index: torch.Tensor, b: slice, blocks: int, device: torch.device) -> torch.Tensor:
     """`index` (block numbers within one batch element of `blocks` blocks) as row numbers of the
-    [batch * blocks, block * D] view, for every batch element of `b`. Gathering and scattering
-    along dim 0 of a 2-D view is 2-4x faster than along dim 1 of the 3-D tensor (a memcpy per row)."""
+    [batch * blocks, block * D] view, for every batch element of `b`, on `device` (plans keep their
+    tables on the CPU). Gathering and scattering along dim 0 of a 2-D view is 2-4x faster than
+    along dim 1 of the 3-D tensor (a memcpy per row)."""
+    index = index.to(device)
     if b.stop - b.start == 1:
         return index + b.start * blocks if b.start else index
     return (torch.arange(b.start, b.stop, device=index.device)[:, None] * blocks + index).reshape(-1)
@@ -151,7 +153,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, 
         kb, ab = _slice_bias(key_bias, b), _slice_bias(attn_bias, b)
         for ch in plan.chunks:
             R, C, G, tokens = ch.num_rows, ch.width, ch.num_rows // ch.group, ch.group * blk  # tokens: queries a group
-            q_at, kv_at = rows_of_batch(ch.q_index, b, n), rows_of_batch(ch.kv_index, b, n)
+            q_at, kv_at = (rows_of_batch(index, b, n, q.device) for index in (ch.q_index, ch.kv_index))
             s, _, _ = _scores(ch, plan, q2, k2, q_at, kv_at, Bs, scale, kb, ab, ws, D)
             p = _probabilities(s, masks_can_empty_rows)
             v_cols = torch.index_select(v2, 0, kv_at, out=ws.view(ws.v, Bs * G * C, blk * D))
@@ -182,7 +184,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         kb, ab = _slice_bias(key_bias, b), _slice_bias(attn_bias, b)
         for ch in plan.chunks:
             R, C, G, tokens = ch.num_rows, ch.width, ch.num_rows // ch.group, ch.group * blk  # tokens: queries a group
-            q_at, kv_at = rows_of_batch(ch.q_index, b, n), rows_of_batch(ch.kv_index, b, n)
+            q_at, kv_at = (rows_of_batch(index, b, n, q.device) for index in (ch.q_index, ch.kv_index))
             s, q_rows, k_cols = _scores(ch, plan, q2, k2, q_at, kv_at, Bs, scale, kb, ab, ws, D)
             p = _probabilities(s, masks_can_empty_rows)
             do_rows = torch.index_select(do2, 0, q_at, out=ws.view(ws.do, Bs * R, blk * D)).view(Bs * G, tokens, D)
