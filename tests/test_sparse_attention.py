@@ -52,12 +52,14 @@ def test_forward_and_grads_equal_dense_masked_attention(backend, p):
     (q, k, v), kwargs = _split(p)
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     out = sp.attention(q, k, v, p["layout"], backend=backend, **kwargs)
-    ref = sp.reference_attention(q, k, v, p["layout"], **kwargs)
+    _assert_same_values_and_grads(out, sp.reference_attention(q, k, v, p["layout"], **kwargs), (q, k, v))
+
+
+def _assert_same_values_and_grads(out, ref, inputs):
+    """fp64 outputs equal, and so are the input gradients for one random cotangent."""
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
     cotangent = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v), cotangent)
-    want = torch.autograd.grad(ref, (q, k, v), cotangent)
-    for a, b in zip(got, want):
+    for a, b in zip(torch.autograd.grad(out, inputs, cotangent), torch.autograd.grad(ref, inputs, cotangent)):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9)
 
 
@@ -80,11 +82,7 @@ def test_row_groups_equal_dense_masked_attention(backend, p):
     plan = sp.make_plan(p["layout"].expand(H, nb, nb), S // nb, causal=p["causal"], chunk_blocks=p["chunk_blocks"])
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     out = sp.attention(q, k, v, plan, backend=backend, **kwargs)
-    ref = sp.reference_attention(q, k, v, p["layout"], **kwargs)
-    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
-    cotangent = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(out, (q, k, v), cotangent), torch.autograd.grad(ref, (q, k, v), cotangent)):
-        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9)
+    _assert_same_values_and_grads(out, sp.reference_attention(q, k, v, p["layout"], **kwargs), (q, k, v))
 
 
 @pytest.mark.parametrize("backend", TORCH_BACKENDS)
@@ -104,10 +102,7 @@ def test_fixed_layout_windows_run_as_row_groups(backend):
     q, k, v = (torch.randn(B, H, S, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     kpm = torch.rand(B, S, generator=g) > 0.2
     out = sp.attention(q, k, v, plan, key_padding_mask=kpm, backend=backend)
-    ref = sp.reference_attention(q, k, v, layout, key_padding_mask=kpm)
-    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
-    for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
-        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9)
+    _assert_same_values_and_grads(out, sp.reference_attention(q, k, v, layout, key_padding_mask=kpm), (q, k, v))
 
 
 def test_reference_is_dense_sdpa_when_every_block_is_present():
