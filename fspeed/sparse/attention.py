@@ -13,8 +13,8 @@ Backends (`backend=`), all computing only the layout's blocks, O(S x D + chunk) 
 (CPU: row chunks through torch's fused CPU flash-attention kernel, `flash_blocks`), "numba"
 (fused flash-style Numba CPU kernels) and "cuda" (Numba CUDA kernels, CUDA tensors). "auto"
 picks "cuda" on CUDA tensors when numba-cuda sees a GPU, else "bmm": on 2 CPU threads at
-S=4096, forward+backward, bmm takes 91 ms against flash's 106 and numba's 354 (bigbird, 9%
-dense) and 151 against 258 and 816 (fixed, 23% dense; benchmarks/sparse_attention.py), because
+S=4096, forward+backward, bmm takes 80 ms against flash's 106 and numba's 345 (bigbird, 9%
+dense) and 133 against 259 and 927 (fixed, 23% dense; benchmarks/sparse_attention.py), because
 its bmms run at dense flash attention's FLOP rate.
 The plain O(S^2) definition is `reference_attention`.
 """
