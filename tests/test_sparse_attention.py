@@ -252,6 +252,8 @@ def test_errors_name_the_problem():
         sp.attention(q, q, q, layout, backend="cuda")
     with pytest.raises(ValueError, match="causal=True disagrees"):
         sp.attention(q, q, q, sp.make_plan(layout, 4), causal=True)
+    with pytest.raises(ValueError, match="chunk_blocks=0 must be a positive integer"):
+        sp.make_plan(layout, 4, chunk_blocks=0)
     bias = torch.zeros(16, 16, requires_grad=True)
     with pytest.raises(NotImplementedError, match="does not differentiate through"):
         sp.attention(q, q, q, layout, attn_mask=bias)

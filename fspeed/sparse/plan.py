@@ -23,11 +23,15 @@ from typing import Optional
 import numpy as np
 import torch
 
-# Largest number of (query block, key block) pairs one torch chunk holds: the score tile is then
-# at most CHUNK_BLOCKS * block^2 floats per batch element (6 MiB at block 64), so the few
-# workspace buffers are reused across chunks instead of page-faulting fresh memory each time.
-# Measured on 2 threads at block 64: 384 keeps a fixed layout's 16-block windows whole at
-# S=8192 (420 ms f+b against 510 at 256) and is 2-4% faster on bigbird at S >= 8192.
+# Largest number of (query block, key block) pairs one torch chunk holds at block 64, scaled by
+# 64 / block for other block sizes. At block 64 the score tile is then at most 6 MiB per batch
+# element, so the few workspace buffers are reused across chunks instead of page-faulting fresh
+# memory each time. Measured on 2 threads (forward+backward): at block 64, 384 keeps a fixed
+# layout's 16-block windows whole at S=8192 (420 ms against 510 at 256) and is 2-4% faster on
+# bigbird at S >= 8192; smaller blocks make smaller matmuls, so a chunk holds more of them (less
+# per-chunk overhead) but not the (64 / block)^2 more that equal tile bytes would allow: bigbird
+# at S=4096, block 16: 174 ms with 384 pairs, 153 with 1536, 211 with 6144; at S=8192, block 128:
+# 262 ms with 384, 246 with 192.
 CHUNK_BLOCKS = 384
 # A row joins a chunk when it holds at least this fraction of the chunk's widest row: the padding
 # it adds (masked key blocks) is bounded by 1 / PAD_RATIO - 1 of the real work.
@@ -105,8 +109,11 @@ def layout_array(layout) -> np.ndarray:
         return layout.detach().cpu().numpy()
 
 
-def make_plan(layout, block: int, *, causal: bool = False, chunk_blocks: int = CHUNK_BLOCKS) -> BlockPlan:
-    """Compile a `[heads, blocks, blocks]` 0/1 layout (tensor or array) for blocks of `block` tokens."""
+def make_plan(layout, block: int, *, causal: bool = False, chunk_blocks: Optional[int] = None) -> BlockPlan:
+    """Compile a `[heads, blocks, blocks]` 0/1 layout (tensor or array) for blocks of `block` tokens.
+
+    `chunk_blocks` bounds the (query block, key block) pairs of one batched torch chunk; the
+    default is CHUNK_BLOCKS * 64 // block."""
     if not isinstance(layout, (torch.Tensor, np.ndarray)) or layout.ndim != 3 or layout.shape[1] != layout.shape[2]:
         shape = tuple(layout.shape) if isinstance(layout, (torch.Tensor, np.ndarray)) else type(layout).__name__
         raise ValueError(f"layout must be a [heads, blocks, blocks] tensor, got {shape}")
@@ -134,6 +141,10 @@ def make_plan(layout, block: int, *, causal: bool = False, chunk_blocks: int = C
     row_idx = np.concatenate([np.flatnonzero(grid_t[h, c]) for h in range(H) for c in range(nb)] or [np.zeros(0)])
     row_idx = row_idx.astype(np.int32)
 
+    if chunk_blocks is None:
+        chunk_blocks = max(1, CHUNK_BLOCKS * 64 // block)
+    elif isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1:
+        raise ValueError(f"chunk_blocks={chunk_blocks!r} must be a positive integer (or None for the default)")
     chunks = _row_chunks(rows_of, counts, nb, causal, chunk_blocks)
     return BlockPlan(
         num_heads=H, num_blocks=nb, block=block, causal=causal, layout=torch.from_numpy(grid.astype(np.int64)),
