@@ -106,6 +106,29 @@ def test_fixed_layout_windows_run_as_row_groups(backend):
     _assert_same_values_and_grads(out, sp.reference_attention(q, k, v, layout, key_padding_mask=kpm), (q, k, v))
 
 
+@pytest.mark.parametrize("backend", TORCH_BACKENDS)
+@pytest.mark.parametrize("block", [4, 64])
+def test_causal_windows_run_as_groups_of_nested_rows(backend, block):
+    """Under causal masking a window's rows hold nested key sets: below block 64 they run as one
+    group over the union (each row masking the rest, its diagonal block not the last slot);
+    from block 64 only equal rows would be grouped. Values and gradients are unchanged."""
+    H, S = 2, 12 * block
+    layout = sp.layout(sp.FixedConfig(num_heads=H, block=block, num_local_blocks=4, num_global_blocks=1,
+                                      attention="unidirectional"), S)
+    plan = sp.make_plan(layout, block, causal=True)
+    nested = [c for c in plan.chunks if c.group > 1]
+    if block < 64:
+        assert nested and any(c.diag_slots is not None and not c.all_diag_last for c in nested)
+    else:
+        assert not nested
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, H, S, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    kpm = torch.rand(2, S, generator=g) > 0.2
+    out = sp.attention(q, k, v, plan, causal=True, key_padding_mask=kpm, backend=backend)
+    ref = sp.reference_attention(q, k, v, layout, causal=True, key_padding_mask=kpm)
+    _assert_same_values_and_grads(out, ref, (q, k, v))
+
+
 def test_reference_is_dense_sdpa_when_every_block_is_present():
     q, k, v = (torch.randn(2, 3, 12, 4, dtype=torch.float64) for _ in range(3))
     dense = torch.ones(3, 4, 4, dtype=torch.long)

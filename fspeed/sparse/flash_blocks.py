@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .plan import BlockPlan, RowChunk
+from .plan import BlockPlan, RowChunk, diagonal_mask_offsets
 from .torch_blocks import _batch_slices, _slice_bias, row_blocks_buffer, rows_of_batch
 
 _ops = torch.ops.aten
@@ -43,14 +43,14 @@ def _chunk_mask(ch: RowChunk, plan: BlockPlan, key_bias: Optional[torch.Tensor],
     if ch.pad is not None:
         pad = torch.zeros(R, C * blk, dtype=dtype, device=device)
         add(pad.masked_fill_(ch.pad.to(device).repeat_interleave(blk, dim=1), float("-inf"))[None, :, None, :])
-    if plan.causal and ch.diag_rows is not None:
-        tri = torch.zeros(blk, C * blk, dtype=dtype, device=device)
-        tri[:, -blk:].masked_fill_(torch.ones(blk, blk, dtype=torch.bool, device=device).triu_(1), float("-inf"))
-        if ch.all_diag:
+    if plan.causal and ch.diag_slots is not None:
+        if ch.all_diag_last:
+            tri = torch.zeros(blk, C * blk, dtype=dtype, device=device)
+            tri[:, -blk:].masked_fill_(torch.ones(blk, blk, dtype=torch.bool, device=device).triu_(1), float("-inf"))
             add(tri[None, None])
         else:
-            zero = torch.zeros((), dtype=dtype, device=device)
-            add(torch.where(ch.diag_rows.to(device)[:, None, None], tri, zero)[None])
+            tri = torch.zeros(R * blk * C * blk, dtype=dtype, device=device)
+            add(tri.index_fill_(0, diagonal_mask_offsets(ch, blk).to(device), float("-inf")).view(1, R, blk, C * blk))
     if key_bias is not None:
         kb = key_bias.view(key_bias.shape[0], plan.num_blocks, blk).index_select(1, ch.col_index.to(device))
         add(kb.view(key_bias.shape[0], R, 1, C * blk).to(dtype))

@@ -5,12 +5,13 @@
 * CSR by query block (`row_ptr`, `col_idx`) and CSC by key block (`col_ptr`, `row_idx`), per head,
   int32, for the Numba kernels (forward and dQ walk rows; dK/dV walk columns, so nothing races);
 * row chunks for the batched torch path: query-block rows grouped by how many key blocks they
-  hold, each row's key blocks padded to the chunk's width at the front (so with causal masking
-  the diagonal block is always the last slot), and chunks cut so each one's score tile stays
-  small enough to be reused from cache. Rows of one head with the very same key blocks (a
-  `fixed` layout's local window) form a group: the group's keys are gathered once and its
-  queries go through each matmul as one tall matrix, so the key/value gradient sum over the
-  group happens inside the matmul instead of in a scatter.
+  hold, each row's key blocks padded to the chunk's width at the front, and chunks cut so each
+  one's score tile stays small enough to be reused from cache. Consecutive rows of one head whose
+  key blocks (nearly) coincide form a group over the union of their key blocks, each row masking
+  the ones it does not hold: a `fixed` or `variable` layout's local window, bidirectional (equal
+  rows) or causal (nested rows). The group's keys are gathered once and its queries go through
+  each matmul as one tall matrix, so the key/value gradient sum over the group happens inside the
+  matmul instead of in a scatter.
 
 With `causal=True` the blocks above the diagonal are dropped here: they would be fully masked.
 """
@@ -36,12 +37,19 @@ CHUNK_BLOCKS = 384
 # A row joins a chunk when it holds at least this fraction of the chunk's widest row: the padding
 # it adds (masked key blocks) is bounded by 1 / PAD_RATIO - 1 of the real work.
 PAD_RATIO = 0.8
+# Below block 64, a row joins the group before it while the group's rows hold at least this
+# fraction of the (rows x union of their key blocks) the group computes; from block 64 up only
+# equal rows are grouped. Measured on 2 threads (unidirectional fixed layout, 4-block windows,
+# causal, S=4096, forward+backward): block 16 225 -> 167 ms, block 32 168 -> 150 ms, but block 64
+# 150 -> 157 ms: there the ~10% masked blocks cost more than the taller matmuls gain.
+GROUP_RATIO = 0.9
 
 
 @dataclass(frozen=True)
 class RowChunk:
     """Query-block rows sharing one padded width, for one batched gather + bmm; `group` rows in a
-    row (same head, same key blocks) share one gather of their key blocks and one tall matmul."""
+    row (same head, one union of key blocks) share one gather of their key blocks and one tall
+    matmul."""
 
     q_index: torch.Tensor        # [R] long: head * blocks + row, the query blocks of this chunk, group by group
     kv_index: torch.Tensor       # [R / group * C] long: head * blocks + col, each group's key blocks (padding
@@ -51,10 +59,12 @@ class RowChunk:
     heads: torch.Tensor          # [R] long
     rows: torch.Tensor           # [R] long
     cols: torch.Tensor           # [R, C] long
-    pad: Optional[torch.Tensor]  # [R, C] bool, True where a slot is padding; None if no slot is
-    diag_rows: Optional[torch.Tensor]  # [R] bool: last slot is the diagonal block (causal only); None if none is
-    all_diag: bool               # every row's last slot is its diagonal block (causal only)
-    group: int = 1               # consecutive rows sharing their key blocks (R is a multiple of it)
+    pad: Optional[torch.Tensor]  # [R, C] bool, True where a slot is masked (padding, or a block of the group's
+                                 # union the row does not hold); None if no slot is
+    diag_slots: Optional[torch.Tensor]  # [R] long: the slot of the row's diagonal block, -1 if it has none
+                                        # (causal only); None if no row has one
+    all_diag_last: bool          # every row's diagonal block is its last slot (causal only)
+    group: int = 1               # consecutive rows computed together (R is a multiple of it)
 
     @property
     def width(self) -> int:
@@ -145,7 +155,7 @@ def make_plan(layout, block: int, *, causal: bool = False, chunk_blocks: Optiona
         chunk_blocks = max(1, CHUNK_BLOCKS * 64 // block)
     elif isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1:
         raise ValueError(f"chunk_blocks={chunk_blocks!r} must be a positive integer (or None for the default)")
-    chunks = _row_chunks(rows_of, counts, nb, causal, chunk_blocks)
+    chunks = _row_chunks(rows_of, nb, block, causal, chunk_blocks)
     return BlockPlan(
         num_heads=H, num_blocks=nb, block=block, causal=causal, layout=torch.from_numpy(grid.astype(np.int64)),
         row_ptr=row_ptr, col_idx=col_idx, col_ptr=col_ptr, row_idx=row_idx, chunks=tuple(chunks),
@@ -155,41 +165,54 @@ def make_plan(layout, block: int, *, causal: bool = False, chunk_blocks: Optiona
     )
 
 
-def _row_groups(rows_of, causal: bool, chunk_blocks: int) -> list[tuple[int, np.ndarray, int]]:
-    """(head, rows, width) for every set of rows of one head with the same key blocks, split into
-    near-equal parts that fit the chunk budget. Under causal masking a row holding its diagonal
-    block stays alone: its diagonal mask is its own."""
-    groups = []
+def _row_groups(rows_of, block: int, chunk_blocks: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """(head, rows, keys): runs of consecutive rows of one head computed over the union `keys` of
+    their key blocks. A row joins the run before it while the run's own blocks stay GROUP_RATIO of
+    what it computes (below block 64: nested rows under causal masking; always: equal rows; never
+    bigbird's random rows); a run is then cut into near-equal parts that fit the chunk budget, each
+    over its own union."""
+    ratio = GROUP_RATIO if block < 64 else 1.0
+    runs = []
     for h, per_head in enumerate(rows_of):
-        same: dict[bytes, list[int]] = {}
+        run: list[int] = []
+        keys, real = None, 0
         for r, cols in enumerate(per_head):
-            if len(cols) == 0:
-                continue
-            key = cols.tobytes() if not (causal and cols[-1] == r) else b"diag%d" % r
-            same.setdefault(key, []).append(r)
-        for rows in same.values():
-            width = len(per_head[rows[0]])
-            parts = -(-len(rows) // max(1, chunk_blocks // width))
-            size = -(-len(rows) // parts)
-            groups += [(h, np.array(rows[i:i + size]), width) for i in range(0, len(rows), size)]
+            if run and len(cols):
+                union = np.union1d(keys, cols)
+                if real + len(cols) >= ratio * (len(run) + 1) * len(union):
+                    run, keys, real = run + [r], union, real + len(cols)
+                    continue
+            if run:
+                runs.append((h, run))
+            run, keys, real = ([r], cols, len(cols)) if len(cols) else ([], None, 0)
+        if run:
+            runs.append((h, run))
+    groups = []
+    for h, run in runs:
+        width = len(np.unique(np.concatenate([rows_of[h][r] for r in run])))
+        parts = -(-len(run) // max(1, chunk_blocks // width))
+        size = -(-len(run) // parts)
+        for i in range(0, len(run), size):
+            rows = np.array(run[i:i + size])
+            groups.append((h, rows, np.unique(np.concatenate([rows_of[h][r] for r in rows]))))
     return groups
 
 
-def _row_chunks(rows_of, counts: np.ndarray, nb: int, causal: bool, chunk_blocks: int) -> list[RowChunk]:
+def _row_chunks(rows_of, nb: int, block: int, causal: bool, chunk_blocks: int) -> list[RowChunk]:
     """Chunks of equal-size row groups, biggest groups and then widest first; a chunk takes groups
     down to PAD_RATIO of its widest one's width, up to the chunk budget."""
-    groups = sorted(_row_groups(rows_of, causal, chunk_blocks), key=lambda u: (-len(u[1]), -u[2], u[0], u[1][0]))
+    groups = sorted(_row_groups(rows_of, block, chunk_blocks), key=lambda u: (-len(u[1]), -len(u[2]), u[0], u[1][0]))
     chunks: list[RowChunk] = []
     i = 0
     while i < len(groups):
-        width, size = groups[i][2], len(groups[i][1])
+        width, size = len(groups[i][2]), len(groups[i][1])
         groups_per_chunk = max(1, chunk_blocks // (width * size))
         if groups_per_chunk > 1:
             groups_per_chunk -= groups_per_chunk % 2  # an even matmul batch splits evenly over two threads
         max_rows = groups_per_chunk * size
         j, rows = i, 0
         while (j < len(groups) and rows + size <= max_rows and len(groups[j][1]) == size
-               and groups[j][2] >= PAD_RATIO * width):
+               and len(groups[j][2]) >= PAD_RATIO * width):
             rows += size
             j += 1
         chunks.append(_make_chunk(rows_of, groups[i:j], width, nb, causal))
@@ -203,19 +226,37 @@ def _make_chunk(rows_of, groups, width: int, nb: int, causal: bool) -> RowChunk:
     R, size = len(rows), len(groups[0][1])
     cols = np.empty((R, width), dtype=np.int64)
     pad = np.zeros((R, width), dtype=bool)
-    for n, (h, r) in enumerate(zip(heads, rows)):
-        real = rows_of[h][r]
-        missing = width - len(real)
-        cols[n, :missing] = real[0]
-        cols[n, missing:] = real
-        pad[n, :missing] = True
-    diag = (cols[:, -1] == rows) if causal else np.zeros(R, dtype=bool)
+    diag_slots = np.full(R, -1, dtype=np.int64)
+    n = 0
+    for h, group_rows, keys in groups:
+        missing = width - len(keys)
+        for r in group_rows:
+            own = rows_of[h][r]
+            cols[n, :missing] = keys[0]
+            cols[n, missing:] = keys
+            pad[n, :missing] = True
+            pad[n, missing:] = ~np.isin(keys, own)
+            if causal and own[-1] == r:  # under causal masking no row holds a block past its own
+                diag_slots[n] = missing + int(np.searchsorted(keys, r))
+            n += 1
     kv_rows = (heads[:, None] * nb + cols)
+    has_diag = diag_slots >= 0
     return RowChunk(
         q_index=torch.from_numpy(heads * nb + rows), kv_index=torch.from_numpy(kv_rows[::size].reshape(-1).copy()),
         kv_index_rows=torch.from_numpy(kv_rows.reshape(-1)),
         col_index=torch.from_numpy(cols.reshape(-1).copy()), heads=torch.from_numpy(heads),
         rows=torch.from_numpy(rows), cols=torch.from_numpy(cols),
         pad=torch.from_numpy(pad) if pad.any() else None,
-        diag_rows=torch.from_numpy(diag) if diag.any() else None, all_diag=bool(diag.all()), group=size,
+        diag_slots=torch.from_numpy(diag_slots) if has_diag.any() else None,
+        all_diag_last=bool((diag_slots == width - 1).all()), group=size,
     )
+
+
+def diagonal_mask_offsets(chunk: RowChunk, block: int) -> torch.Tensor:
+    """Flat offsets, in one batch element's [R, block, C * block] score tile of `chunk`, of the
+    entries above the diagonal of each row's diagonal block: keys after the query (causal)."""
+    C = chunk.width
+    sel = (chunk.diag_slots >= 0).nonzero().squeeze(1)
+    i, j = torch.triu_indices(block, block, 1)
+    base = sel * (block * C * block) + chunk.diag_slots[sel] * block
+    return (base[:, None] + (i * (C * block) + j)[None, :]).reshape(-1)

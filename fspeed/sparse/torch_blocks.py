@@ -5,8 +5,8 @@ with `index_select` (along dim 0 of [batch * blocks, block * D] views: a memcpy 
 reused workspace buffers, scores are one `bmm` over the chunk, the softmax runs in place over
 each query row's concatenated key blocks (exact and numerically stable), and the output is a
 second `bmm`; the matmuls apply the scale (`baddbmm_`'s alpha), so it costs no pass of its own.
-A chunk's row groups (rows with the same key blocks) gather those blocks once and put all their
-queries through each `bmm` as one matrix. Memory beyond inputs and outputs is the workspace:
+A chunk's row groups (rows over one union of key blocks, each masking what it does not hold)
+gather those blocks once and put all their queries through each `bmm` as one matrix. Memory beyond inputs and outputs is the workspace:
 O(chunk x block^2), never O(seq^2). On 2 CPU threads the bmms run at dense flash attention's
 FLOP rate; what is left is the gathers, the two softmax passes and the gradient scatters.
 
@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from .plan import BlockPlan, RowChunk
+from .plan import BlockPlan, RowChunk, diagonal_mask_offsets
 
 # Largest batch slice times chunk slots processed at once (bounds the workspace for big batches).
 WORKSPACE_SLOTS = 1024
@@ -99,13 +99,11 @@ def _scores(ch: RowChunk, plan: BlockPlan, q2: torch.Tensor, k2: torch.Tensor, q
     s4 = s.view(B, R, blk, C * blk)
     if ch.pad is not None:
         s4.masked_fill_(ch.pad.to(s.device).repeat_interleave(blk, dim=1)[None, :, None, :], float("-inf"))
-    if plan.causal and ch.diag_rows is not None:
-        upper = torch.ones(blk, blk, dtype=torch.bool, device=s.device).triu_(1)
-        if ch.all_diag:
-            s4[..., -blk:].masked_fill_(upper, float("-inf"))
+    if plan.causal and ch.diag_slots is not None:
+        if ch.all_diag_last:
+            s4[..., -blk:].masked_fill_(torch.ones(blk, blk, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
         else:
-            sel = ch.diag_rows.to(s.device).nonzero().squeeze(1)
-            s4[:, sel, :, -blk:] = s4[:, sel, :, -blk:].masked_fill(upper, float("-inf"))
+            s.view(B, -1).index_fill_(1, diagonal_mask_offsets(ch, blk).to(s.device), float("-inf"))
     if key_bias is not None:
         kb = key_bias.view(key_bias.shape[0], plan.num_blocks, blk).index_select(1, ch.col_index.to(s.device))
         s4.add_(kb.view(key_bias.shape[0], R, 1, C * blk))
