@@ -155,7 +155,7 @@ def make_plan(layout, block: int, *, causal: bool = False, chunk_blocks: Optiona
         chunk_blocks = max(1, CHUNK_BLOCKS * 64 // block)
     elif isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1:
         raise ValueError(f"chunk_blocks={chunk_blocks!r} must be a positive integer (or None for the default)")
-    chunks = _row_chunks(rows_of, nb, block, causal, chunk_blocks)
+    chunks = _row_chunks(grid, block, causal, chunk_blocks)
     return BlockPlan(
         num_heads=H, num_blocks=nb, block=block, causal=causal, layout=torch.from_numpy(grid.astype(np.int64)),
         row_ptr=row_ptr, col_idx=col_idx, col_ptr=col_ptr, row_idx=row_idx, chunks=tuple(chunks),
@@ -165,43 +165,43 @@ def make_plan(layout, block: int, *, causal: bool = False, chunk_blocks: Optiona
     )
 
 
-def _row_groups(rows_of, block: int, chunk_blocks: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+def _row_groups(grid: np.ndarray, block: int, chunk_blocks: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """(head, rows, keys): runs of consecutive rows of one head computed over the union `keys` of
-    their key blocks. A row joins the run before it while the run's own blocks stay GROUP_RATIO of
-    what it computes (below block 64: nested rows under causal masking; always: equal rows; never
-    bigbird's random rows); a run is then cut into near-equal parts that fit the chunk budget, each
-    over its own union."""
+    their key blocks (`grid` [H, nb, nb] bool). A row joins the run before it while the run's own
+    blocks stay GROUP_RATIO of what it computes (below block 64: nested rows under causal masking;
+    always: equal rows; never bigbird's random rows); a run is then cut into near-equal parts that
+    fit the chunk budget, each over its own union."""
     ratio = GROUP_RATIO if block < 64 else 1.0
+    counts = grid.sum(axis=2)
     runs = []
-    for h, per_head in enumerate(rows_of):
-        run: list[int] = []
-        keys, real = None, 0
-        for r, cols in enumerate(per_head):
-            if run and len(cols):
-                union = np.union1d(keys, cols)
-                if real + len(cols) >= ratio * (len(run) + 1) * len(union):
-                    run, keys, real = run + [r], union, real + len(cols)
+    for h in range(grid.shape[0]):
+        start, union, real = None, None, 0
+        for r in range(grid.shape[1] + 1):
+            if start is not None and r < grid.shape[1] and counts[h, r]:
+                joined = union | grid[h, r]
+                if real + counts[h, r] >= ratio * (r - start + 1) * joined.sum():
+                    union, real = joined, real + counts[h, r]
                     continue
-            if run:
-                runs.append((h, run))
-            run, keys, real = ([r], cols, len(cols)) if len(cols) else ([], None, 0)
-        if run:
-            runs.append((h, run))
+            if start is not None:
+                runs.append((h, np.arange(start, r), np.flatnonzero(union)))
+            starts_run = r < grid.shape[1] and counts[h, r] > 0
+            start, union, real = (r, grid[h, r], counts[h, r]) if starts_run else (None, None, 0)
     groups = []
-    for h, run in runs:
-        width = len(np.unique(np.concatenate([rows_of[h][r] for r in run])))
-        parts = -(-len(run) // max(1, chunk_blocks // width))
+    for h, run, keys in runs:
+        parts = -(-len(run) // max(1, chunk_blocks // len(keys)))
+        if parts == 1:
+            groups.append((h, run, keys))
+            continue
         size = -(-len(run) // parts)
-        for i in range(0, len(run), size):
-            rows = np.array(run[i:i + size])
-            groups.append((h, rows, np.unique(np.concatenate([rows_of[h][r] for r in rows]))))
+        groups += [(h, rows, np.flatnonzero(grid[h, rows].any(axis=0))) for rows in
+                   (run[i:i + size] for i in range(0, len(run), size))]
     return groups
 
 
-def _row_chunks(rows_of, nb: int, block: int, causal: bool, chunk_blocks: int) -> list[RowChunk]:
+def _row_chunks(grid: np.ndarray, block: int, causal: bool, chunk_blocks: int) -> list[RowChunk]:
     """Chunks of equal-size row groups, biggest groups and then widest first; a chunk takes groups
     down to PAD_RATIO of its widest one's width, up to the chunk budget."""
-    groups = sorted(_row_groups(rows_of, block, chunk_blocks), key=lambda u: (-len(u[1]), -len(u[2]), u[0], u[1][0]))
+    groups = sorted(_row_groups(grid, block, chunk_blocks), key=lambda u: (-len(u[1]), -len(u[2]), u[0], u[1][0]))
     chunks: list[RowChunk] = []
     i = 0
     while i < len(groups):
@@ -215,12 +215,13 @@ def _row_chunks(rows_of, nb: int, block: int, causal: bool, chunk_blocks: int) -
                and len(groups[j][2]) >= PAD_RATIO * width):
             rows += size
             j += 1
-        chunks.append(_make_chunk(rows_of, groups[i:j], width, nb, causal))
+        chunks.append(_make_chunk(grid, groups[i:j], width, causal))
         i = j
     return chunks
 
 
-def _make_chunk(rows_of, groups, width: int, nb: int, causal: bool) -> RowChunk:
+def _make_chunk(grid: np.ndarray, groups, width: int, causal: bool) -> RowChunk:
+    nb = grid.shape[1]
     heads = np.concatenate([np.full(len(rows), h) for h, rows, _ in groups]).astype(np.int64)
     rows = np.concatenate([rows for _, rows, _ in groups]).astype(np.int64)
     R, size = len(rows), len(groups[0][1])
@@ -231,12 +232,11 @@ def _make_chunk(rows_of, groups, width: int, nb: int, causal: bool) -> RowChunk:
     for h, group_rows, keys in groups:
         missing = width - len(keys)
         for r in group_rows:
-            own = rows_of[h][r]
             cols[n, :missing] = keys[0]
             cols[n, missing:] = keys
             pad[n, :missing] = True
-            pad[n, missing:] = ~np.isin(keys, own)
-            if causal and own[-1] == r:  # under causal masking no row holds a block past its own
+            pad[n, missing:] = ~grid[h, r, keys]
+            if causal and grid[h, r, r]:
                 diag_slots[n] = missing + int(np.searchsorted(keys, r))
             n += 1
     kv_rows = (heads[:, None] * nb + cols)
