@@ -6,9 +6,10 @@ reused workspace buffers, scores are one `bmm` over the chunk, the softmax runs 
 each query row's concatenated key blocks (exact and numerically stable), and the output is a
 second `bmm`; the matmuls apply the scale (`baddbmm_`'s alpha), so it costs no pass of its own.
 A chunk's row groups (rows over one union of key blocks, each masking what it does not hold)
-gather those blocks once and put all their queries through each `bmm` as one matrix. Memory beyond inputs and outputs is the workspace:
-O(chunk x block^2), never O(seq^2). On 2 CPU threads the bmms run at dense flash attention's
-FLOP rate; what is left is the gathers, the two softmax passes and the gradient scatters.
+gather those blocks once and put all their queries through each `bmm` as one matrix. Memory
+beyond inputs and outputs is the workspace: O(chunk x block^2), never O(seq^2). On 2 CPU threads
+the bmms run at dense flash attention's FLOP rate; what is left is the gathers, the two softmax
+passes and the gradient scatters.
 
 The backward pass recomputes the scores and their softmax (flash attention's trade: no
 probabilities kept between the passes), uses softmax's fused backward for dS, and scatters
