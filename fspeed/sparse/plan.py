@@ -155,7 +155,7 @@ def make_plan(layout, block: int, *, causal: bool = False, chunk_blocks: Optiona
         chunk_blocks = max(1, CHUNK_BLOCKS * 64 // block)
     elif isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1:
         raise ValueError(f"chunk_blocks={chunk_blocks!r} must be a positive integer (or None for the default)")
-    chunks = _row_chunks(grid, block, causal, chunk_blocks)
+    chunks = _row_chunks(grid, counts, block, causal, chunk_blocks)
     return BlockPlan(
         num_heads=H, num_blocks=nb, block=block, causal=causal, layout=torch.from_numpy(grid.astype(np.int64)),
         row_ptr=row_ptr, col_idx=col_idx, col_ptr=col_ptr, row_idx=row_idx, chunks=tuple(chunks),
@@ -165,14 +165,14 @@ def make_plan(layout, block: int, *, causal: bool = False, chunk_blocks: Optiona
     )
 
 
-def _row_groups(grid: np.ndarray, block: int, chunk_blocks: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+def _row_groups(grid: np.ndarray, counts: np.ndarray, block: int,
+                chunk_blocks: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """(head, rows, keys): runs of consecutive rows of one head computed over the union `keys` of
-    their key blocks (`grid` [H, nb, nb] bool). A row joins the run before it while the run's own
-    blocks stay GROUP_RATIO of what it computes (below block 64: nested rows under causal masking;
-    always: equal rows; never bigbird's random rows); a run is then cut into near-equal parts that
-    fit the chunk budget, each over its own union."""
+    their key blocks (`grid` [H, nb, nb] bool, `counts` its row sums). A row joins the run before
+    it while the run's own blocks stay GROUP_RATIO of what it computes (below block 64: nested rows
+    under causal masking; always: equal rows; never bigbird's random rows); a run is then cut into
+    near-equal parts that fit the chunk budget, each over its own union."""
     ratio = GROUP_RATIO if block < 64 else 1.0
-    counts = grid.sum(axis=2)
     runs = []
     for h in range(grid.shape[0]):
         start, union, real = None, None, 0
@@ -198,10 +198,11 @@ def _row_groups(grid: np.ndarray, block: int, chunk_blocks: int) -> list[tuple[i
     return groups
 
 
-def _row_chunks(grid: np.ndarray, block: int, causal: bool, chunk_blocks: int) -> list[RowChunk]:
+def _row_chunks(grid: np.ndarray, counts: np.ndarray, block: int, causal: bool,
+                chunk_blocks: int) -> list[RowChunk]:
     """Chunks of equal-size row groups, biggest groups and then widest first; a chunk takes groups
     down to PAD_RATIO of its widest one's width, up to the chunk budget."""
-    groups = sorted(_row_groups(grid, block, chunk_blocks), key=lambda u: (-len(u[1]), -len(u[2]), u[0], u[1][0]))
+    groups = sorted(_row_groups(grid, counts, block, chunk_blocks), key=lambda u: (-len(u[1]), -len(u[2]), u[0], u[1][0]))
     chunks: list[RowChunk] = []
     i = 0
     while i < len(groups):
