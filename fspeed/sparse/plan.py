@@ -202,7 +202,8 @@ def _row_chunks(grid: np.ndarray, counts: np.ndarray, block: int, causal: bool,
                 chunk_blocks: int) -> list[RowChunk]:
     """Chunks of equal-size row groups, biggest groups and then widest first; a chunk takes groups
     down to PAD_RATIO of its widest one's width, up to the chunk budget."""
-    groups = sorted(_row_groups(grid, counts, block, chunk_blocks), key=lambda u: (-len(u[1]), -len(u[2]), u[0], u[1][0]))
+    groups = sorted(_row_groups(grid, counts, block, chunk_blocks),
+                    key=lambda u: (-len(u[1]), -len(u[2]), u[0], u[1][0]))
     chunks: list[RowChunk] = []
     i = 0
     while i < len(groups):
