@@ -220,15 +220,26 @@ def test_softmax_is_stable_for_huge_scores(backend):
 
 def test_bmm_backend_keeps_everything_on_the_inputs_device():
     """The plan's index tables live on the CPU; on another device (here "meta", which checks
-    devices and shapes without data) every index and mask must follow the inputs there."""
+    devices and shapes without data) every index and mask must follow the inputs there, copied
+    once per device (`BlockPlan.on`) rather than on every call."""
     H, S = 2, 64
-    layout = sp.layout(sp.BigBirdConfig(num_heads=H, block=8, num_random_blocks=1), S)
-    q, k, v = (torch.randn(2, H, S, 8, device="meta", requires_grad=True) for _ in range(3))
-    kpm = torch.ones(2, S, dtype=torch.bool, device="meta")
-    am = torch.zeros(H, S, S, device="meta")
-    out = sp.attention(q, k, v, layout, causal=True, key_padding_mask=kpm, attn_mask=am, backend="bmm")
-    out.sum().backward()
-    assert out.device.type == q.grad.device.type == k.grad.device.type == "meta" and q.grad.shape == q.shape
+    layouts = [sp.layout(sp.BigBirdConfig(num_heads=H, block=8, num_random_blocks=1), S),
+               sp.layout(sp.FixedConfig(num_heads=H, block=8, num_local_blocks=4, attention="unidirectional"), S)]
+    for layout in layouts:
+        plan = sp.make_plan(layout, 8, causal=True)
+        q, k, v = (torch.randn(2, H, S, 8, device="meta", requires_grad=True) for _ in range(3))
+        kpm = torch.ones(2, S, dtype=torch.bool, device="meta")
+        am = torch.zeros(H, S, S, device="meta")
+        for _ in range(2):
+            out = sp.attention(q, k, v, plan, causal=True, key_padding_mask=kpm, attn_mask=am, backend="bmm")
+            out.sum().backward()
+        assert out.device.type == q.grad.device.type == k.grad.device.type == "meta" and q.grad.shape == q.shape
+        on_meta = plan.on("meta")
+        assert plan.on(torch.device("meta")) is on_meta and plan.on("cpu") is plan
+        assert list(plan._copies) == ["meta"]
+        tables = [t for ch in on_meta.chunks for t in vars(ch).values() if isinstance(t, torch.Tensor)]
+        assert all(t.device.type == "meta" for t in tables + [on_meta.layout, on_meta.empty_rows])
+    assert any(ch.diag_offsets is not None for ch in plan.chunks)  # the fixed layout's nested causal groups
 
 
 @pytest.mark.parametrize("backend", TORCH_BACKENDS)

@@ -12,10 +12,11 @@ Backends (`backend=`), all computing only the layout's blocks, O(S x D + chunk) 
 "bmm" (gather + bmm + in-place softmax + bmm in torch ops, any device, `torch_blocks`), "flash"
 (CPU: row chunks through torch's fused CPU flash-attention kernel, `flash_blocks`), "numba"
 (fused flash-style Numba CPU kernels) and "cuda" (Numba CUDA kernels, CUDA tensors). "auto"
-picks "cuda" on CUDA tensors when numba-cuda sees a GPU, else "bmm": on 2 CPU threads at
-S=4096, forward+backward, bmm takes 80 ms against flash's 106 and numba's 345 (bigbird, 9%
-dense) and 133 against 259 and 927 (fixed, 23% dense; benchmarks/sparse_attention.py), because
-its bmms run at dense flash attention's FLOP rate.
+is "bmm" on every device. On 2 CPU threads at S=4096, forward+backward, bmm takes 80 ms against
+flash's 106 and numba's 345 (bigbird, 9% dense) and 133 against 259 and 927 (fixed, 23% dense;
+benchmarks/sparse_attention.py), because its bmms run at dense flash attention's FLOP rate. On
+CUDA tensors it runs on cuBLAS; the Numba CUDA kernels are opt-in (`backend="cuda"`) until they
+have been timed against it on a GPU: so far they have run only in Numba's simulator.
 The plain O(S^2) definition is `reference_attention`.
 """
 
@@ -33,13 +34,7 @@ BACKENDS = ("auto", "flash", "bmm", "numba", "cuda")
 
 
 def _backend_module(name: str, device: torch.device):
-    if name == "auto":
-        name = "bmm"
-        if device.type == "cuda":
-            from . import cuda_backend
-            if cuda_backend.available():
-                name = "cuda"
-    if name == "bmm":
+    if name in ("auto", "bmm"):
         return torch_blocks
     if name == "flash":
         if device.type != "cpu" or not flash_blocks.available():

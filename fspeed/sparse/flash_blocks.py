@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .plan import BlockPlan, RowChunk, diagonal_mask_offsets
+from .plan import BlockPlan, RowChunk
 from .torch_blocks import _batch_slices, _slice_bias, row_blocks_buffer, rows_of_batch
 
 _ops = torch.ops.aten
@@ -42,7 +42,7 @@ def _chunk_mask(ch: RowChunk, plan: BlockPlan, key_bias: Optional[torch.Tensor],
 
     if ch.pad is not None:
         pad = torch.zeros(R, C * blk, dtype=dtype, device=device)
-        add(pad.masked_fill_(ch.pad.to(device).repeat_interleave(blk, dim=1), float("-inf"))[None, :, None, :])
+        add(pad.masked_fill_(ch.pad.repeat_interleave(blk, dim=1), float("-inf"))[None, :, None, :])
     if plan.causal and ch.diag_slots is not None:
         if ch.all_diag_last:
             tri = torch.zeros(blk, C * blk, dtype=dtype, device=device)
@@ -50,15 +50,15 @@ def _chunk_mask(ch: RowChunk, plan: BlockPlan, key_bias: Optional[torch.Tensor],
             add(tri[None, None])
         else:
             tri = torch.zeros(R * blk * C * blk, dtype=dtype, device=device)
-            add(tri.index_fill_(0, diagonal_mask_offsets(ch, blk).to(device), float("-inf")).view(1, R, blk, C * blk))
+            add(tri.index_fill_(0, ch.diag_offsets, float("-inf")).view(1, R, blk, C * blk))
     if key_bias is not None:
-        kb = key_bias.view(key_bias.shape[0], plan.num_blocks, blk).index_select(1, ch.col_index.to(device))
+        kb = key_bias.view(key_bias.shape[0], plan.num_blocks, blk).index_select(1, ch.col_index)
         add(kb.view(key_bias.shape[0], R, 1, C * blk).to(dtype))
     if attn_bias is not None:
         Bm, Hm = attn_bias.shape[:2]
         a6 = attn_bias.view(Bm, Hm, plan.num_blocks, blk, plan.num_blocks, blk).permute(0, 1, 2, 4, 3, 5)
-        heads = (ch.heads if Hm > 1 else torch.zeros_like(ch.heads)).to(device)
-        g = a6[:, heads[:, None], ch.rows.to(device)[:, None], ch.cols.to(device)]  # [Bm, R, C, blk, blk]
+        heads = ch.heads if Hm > 1 else torch.zeros_like(ch.heads)
+        g = a6[:, heads[:, None], ch.rows[:, None], ch.cols]  # [Bm, R, C, blk, blk]
         add(g.permute(0, 1, 3, 2, 4).reshape(Bm, R, blk, C * blk).to(dtype))
     return mask  # the kernel broadcasts size-1 dims
 
@@ -76,7 +76,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, 
         kb, ab = _slice_bias(key_bias, b), _slice_bias(attn_bias, b)
         for ch in plan.chunks:
             R, C = ch.num_rows, ch.width
-            q_at, kv_at = (rows_of_batch(index, b, n, q.device) for index in (ch.q_index, ch.kv_index_rows))
+            q_at, kv_at = (rows_of_batch(index, b, n) for index in (ch.q_index, ch.kv_index_rows))
             q_rows = q2.index_select(0, q_at).view(Bs, R, blk, D)
             k_cols = k2.index_select(0, kv_at).view(Bs, R, C * blk, D)
             v_cols = v2.index_select(0, kv_at).view(Bs, R, C * blk, D)
@@ -105,7 +105,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         kb, ab = _slice_bias(key_bias, b), _slice_bias(attn_bias, b)
         for ch in plan.chunks:
             R, C = ch.num_rows, ch.width
-            q_at, kv_at = (rows_of_batch(index, b, n, q.device) for index in (ch.q_index, ch.kv_index_rows))
+            q_at, kv_at = (rows_of_batch(index, b, n) for index in (ch.q_index, ch.kv_index_rows))
             rows = lambda x: x.index_select(0, q_at).view(Bs, R, blk, D)  # noqa: E731
             k_cols = k2.index_select(0, kv_at).view(Bs, R, C * blk, D)
             v_cols = v2.index_select(0, kv_at).view(Bs, R, C * blk, D)

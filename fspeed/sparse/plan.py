@@ -18,7 +18,7 @@ With `causal=True` the blocks above the diagonal are dropped here: they would be
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 import numpy as np
@@ -65,6 +65,8 @@ class RowChunk:
                                         # (causal only); None if no row has one
     all_diag_last: bool          # every row's diagonal block is its last slot (causal only)
     group: int = 1               # consecutive rows computed together (R is a multiple of it)
+    diag_offsets: Optional[torch.Tensor] = None  # [n] long: `diagonal_mask_offsets` of this chunk when some
+                                                 # row's diagonal block is not its last slot, else None
 
     @property
     def width(self) -> int:
@@ -92,6 +94,22 @@ class BlockPlan:
     max_rows: int               # largest chunk, in rows
     max_slots: int              # largest chunk, in (row, key block) slots
     empty_rows: torch.Tensor    # [E] long: head * blocks + row of the query blocks with no key block
+    _copies: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def on(self, device) -> "BlockPlan":
+        """This plan with its tensors (chunks' index tables and masks, `layout`, `empty_rows`) on
+        `device`: copied on the first call per device and kept, so a backend's per-call loop starts
+        no host-to-device copy (on CUDA each would block on pageable host memory)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self
+        key = str(device)
+        if key not in self._copies:
+            chunks = tuple(replace(ch, **{f.name: getattr(ch, f.name).to(device) for f in fields(ch)
+                                          if isinstance(getattr(ch, f.name), torch.Tensor)}) for ch in self.chunks)
+            self._copies[key] = replace(self, layout=self.layout.to(device), chunks=chunks,
+                                        empty_rows=self.empty_rows.to(device))
+        return self._copies[key]
 
     @property
     def seq_len(self) -> int:
@@ -217,12 +235,12 @@ def _row_chunks(grid: np.ndarray, counts: np.ndarray, block: int, causal: bool,
                and len(groups[j][2]) >= PAD_RATIO * width):
             rows += size
             j += 1
-        chunks.append(_make_chunk(grid, groups[i:j], width, causal))
+        chunks.append(_make_chunk(grid, groups[i:j], width, causal, block))
         i = j
     return chunks
 
 
-def _make_chunk(grid: np.ndarray, groups, width: int, causal: bool) -> RowChunk:
+def _make_chunk(grid: np.ndarray, groups, width: int, causal: bool, block: int) -> RowChunk:
     nb = grid.shape[1]
     heads = np.concatenate([np.full(len(rows), h) for h, rows, _ in groups]).astype(np.int64)
     rows = np.concatenate([rows for _, rows, _ in groups]).astype(np.int64)
@@ -243,7 +261,7 @@ def _make_chunk(grid: np.ndarray, groups, width: int, causal: bool) -> RowChunk:
             n += 1
     kv_rows = (heads[:, None] * nb + cols)
     has_diag = diag_slots >= 0
-    return RowChunk(
+    chunk = RowChunk(
         q_index=torch.from_numpy(heads * nb + rows), kv_index=torch.from_numpy(kv_rows[::size].reshape(-1).copy()),
         kv_index_rows=torch.from_numpy(kv_rows.reshape(-1)),
         col_index=torch.from_numpy(cols.reshape(-1).copy()), heads=torch.from_numpy(heads),
@@ -252,6 +270,9 @@ def _make_chunk(grid: np.ndarray, groups, width: int, causal: bool) -> RowChunk:
         diag_slots=torch.from_numpy(diag_slots) if has_diag.any() else None,
         all_diag_last=bool((diag_slots == width - 1).all()), group=size,
     )
+    if chunk.diag_slots is None or chunk.all_diag_last:
+        return chunk
+    return replace(chunk, diag_offsets=diagonal_mask_offsets(chunk, block))
 
 
 def diagonal_mask_offsets(chunk: RowChunk, block: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .plan import BlockPlan, RowChunk, diagonal_mask_offsets
+from .plan import BlockPlan, RowChunk
 
 # Largest batch slice times chunk slots processed at once (bounds the workspace for big batches).
 WORKSPACE_SLOTS = 1024
@@ -58,12 +58,10 @@ class _Workspace:
         return buf[:n].view(*shape)
 
 
-def rows_of_batch(index: torch.Tensor, b: slice, blocks: int, device: torch.device) -> torch.Tensor:
+def rows_of_batch(index: torch.Tensor, b: slice, blocks: int) -> torch.Tensor:
     """`index` (block numbers within one batch element of `blocks` blocks) as row numbers of the
-    [batch * blocks, block * D] view, for every batch element of `b`, on `device` (plans keep their
-    tables on the CPU). Gathering and scattering along dim 0 of a 2-D view is 2-4x faster than
-    along dim 1 of the 3-D tensor (a memcpy per row)."""
-    index = index.to(device)
+    [batch * blocks, block * D] view, for every batch element of `b`. Gathering and scattering
+    along dim 0 of a 2-D view is 2-4x faster than along dim 1 of the 3-D tensor (a memcpy per row)."""
     if b.stop - b.start == 1:
         return index + b.start * blocks if b.start else index
     return (torch.arange(b.start, b.stop, device=index.device)[:, None] * blocks + index).reshape(-1)
@@ -72,11 +70,12 @@ def rows_of_batch(index: torch.Tensor, b: slice, blocks: int, device: torch.devi
 def row_blocks_buffer(plan: BlockPlan, batch: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
     """An uninitialised [batch * heads * blocks, width] buffer for per-query-block results, with the
     rows no chunk writes (query blocks without key blocks) set to 0: every other row is written by
-    exactly one chunk, so zero-filling the whole buffer would be a wasted pass."""
+    exactly one chunk, so zero-filling the whole buffer would be a wasted pass. `plan` is on
+    `device` (`BlockPlan.on`)."""
     n = plan.num_heads * plan.num_blocks
     buf = torch.empty(batch * n, width, dtype=dtype, device=device)
     if plan.empty_rows.numel():
-        buf.view(batch, n, width).index_fill_(1, plan.empty_rows.to(device), 0)
+        buf.view(batch, n, width).index_fill_(1, plan.empty_rows, 0)
     return buf
 
 
@@ -89,7 +88,8 @@ def _scores(ch: RowChunk, plan: BlockPlan, q2: torch.Tensor, k2: torch.Tensor, q
             kv_at: torch.Tensor, B: int, scale: float, key_bias: Optional[torch.Tensor],
             attn_bias: Optional[torch.Tensor], ws: _Workspace, D: int):
     """Scaled, masked scores [B*G, group*blk, C*blk] of one chunk of G row groups, plus the gathered
-    Q rows and K blocks (rows `q_at` and `kv_at` of the [batch * blocks, blk * D] views `q2`, `k2`).
+    Q rows and K blocks (rows `q_at` and `kv_at` of the [batch * blocks, blk * D] views `q2`, `k2`);
+    `ch` is on the scores' device.
     Viewed as [B, R, blk, C*blk] the scores are row by row, which is how the masks are applied."""
     blk, R, C, G = plan.block, ch.num_rows, ch.width, ch.num_rows // ch.group
     q_rows = torch.index_select(q2, 0, q_at, out=ws.view(ws.q, B * R, blk * D))
@@ -99,21 +99,20 @@ def _scores(ch: RowChunk, plan: BlockPlan, q2: torch.Tensor, k2: torch.Tensor, q
                beta=0, alpha=scale)  # the matmul applies the scale: no extra pass
     s4 = s.view(B, R, blk, C * blk)
     if ch.pad is not None:
-        s4.masked_fill_(ch.pad.to(s.device).repeat_interleave(blk, dim=1)[None, :, None, :], float("-inf"))
+        s4.masked_fill_(ch.pad.repeat_interleave(blk, dim=1)[None, :, None, :], float("-inf"))
     if plan.causal and ch.diag_slots is not None:
         if ch.all_diag_last:
             s4[..., -blk:].masked_fill_(torch.ones(blk, blk, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
         else:
-            s.view(B, -1).index_fill_(1, diagonal_mask_offsets(ch, blk).to(s.device), float("-inf"))
+            s.view(B, -1).index_fill_(1, ch.diag_offsets, float("-inf"))
     if key_bias is not None:
-        kb = key_bias.view(key_bias.shape[0], plan.num_blocks, blk).index_select(1, ch.col_index.to(s.device))
+        kb = key_bias.view(key_bias.shape[0], plan.num_blocks, blk).index_select(1, ch.col_index)
         s4.add_(kb.view(key_bias.shape[0], R, 1, C * blk))
     if attn_bias is not None:
         Bm, Hm = attn_bias.shape[:2]
         a6 = attn_bias.view(Bm, Hm, plan.num_blocks, blk, plan.num_blocks, blk).permute(0, 1, 2, 4, 3, 5)
         heads = ch.heads if Hm > 1 else torch.zeros_like(ch.heads)
-        dev = s.device
-        g = a6[:, heads.to(dev)[:, None], ch.rows.to(dev)[:, None], ch.cols.to(dev)]  # [Bm, R, C, blk, blk]
+        g = a6[:, heads[:, None], ch.rows[:, None], ch.cols]  # [Bm, R, C, blk, blk]
         s4.add_(g.permute(0, 1, 3, 2, 4).reshape(Bm, R, blk, C * blk))
     return s, q_rows, k_cols
 
@@ -145,6 +144,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, 
     k2 = k.to(cd).reshape(B * n, blk * D)
     v2 = v.to(cd).reshape(B * n, blk * D)
     masks_can_empty_rows = key_bias is not None or attn_bias is not None
+    plan = plan.on(q.device)
     out = row_blocks_buffer(plan, B, blk * D, cd, q.device)
     for b in _batch_slices(plan, B):
         Bs = b.stop - b.start
@@ -152,7 +152,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, 
         kb, ab = _slice_bias(key_bias, b), _slice_bias(attn_bias, b)
         for ch in plan.chunks:
             R, C, G, tokens = ch.num_rows, ch.width, ch.num_rows // ch.group, ch.group * blk  # tokens: queries a group
-            q_at, kv_at = (rows_of_batch(index, b, n, q.device) for index in (ch.q_index, ch.kv_index))
+            q_at, kv_at = (rows_of_batch(index, b, n) for index in (ch.q_index, ch.kv_index))
             s, _, _ = _scores(ch, plan, q2, k2, q_at, kv_at, Bs, scale, kb, ab, ws, D)
             p = _probabilities(s, masks_can_empty_rows)
             v_cols = torch.index_select(v2, 0, kv_at, out=ws.view(ws.v, Bs * G * C, blk * D))
@@ -174,6 +174,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     v2 = v.to(cd).reshape(B * n, blk * D)
     do2 = dout.to(cd).reshape(B * n, blk * D)
     masks_can_empty_rows = key_bias is not None or attn_bias is not None
+    plan = plan.on(q.device)
     dq = row_blocks_buffer(plan, B, blk * D, cd, q.device)
     dk = torch.zeros(B * n, blk * D, dtype=cd, device=q.device)
     dv = torch.zeros_like(dk)
@@ -183,7 +184,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         kb, ab = _slice_bias(key_bias, b), _slice_bias(attn_bias, b)
         for ch in plan.chunks:
             R, C, G, tokens = ch.num_rows, ch.width, ch.num_rows // ch.group, ch.group * blk  # tokens: queries a group
-            q_at, kv_at = (rows_of_batch(index, b, n, q.device) for index in (ch.q_index, ch.kv_index))
+            q_at, kv_at = (rows_of_batch(index, b, n) for index in (ch.q_index, ch.kv_index))
             s, q_rows, k_cols = _scores(ch, plan, q2, k2, q_at, kv_at, Bs, scale, kb, ab, ws, D)
             p = _probabilities(s, masks_can_empty_rows)
             do_rows = torch.index_select(do2, 0, q_at, out=ws.view(ws.do, Bs * R, blk * D)).view(Bs * G, tokens, D)
