@@ -1,0 +1,214 @@
+"""fspeed's CUDA paths on a real GPU: block-sparse attention (correctness, then speed) and fused Adam/LAMB.
+
+For a session lent a GPU: one prepared run of a few minutes. The Numba CUDA kernels (backend
+"cuda") have so far run only in Numba's simulator; this checks them, and the default CUDA path
+(backend "bmm" on cuBLAS), against the float64 reference on the GPU, then times both against
+dense SDPA and compiled FlexAttention (which has a GPU backward) at B=1, H=8, D=64, block 64,
+bigbird at ~10% density, forward+backward, as benchmarks/sparse_attention.py does on CPU.
+The Numba fused Adam and LAMB kernels (likewise simulator-only so far) are checked against the
+torch reference through the optimizers' public API, with a bf16 compute copy. Correctness failures
+are listed and make the exit status 1; timing always runs.
+
+The device image has every dependency but optree; carry it as a wheel (see
+/work/.library/device/README.md): here, `echo /.whl/ >> .git/info/exclude; python3 -m pip download
+--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform
+manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl optree==0.17.0`, then run with
+carry [".whl"]:
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+    PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 python3 benchmarks/sparse_attention_gpu.py | tee $OUT/gpu.txt
+
+`--device cpu` runs the same script without a GPU (backend "cuda" and flex skipped, small S),
+which is how it is kept working here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fspeed.sparse as sp  # noqa: E402
+from sparse_attention import BLOCK, D, H, make_layout  # noqa: E402
+
+# Largest error against the float64 reference, relative to the reference's largest magnitude.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # measured on CPU: 1e-6, 3e-3, 5e-4
+CASES = [  # (layout config, seq_len, causal, key padding)
+    (sp.BigBirdConfig(num_heads=4, block=64, num_random_blocks=2), 1024, False, True),
+    (sp.FixedConfig(num_heads=4, block=16, num_local_blocks=4, attention="unidirectional"), 512, True, False),
+    (sp.VariableConfig(num_heads=4, block=32, local_window_blocks=[2, 4], global_block_indices=[0]), 1024, False, False),
+]
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.detach().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def check_correctness(device: str, backends: list[str]) -> list[str]:
+    """Output and q/k/v gradients of each backend and dtype against float64 `reference_attention`."""
+    failures = []
+    print(f"{'case':46s} {'backend':7s} {'dtype':9s} {'out err':>9s} {'grad err':>9s}")
+    for config, S, causal, padded in CASES:
+        layout = sp.layout(config, S, seed=1)
+        g = torch.Generator(device=device).manual_seed(S)
+        q, k, v, dout = (torch.randn(2, 4, S, 64, generator=g, device=device) for _ in range(4))
+        kpm = torch.ones(2, S, dtype=torch.bool, device=device)
+        if padded:
+            kpm[1, S - 100:] = False
+        kwargs = dict(causal=causal, key_padding_mask=kpm if padded else None)
+        for dtype in TOLERANCE:
+            x = [t.to(dtype) for t in (q, k, v)]
+            ref_in = [t.double().requires_grad_() for t in x]
+            ref = sp.reference_attention(*ref_in, layout, **kwargs)
+            ref_grads = torch.autograd.grad(ref, ref_in, dout.double())
+            for backend in backends:
+                inputs = [t.detach().requires_grad_() for t in x]
+                name = f"{type(config).__name__} S={S} causal={causal} pad={padded}"
+                try:
+                    out = sp.attention(*inputs, layout, backend=backend, **kwargs)
+                    grads = torch.autograd.grad(out, inputs, dout.to(dtype))
+                except Exception as error:  # a launch or compile failure is a finding, not a crash
+                    failures.append(f"{name} {backend} {dtype}: {type(error).__name__}: {error}")
+                    print(f"{name:46s} {backend:7s} {str(dtype)[6:]:9s} {'FAILED':>9s}")
+                    continue
+                out_err = relative_error(out, ref)
+                grad_err = max(relative_error(a, b) for a, b in zip(grads, ref_grads))
+                print(f"{name:46s} {backend:7s} {str(dtype)[6:]:9s} {out_err:9.1e} {grad_err:9.1e}")
+                if not out_err <= TOLERANCE[dtype] or not grad_err <= TOLERANCE[dtype]:
+                    failures.append(f"{name} {backend} {dtype}: out {out_err:.1e}, grads {grad_err:.1e} "
+                                    f"(tolerance {TOLERANCE[dtype]:.0e})")
+    return failures
+
+
+def check_optimizers(device: str) -> list[str]:
+    """Adam(W) and LAMB with backend="numba" (the CUDA kernels on CUDA tensors) against backend="torch",
+    three steps on a flat buffer with a tail, writing a bf16 compute copy."""
+    from fspeed import Flat
+    from fspeed.optim import adam, lamb, optimizer_step
+
+    g = torch.Generator(device=device).manual_seed(0)
+    params = Flat.from_tree({"w": torch.randn(1000, 77, generator=g, device=device),
+                             "b": torch.randn(13, generator=g, device=device)})
+    grads = [Flat.from_tree({k: torch.randn(v.shape, generator=g, device=device) for k, v in params.items()})
+             for _ in range(3)]
+
+    def run(opt):
+        p, state = params.clone(), opt.init(params)
+        cast = p.to(torch.bfloat16)
+        for grad in grads:
+            p, state = optimizer_step(opt, grad, state, p, cast_to=cast)
+        return p, cast
+
+    failures = []
+    for name, make in (("adamw", lambda be: adam(1e-2, weight_decay=0.1, adam_w_mode=True, backend=be)),
+                       ("lamb", lambda be: lamb(1e-2, weight_decay=0.01, backend=be))):
+        try:
+            (got, cast), (ref, _) = run(make("numba")), run(make("torch"))
+            err = relative_error(got.buffer, ref.buffer.double())
+            exact_cast = bool(torch.equal(cast.buffer, got.buffer.to(torch.bfloat16)))
+        except Exception as error:
+            failures.append(f"{name} backend=numba: {type(error).__name__}: {error}")
+            continue
+        print(f"{name:6s} numba kernel vs torch: relative error {err:.1e}, bf16 copy exact: {exact_cast}")
+        if not err <= 1e-5 or not exact_cast:
+            failures.append(f"{name} backend=numba: error {err:.1e} (tolerance 1e-5), bf16 copy exact: {exact_cast}")
+    return failures
+
+
+def timed(fn, device: str, reps: int) -> float:
+    """Median milliseconds of `fn()` after a warm-up (compiles, JITs)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
+def time_methods(device: str, seqs: list[int], dtypes: list[torch.dtype], backends: list[str], flex: bool,
+                 reps: int) -> dict:
+    """Forward+backward milliseconds per (method, dtype, S): dense SDPA, fspeed backends, flex."""
+    results = {}
+    print(f"\n{'S':>6s} {'dtype':9s} {'method':12s} {'f+b ms':>9s} {'vs sdpa':>8s}")
+    for S in seqs:
+        layout = make_layout("bigbird", S)
+        plan = sp.make_plan(layout, BLOCK)
+        for dtype in dtypes:
+            g = torch.Generator(device=device).manual_seed(0)
+            q, k, v = (torch.randn(1, H, S, D, generator=g, device=device, dtype=dtype) for _ in range(3))
+            methods = {"sdpa": lambda a, b, c: F.scaled_dot_product_attention(a, b, c)}
+            for backend in backends:
+                methods[f"fspeed_{backend}"] = lambda a, b, c, be=backend: sp.attention(a, b, c, plan, backend=be)
+            if flex and dtype == torch.bfloat16 and S in (8192, 16384):  # each compile takes tens of seconds
+                from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+                dense = layout.bool().to(device)
+                mask = create_block_mask(lambda b, h, qi, ki: dense[h, qi // BLOCK, ki // BLOCK], B=None, H=H,
+                                         Q_LEN=S, KV_LEN=S, BLOCK_SIZE=BLOCK, device=device)
+                compiled = torch.compile(flex_attention, dynamic=False)
+                methods["flex"] = lambda a, b, c: compiled(a, b, c, block_mask=mask)
+            for name, fn in methods.items():
+                def train(fn=fn):
+                    a, b, c = (x.detach().requires_grad_() for x in (q, k, v))
+                    out = fn(a, b, c)
+                    out.backward(torch.ones_like(out))
+                try:
+                    ms = timed(train, device, reps)
+                except Exception as error:
+                    print(f"{S:6d} {str(dtype)[6:]:9s} {name:12s} failed: {type(error).__name__}: {error}")
+                    continue
+                results[(name, dtype, S)] = ms
+                ratio = results[("sdpa", dtype, S)] / ms if ("sdpa", dtype, S) in results else float("nan")
+                print(f"{S:6d} {str(dtype)[6:]:9s} {name:12s} {ms:9.2f} {ratio:7.2f}x")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args()
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --device cpu to exercise the script without one")
+    gpu = device == "cuda"
+    backends = ["bmm", "cuda"] if gpu else ["bmm"]
+    name = torch.cuda.get_device_name() if gpu else "cpu"
+    print(f"torch {torch.__version__} on {name}; bigbird ~10% density, B=1 H={H} D={D} block={BLOCK}\n")
+
+    failures = check_correctness(device, backends)
+    if gpu:
+        print()
+        failures += check_optimizers(device)
+    seqs = [4096, 8192, 16384, 32768] if gpu else [1024]
+    dtypes = [torch.bfloat16, torch.float16, torch.float32] if gpu else [torch.float32]
+    results = time_methods(device, seqs, dtypes, backends, flex=gpu, reps=args.reps if gpu else 2)
+
+    print()
+    for f in failures:
+        print("FAILED:", f)
+    print(f"gpu_correctness_failures={len(failures)}")
+    if not gpu:
+        print("(dry run on the CPU: no GPU figures)")
+        sys.exit(1 if failures else 0)
+    S, dt = 8192, torch.bfloat16
+    best = min((results[(m, dt, S)], m) for m in (f"fspeed_{b}" for b in backends) if (m, dt, S) in results)
+    if ("fspeed_cuda", dt, S) in results:
+        print(f"gpu_numba_cuda_vs_bmm={results[('fspeed_bmm', dt, S)] / results[('fspeed_cuda', dt, S)]:.2f}")
+    if ("flex", dt, S) in results:
+        print(f"gpu_sparse_vs_flex={results[('flex', dt, S)] / best[0]:.2f}")
+    print(f"gpu_sparse_speedup_bf16_s8192={results[('sdpa', dt, S)] / best[0]:.2f}  # fastest fspeed: {best[1]}")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
