@@ -12,8 +12,8 @@ are listed and make the exit status 1; timing always runs.
 The device image has every dependency but optree; carry it as a wheel (see
 /work/.library/device/README.md): here, `echo /.whl/ >> .git/info/exclude; python3 -m pip download
 --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform
-manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl optree==0.17.0`, then run with
-carry [".whl"]:
+manylinux_2_28_x86_64 -d .whl optree==0.20.0` (tried: it fetches the cp312 wheel), then run with
+carry [".whl"] and a timeout of about 480 s:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
     PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 python3 benchmarks/sparse_attention_gpu.py | tee $OUT/gpu.txt
