@@ -41,7 +41,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # 
 CASES = [  # (layout config, seq_len, causal, key padding)
     (sp.BigBirdConfig(num_heads=4, block=64, num_random_blocks=2), 1024, False, True),
     (sp.FixedConfig(num_heads=4, block=16, num_local_blocks=4, attention="unidirectional"), 512, True, False),
-    (sp.VariableConfig(num_heads=4, block=32, local_window_blocks=[2, 4], global_block_indices=[0]), 1024, False, False),
+    (sp.VariableConfig(num_heads=4, block=32, local_window_blocks=[2, 4], global_block_indices=[0]), 1024, False,
+     False),
 ]
 
 

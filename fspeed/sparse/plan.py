@@ -65,8 +65,9 @@ class RowChunk:
                                         # (causal only); None if no row has one
     all_diag_last: bool          # every row's diagonal block is its last slot (causal only)
     group: int = 1               # consecutive rows computed together (R is a multiple of it)
-    diag_offsets: Optional[torch.Tensor] = None  # [n] long: `diagonal_mask_offsets` of this chunk when some
-                                                 # row's diagonal block is not its last slot, else None
+    diag_offsets: Optional[torch.Tensor] = None  # [n] long: flat offsets of the causally masked entries in
+                                                 # one batch element's scores, when some row's diagonal
+                                                 # block is not its last slot; else None
 
     @property
     def width(self) -> int:
@@ -272,10 +273,10 @@ def _make_chunk(grid: np.ndarray, groups, width: int, causal: bool, block: int) 
     )
     if chunk.diag_slots is None or chunk.all_diag_last:
         return chunk
-    return replace(chunk, diag_offsets=diagonal_mask_offsets(chunk, block))
+    return replace(chunk, diag_offsets=_diagonal_mask_offsets(chunk, block))
 
 
-def diagonal_mask_offsets(chunk: RowChunk, block: int) -> torch.Tensor:
+def _diagonal_mask_offsets(chunk: RowChunk, block: int) -> torch.Tensor:
     """Flat offsets, in one batch element's [R, block, C * block] score tile of `chunk`, of the
     entries above the diagonal of each row's diagonal block: keys after the query (causal)."""
     C = chunk.width
