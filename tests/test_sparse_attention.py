@@ -239,6 +239,8 @@ def test_bmm_backend_keeps_everything_on_the_inputs_device():
         assert list(plan._copies) == ["meta"]
         tables = [t for ch in on_meta.chunks for t in vars(ch).values() if isinstance(t, torch.Tensor)]
         assert all(t.device.type == "meta" for t in tables + [on_meta.layout, on_meta.empty_rows])
+        csr = plan.device_tables("meta")  # the CUDA kernels' tables: also copied once per device
+        assert plan.device_tables("meta") is csr and all(t.device.type == "meta" for t in csr.values())
     assert any(ch.diag_offsets is not None for ch in plan.chunks)  # the fixed layout's nested causal groups
 
 

@@ -95,7 +95,7 @@ class BlockPlan:
     max_rows: int               # largest chunk, in rows
     max_slots: int              # largest chunk, in (row, key block) slots
     empty_rows: torch.Tensor    # [E] long: head * blocks + row of the query blocks with no key block
-    _copies: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _copies: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # per device: `on`, tables
 
     def on(self, device) -> "BlockPlan":
         """This plan with its tensors (chunks' index tables and masks, `layout`, `empty_rows`) on
@@ -121,9 +121,12 @@ class BlockPlan:
         return int(self.col_idx.shape[0])
 
     def device_tables(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """The CSR/CSC tables as int32 tensors on `device` (for kernels)."""
-        return {name: torch.from_numpy(getattr(self, name)).to(device)
-                for name in ("row_ptr", "col_idx", "col_ptr", "row_idx")}
+        """The CSR/CSC tables as int32 tensors on `device` (for kernels), copied once per device."""
+        key = f"csr:{torch.device(device)}"
+        if key not in self._copies:
+            self._copies[key] = {name: torch.from_numpy(getattr(self, name)).to(device)
+                                 for name in ("row_ptr", "col_idx", "col_ptr", "row_idx")}
+        return self._copies[key]
 
 
 def layout_array(layout) -> np.ndarray:
