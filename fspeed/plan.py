@@ -19,6 +19,7 @@ storage and compute, over `data`:
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -108,6 +109,8 @@ class ZeroConfig:
     param_persistence_threshold: int = 100_000
     prefetch: bool = True  # stage 3: gather the next unit while the current one computes
     recompute_blocks: bool = False  # stage 3: keep only each block's input, recompute it in backward
+    overlap_comm: Optional[bool] = None  # None: DeepSpeed's default, True for stage 3 and False otherwise
+    model_persistence_threshold: int = sys.maxsize  # stage 3: cap on the total of persistent (unsharded) elements
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     offload_param: OffloadParamConfig = OffloadParamConfig()
 
