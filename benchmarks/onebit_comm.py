@@ -44,7 +44,7 @@ def wire_bytes(op: str, nbytes: int, n: int) -> float:
 
 def measure(kind: str, layers: int, steps: int, warmup: int, local_interval: int) -> dict:
     import fspeed as fs
-    from fspeed.comm import CommLog
+    from fspeed.parallel.comm import CommLog
 
     log = CommLog(enabled=False)  # byte counts only
     mesh = fs.Mesh(data=-1, log=log)

@@ -75,7 +75,7 @@ def wrap_fspeed_boundary(sections: Sections) -> None:
     global the step looks up at call time).
     """
     import fspeed.train_step as train_step_module
-    from fspeed.zero import ZeroRuntime
+    from fspeed.parallel.zero import ZeroRuntime
 
     sections.wrap(ZeroRuntime, "reduce", "reduce grads (all-reduce / reduce-scatter)")
     sections.wrap(ZeroRuntime, "grad_norm", "grad norm")
@@ -87,13 +87,13 @@ def wrap_fspeed_boundary(sections: Sections) -> None:
 def wrap_fspeed_zero3(sections: Sections) -> list[str]:
     """Time ZeRO-3's per-layer work inside forward and backward: waiting for a layer's gathered
     weights, the layer's forward (run without a graph) and its recomputation in backward, and the
-    reduce-scatter of its weight gradient. These are fspeed internals (`fspeed.sharded_ops`); names
+    reduce-scatter of its weight gradient. These are fspeed internals (`fspeed.parallel.ops`); names
     that no longer exist are skipped and returned, so the breakdown degrades instead of failing.
     """
     import torch
 
-    import fspeed.comm as comm
-    import fspeed.sharded_ops as sharded_ops
+    import fspeed.parallel.comm as comm
+    import fspeed.parallel.ops as sharded_ops
 
     targets = [
         (getattr(sharded_ops, "_Prefetcher", None), "take", "ZeRO-3 wait for a layer's all-gather"),

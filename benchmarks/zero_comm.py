@@ -18,7 +18,7 @@ import argparse
 import torch
 
 import fspeed as fs
-from fspeed.comm import CommLog
+from fspeed.parallel.comm import CommLog
 from fspeed.testing import GlooWorld
 
 

@@ -43,7 +43,7 @@ from cpu_adam import interleaved_medians  # noqa: E402  (the shared timing helpe
 import fspeed as fs  # noqa: E402
 from fspeed.flat import Flat  # noqa: E402
 from fspeed.optim.base import optimizer_step  # noqa: E402
-from fspeed.zero import partition_layout  # noqa: E402
+from fspeed.parallel.zero import partition_layout  # noqa: E402
 
 
 def update_variants(n: int) -> dict[str, callable]:

@@ -12,24 +12,25 @@
 
 from . import checkpoint, data, models, optim, precision, sparse
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .comm import CommError, CommLog
+from . import parallel
 from .flat import Flat, FlatLayout
-from .memory import MemoryEstimate, estimate_memory
-from .mesh import Mesh, init_distributed, shutdown_distributed
-from .plan import OffloadOptimizerConfig, OffloadParamConfig, Plan, ZeroConfig, explain, tensor_slicing, zero
-from .sharding import P, PartitionSpec
-from .zero import gather_params
+from .parallel import (
+    CommError, CommLog, MemoryEstimate, Mesh, OffloadOptimizerConfig, OffloadParamConfig, P, PartitionSpec, Plan,
+    UnitParams, ZeroConfig, estimate_memory, explain, gather_params, init_distributed, shutdown_distributed,
+    tensor_slicing, zero,
+)
 from .loss_scale import LossScaleAtMinimumError, LossScaleState
 from .models import Model, functionalize
 from .pytree import tree_flatten_with_paths, tree_map, tree_paths
-from .train_state import DonatedStateError, TrainState, init_train_state
+from .train_init import init_train_state
+from .train_state import DonatedStateError, TrainState
 from .train_step import make_eval_step, make_train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CommError", "CommLog", "Mesh", "P", "PartitionSpec", "Plan", "ZeroConfig", "explain", "gather_params",
-    "init_distributed", "shutdown_distributed", "tensor_slicing", "zero",
+    "init_distributed", "parallel", "shutdown_distributed", "tensor_slicing", "UnitParams", "zero",
     "MemoryEstimate", "OffloadOptimizerConfig", "OffloadParamConfig", "estimate_memory",
     "CheckpointError", "checkpoint", "data", "load_checkpoint", "save_checkpoint", "sparse",
     "DonatedStateError", "Flat", "FlatLayout", "LossScaleAtMinimumError", "LossScaleState", "Model",

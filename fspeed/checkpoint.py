@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from .comm import all_gather_objects
+from .parallel.comm import all_gather_objects
 from .flat import Flat
 from .pytree import tree_flatten_with_paths, tree_unflatten
 from .train_state import TrainState

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .comm import AxisComm
+from .parallel.comm import AxisComm
 
 _SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
 

@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, port: int, tasks, results, threads: int, time
     import torch
 
     torch.set_num_threads(threads)
-    from fspeed.mesh import init_distributed
+    from fspeed.parallel.mesh import init_distributed
 
     init_distributed("gloo", timeout_s=timeout_s)
     while True:

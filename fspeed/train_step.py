@@ -4,12 +4,11 @@
     state, metrics = step(state, batch)
 
 Per micro-batch, `torch.func.grad_and_value` differentiates `loss * loss_scale / grad_accum` with
-respect to the parameter views of the flat compute buffer; the gradients are copied (first
-micro-batch) or added into one flat accumulation buffer in `precision.grad_accum_dtype`, reused
-from step to step. (Differentiating the flat buffer itself would make split's backward
-concatenate 4 bytes/param into fresh memory while activations are still alive: measured ~40 ms
-per step on a 10M-param GPT, 3% of the step.)
-At the boundary, as DeepSpeed does:
+respect to a 0-d anchor: each unit of parameters enters the model through an identity whose
+backward delivers the unit's gradients to the runtime's gradient sink as soon as they are
+complete (`fspeed.parallel.grads`), which accumulates them in `precision.grad_accum_dtype` and,
+by ZeRO stage, reduces them over the data axis in buckets during backward (overlapped with it
+when `overlap_comm` is on). At the boundary, as DeepSpeed does:
 
 1. one norm of the scaled gradients gives both the overflow check and the grad norm;
 2. the loss scaler updates (every attempt counts); on overflow the step is skipped: params,
@@ -38,11 +37,12 @@ from .flat import Flat
 from .loss_scale import update_loss_scale
 from .optim.base import GradientTransformation, chain, needs_full_allreduce, optimizer_step
 from .optim.clipping import clip_coefficient
-from .plan import Plan, ShardedUnit
-from .pytree import PyTree, tree_flatten_with_paths, tree_leaves, tree_map, tree_unflatten
-from .offload import sharded_ops_for
-from .train_state import TrainState, check_self_communicating
-from .zero import LocalRuntime, ZeroRuntime
+from .parallel.layout import resolve
+from .parallel.mesh import Mesh
+from .parallel.plan import Plan
+from .parallel.runtime import ParallelRuntime
+from .pytree import PyTree, tree_flatten_with_paths, tree_unflatten
+from .train_state import TrainState
 
 log = logging.getLogger("fspeed")
 
@@ -75,12 +75,11 @@ def dropout_seed(rng_seed: int, step: int, micro: int) -> int:
 
 
 def _split_leading_clip(optimizer: GradientTransformation) -> tuple[float | None, GradientTransformation]:
-    """(max_norm, rest) when the chain starts with clip_by_global_norm; (None, optimizer) otherwise."""
-    info = optimizer.info
-    if info is not None and info.name == "chain" and info.children:
-        first = info.children[0].info
-        if first is not None and first.name == "clip_by_global_norm":
-            return float(first.hparams["max_norm"]), chain(*info.children[1:])
+    """(max_norm, rest) when the optimizer is a composition whose first part only clips by global
+    norm (folded into the unscaling multiply); (None, optimizer) otherwise."""
+    children = optimizer.children
+    if children and children[0].capabilities.clip_norm is not None:
+        return children[0].capabilities.clip_norm, chain(*children[1:])
     return None, optimizer
 
 
@@ -95,9 +94,11 @@ def make_train_step(
     `grad_accum` micro-batches stacked along dim 0 (this data rank's share of the global batch).
 
     With a `plan` and `mesh` (the same as the state was built with), gradients are reduced over the
-    `data` axis as the ZeRO stage says (`fspeed.zero`), and a loss that accepts `ops=` gets the
-    plan's `ShardedOps` (tensor slicing, ZeRO-3 just-in-time gathering). Metrics are global:
-    the loss is averaged over data ranks, the grad norm counts every element once.
+    `data` axis during backward as the ZeRO stage says (`fspeed.parallel.grads`). A loss that
+    accepts `ops=` is parallel-aware: it gets the plan's ops (tensor slicing, ZeRO-3 just-in-time
+    gathering, per-layer gradient delivery) and each unit of its parameters as a `UnitParams` to
+    pass to `ops.param` / `ops.scan`. Metrics are global: the loss is averaged over data ranks,
+    the grad norm counts every element once.
     """
     if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
         raise ValueError(f"grad_accum={grad_accum!r} must be a positive integer")
@@ -106,90 +107,79 @@ def make_train_step(
     if (plan is None) != (mesh is None):
         raise ValueError("make_train_step: pass both plan= and mesh= (or neither)")
     clip_norm, rest = _split_leading_clip(optimizer)
-    accepts_ops = _accepts_keyword(loss_fn, "ops")
+    parallel_aware = _accepts_keyword(loss_fn, "ops")
     runtimes: dict = {}
 
-    def runtime_for(state: TrainState):
+    def runtime_for(state: TrainState) -> ParallelRuntime:
         layout = state.layout
         if layout is None:
             if plan is not None:
                 raise ValueError("make_train_step was given a plan, but the state was built without one; "
                                  "pass the same plan= and mesh= to init_train_state")
-            return LocalRuntime(), None
-        if mesh is None:
-            raise ValueError(f"this state was built with a plan (zero stage {layout.stage}); pass plan= and "
-                             "mesh= to make_train_step too")
-        if plan.stage != layout.stage or dict(mesh.sizes) != dict(layout.mesh_sizes):
-            raise ValueError(f"make_train_step's plan {plan!r} on mesh {mesh.sizes} does not match the state's "
-                             f"(zero stage {layout.stage}, mesh {dict(layout.mesh_sizes)})")
-        if layout not in runtimes:
-            if layout.tensor_axes and not accepts_ops:
+            key = ("local", state.params.layout, state.params.dtype, state.params.device, state.precision)
+        else:
+            if mesh is None:
+                raise ValueError(f"this state was built with a plan ({layout.describe()}); pass plan= and mesh= to "
+                                 "make_train_step too")
+            if plan != layout.plan or dict(mesh.sizes) != dict(layout.mesh_sizes):
+                raise ValueError(f"make_train_step's plan {plan!r} on mesh {mesh.sizes} does not match the state's "
+                                 f"({layout.describe()})")
+            if layout.tensor_axes and not parallel_aware:
                 raise ValueError("tensor slicing needs a parallel-aware loss (one that accepts ops=, like the "
                                  "reference GPT's); functionalize(nn.Module) models support ZeRO stages 0-3 only")
+            key = (layout, state.precision)
+        if key not in runtimes:
             runtimes.clear()
-            runtimes[layout] = (ZeroRuntime(layout, mesh), sharded_ops_for(layout, mesh))
-        return runtimes[layout]
+            if layout is None:
+                local = resolve(Plan(), state.params.tree(), {"data": 1}, {"data": 0})
+                runtimes[key] = ParallelRuntime(local, Mesh.single(), state.precision, state.params)
+            else:
+                runtimes[key] = ParallelRuntime(layout, mesh, state.precision, state.params)
+        return runtimes[key]
     # Mutable module state (functionalize's BatchNorm statistics) must enter the transformed
     # function as an input to be updated in place under torch.func.
     buffers = getattr(loss_fn, "buffers", None)
     extra = (lambda b: {"buffers": b}) if buffers is not None else (lambda b: {})
 
-    def micro_loss(params: PyTree, micro_batch: PyTree, rng: torch.Generator, multiplier: float, buffers, ops):
-        if ops is not None and accepts_ops:
-            loss = loss_fn(params, micro_batch, rng=rng, ops=ops, **extra(buffers))
+    def micro_loss(anchor: torch.Tensor, params: Flat, micro_batch: PyTree, rng: torch.Generator,
+                   multiplier: float, buffers, runtime: ParallelRuntime):
+        ops = runtime.ops(anchor)
+        tree = runtime.view(params, ops, parallel_aware)
+        if parallel_aware:
+            loss = loss_fn(tree, micro_batch, rng=rng, ops=ops, **extra(buffers))
         else:
-            if ops is not None:  # a plain model under ZeRO-3: gather every sharded unit up front
-                params = tree_map(ops.param, params, is_leaf=lambda x: isinstance(x, ShardedUnit))
-            loss = loss_fn(params, micro_batch, rng=rng, **extra(buffers))
+            loss = loss_fn(tree, micro_batch, rng=rng, **extra(buffers))
         if loss.dim() != 0:
             raise ValueError(f"loss_fn must return a scalar, got shape {list(loss.shape)}")
         return loss.float() * multiplier, loss.detach().float()
 
     grad_and_loss = torch.func.grad_and_value(micro_loss, has_aux=True)
-    workspace: dict[tuple, torch.Tensor] = {}  # the flat gradient buffer, reused across steps
-
-    def grad_buffer(params: Flat, dtype: torch.dtype) -> torch.Tensor:
-        key = (params.layout, dtype, params.device)
-        if key not in workspace:
-            workspace.clear()  # zeros: the padding of ZeRO's equal slices must stay zero
-            workspace[key] = torch.zeros(params.buffer.numel(), dtype=dtype, device=params.device)
-        return workspace[key]
 
     def persistent_grad_bytes() -> int:
-        """Bytes held between steps for gradients (the accumulation buffer and ZeRO-2's slice)."""
-        held = sum(t.numel() * t.element_size() for t in workspace.values())
-        return held + sum(r.partition_bytes() for r, _ in runtimes.values() if hasattr(r, "partition_bytes"))
+        """Bytes held between steps for gradients (accumulators, partitions, buckets)."""
+        return sum(r.held_grad_bytes() for r in runtimes.values())
 
     def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         precision, params = state.precision, state.params
         scaler = state.loss_scale
-        runtime, ops = runtime_for(state)
+        runtime = runtime_for(state)
         multiplier = scaler.scale / (grad_accum * runtime.n)  # summed over data ranks = the mean
         micro_batches = split_micro_batches(batch, grad_accum)
         generator = torch.Generator(device=runtime.compute_device(params))
-        if state.layout is not None and state.layout.stage == 2:
-            # ZeRO-2 keeps only the reduce-scattered slice: the full buffer lives for this step only
-            acc = torch.zeros(params.buffer.numel(), dtype=precision.grad_accum_dtype, device=params.device)
-        else:
-            acc = grad_buffer(params, precision.grad_accum_dtype)
-        acc_segments, losses = params.layout.segments(acc), []
-        views = params.tree()
-        for i, micro_batch in enumerate(micro_batches):
-            generator.manual_seed(dropout_seed(state.rng_seed, state.step, i))
-            grads, (_, loss) = grad_and_loss(views, micro_batch, generator, multiplier, buffers, ops)
-            flat_grads = [g.reshape(-1) for g in tree_leaves(grads)]
-            if i == 0:
-                torch._foreach_copy_(acc_segments, flat_grads)
-            else:
-                torch._foreach_add_(acc_segments, flat_grads)
-            losses.append(loss)
-        mean_loss = runtime.mean_over_data(float(torch.stack(losses).mean()))
-
         # optimizers that communicate themselves (1-bit family) may take the local gradient instead
         allreduce = needs_full_allreduce(rest, state.opt_state[1:] if clip_norm is not None else state.opt_state)
-        if rest.gradient_allreduce is not None:
-            check_self_communicating(rest, state.layout)
-        grads = runtime.reduce(acc, params.layout) if allreduce else Flat(acc, params.layout)
+        runtime.begin_step(allreduce, grad_accum)
+        losses = []
+        anchor = torch.zeros((), device=runtime.compute_device(params))
+        for i, micro_batch in enumerate(micro_batches):
+            generator.manual_seed(dropout_seed(state.rng_seed, state.step, i))
+            runtime.begin_micro(i)
+            _, (_, loss) = grad_and_loss(anchor, params, micro_batch, generator, multiplier, buffers, runtime)
+            runtime.end_micro()
+            losses.append(loss)
+        grads = runtime.finish()
+        mean_loss = runtime.mean_over_data(float(torch.stack(losses).mean()))
+
         scaled_norm = runtime.grad_norm(grads)
         overflow = precision.check_overflow and not math.isfinite(scaled_norm)
         local_scale = 1 if allreduce else runtime.n  # a local gradient of the pre-divided loss is 1/n of its mean
@@ -222,18 +212,19 @@ def make_train_step(
         master = fields["master"] if fields["master"] is not None else fields["params"]
         cast_to = runtime.cast_target(master, fields["params"])  # never a device tensor for a CPU (offload) update
         opt_state = fields["opt_state"]
-        data_comm = getattr(runtime, "data", None)  # for optimizers that communicate themselves
+        comm = runtime.data if runtime.n > 1 else None  # for optimizers that communicate themselves
         if clip_norm is not None:
-            master, rest_state = optimizer_step(rest, grads, opt_state[1:], master, cast_to=cast_to, comm=data_comm)
+            master, rest_state = optimizer_step(rest, grads, opt_state[1:], master, cast_to=cast_to, comm=comm)
             opt_state = (opt_state[0],) + tuple(rest_state)
         else:
-            master, opt_state = optimizer_step(rest, grads, opt_state, master, cast_to=cast_to, comm=data_comm)
+            master, opt_state = optimizer_step(rest, grads, opt_state, master, cast_to=cast_to, comm=comm)
         runtime.write_back(master, fields["params"], cast_to)  # cast/upload; all-gather for ZeRO-1/2
         fields["opt_state"] = opt_state
         metrics["grad_norm"] = grad_norm
         return _next_state(state, fields, new_scaler, samples, skipped=0), metrics
 
     train_step.persistent_grad_bytes = persistent_grad_bytes
+    train_step.runtime_for = runtime_for
     return train_step
 
 
@@ -271,7 +262,8 @@ def make_eval_step(loss_fn: LossFn, *, plan: Optional[Plan] = None, mesh=None) -
     Under a plan (the state's), the forward runs with the plan's ops and the loss is averaged over
     data ranks: every rank must call it.
     """
-    accepts_ops = _accepts_keyword(loss_fn, "ops")
+    parallel_aware = _accepts_keyword(loss_fn, "ops")
+    runtimes: dict = {}
 
     @torch.no_grad()
     def eval_step(state: TrainState, batch: PyTree) -> float:
@@ -280,13 +272,14 @@ def make_eval_step(loss_fn: LossFn, *, plan: Optional[Plan] = None, mesh=None) -
             return float(loss_fn(state.params.tree(), batch, rng=None))
         if mesh is None:
             raise ValueError("this state was built with a plan; pass plan= and mesh= to make_eval_step too")
-        ops = sharded_ops_for(layout, mesh)
-        params = state.params.tree()
-        if accepts_ops:
-            loss = loss_fn(params, batch, rng=None, ops=ops)
-        else:
-            loss = loss_fn(tree_map(ops.param, params, is_leaf=lambda x: isinstance(x, ShardedUnit)), batch, rng=None)
-        data = mesh.comm("data")
-        return data.all_reduce_scalar(float(loss)) / data.size
+        key = (layout, state.precision)
+        if key not in runtimes:
+            runtimes.clear()
+            runtimes[key] = ParallelRuntime(layout, mesh, state.precision, state.params, train=False)
+        runtime = runtimes[key]
+        ops = runtime.ops(None)
+        params = runtime.view(state.params, ops, parallel_aware)
+        loss = loss_fn(params, batch, rng=None, ops=ops) if parallel_aware else loss_fn(params, batch, rng=None)
+        return runtime.mean_over_data(float(loss))
 
     return eval_step

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fspeed as fs
-from fspeed.plan import model_state_bytes, resolve, tensor_slicing, zero
+from fspeed.parallel.plan import model_state_bytes, resolve, tensor_slicing, zero
 from fspeed.testing import GlooWorld, WorkerError
-from fspeed.zero import gather_params
+from fspeed.parallel.zero import gather_params
 
 
 
@@ -316,7 +316,7 @@ def test_a_save_failing_on_one_rank_keeps_the_last_checkpoint(world2, tmp_path):
 
 def gathered_bytes_case(recompute):
     """Bytes of gathered ZeRO-3 weights still held when each unit's backward starts."""
-    import fspeed.sharded_ops as so
+    import fspeed.parallel.ops as so
     calls, held = [], []
     real_init, real_backward = so._UnitCall.__init__, so._GatheredUnit.backward
 

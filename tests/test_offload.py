@@ -10,13 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fspeed as fs
-import fspeed.offload as offload_mod
+import fspeed.parallel.offload as offload_mod
 from fspeed.config import ConfigError, check_overrides, to_run_config
 from fspeed.config.build import build_zero_config
 from fspeed.config.deepspeed import DeepSpeedConfigError, translate_deepspeed_config
 from fspeed.optim.base import GradientTransformation, TransformInfo
-from fspeed.plan import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig, zero
-from fspeed.zero import gather_params
+from fspeed.parallel.plan import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig, zero
+from fspeed.parallel.zero import gather_params
 
 
 def tiny_gpt(seed, n_layer=2, d_model=16, vocab=24, seq=8):
@@ -251,7 +251,7 @@ def test_deepspeed_offload_blocks_translate_and_report_unused_keys():
 def measured_memory_case(stage, precision, offload, offload_param):
     """Bytes of every model-state buffer after two steps, split by where ZeRO-Offload puts them,
     with the estimate for the same params, plan, mesh and precision."""
-    zero_mod = importlib.import_module("fspeed.zero")  # (fspeed.zero the attribute is the plan function)
+    zero_mod = importlib.import_module("fspeed.parallel.zero")  # (fspeed.parallel.zero the attribute is the plan function)
 
     host_allocations = []
     real = zero_mod.host_buffer

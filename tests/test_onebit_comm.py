@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fspeed.comm import AxisComm, CommLog
+from fspeed.parallel.comm import AxisComm, CommLog
 from fspeed.compressed_allreduce import (
     CompressionPlan, compressed_allreduce, divider, pack_signs, padded_numel, simulate_compressed_allreduce,
     unpack_signs,

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fspeed as fs
-from fspeed.comm import CommLog
+from fspeed.parallel.comm import CommLog
 from fspeed.compressed_allreduce import CompressionPlan, compressed_allreduce, simulate_compressed_allreduce
 from fspeed.flat import Flat
 from fspeed.optim.base import per_tensor_norms
@@ -28,7 +28,7 @@ def collective_case(sizes, seed, steps):
     """On every rank: `steps` compressed all-reduces of rank-specific inputs; returns outputs and errors."""
     import torch.distributed as dist
 
-    from fspeed.mesh import Mesh
+    from fspeed.parallel.mesh import Mesh
 
     mesh = Mesh(data=-1, log=CommLog())
     comm = mesh.comm("data")

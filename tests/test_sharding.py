@@ -8,9 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fspeed as fs
-from fspeed.comm import CommLog, bus_bandwidth
-from fspeed.plan import ZeroConfig, default_unit, model_state_bytes, resolve
-from fspeed.sharding import P, local_shape, logical_to_spec, shard
+from fspeed.parallel.comm import CommLog, bus_bandwidth
+from fspeed.parallel.plan import ZeroConfig, default_unit, model_state_bytes, resolve
+from fspeed.parallel.specs import P, local_shape, logical_to_spec, shard
 
 
 def test_first_free_axis_wins_like_flax():

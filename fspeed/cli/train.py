@@ -30,11 +30,11 @@ from .. import checkpoint, data
 from ..config import ConfigError, Problem, prepare_overrides, to_run_config
 from ..config.build import build_model_config, build_optimizer, build_precision, build_zero_config
 from ..config.schema import RunConfig
-from ..comm import CommLog
-from ..memory import estimate_memory, state_bytes_per_parameter
-from ..mesh import Mesh, init_distributed, shutdown_distributed
+from ..parallel.comm import CommLog
+from ..parallel.memory import estimate_memory, state_bytes_per_parameter
+from ..parallel.mesh import Mesh, init_distributed, shutdown_distributed
 from ..models import GPT_RULES, count_params, gpt
-from ..plan import Plan, tensor_slicing
+from ..parallel.plan import Plan, tensor_slicing
 from ..monitor import CSVMonitor
 from ..train_state import init_train_state
 from ..train_step import make_eval_step, make_train_step

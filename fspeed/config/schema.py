@@ -397,7 +397,7 @@ class ZeroSection(ValidatedConfig):
 
     def to_library(self):
         """The `fspeed.plan.ZeroConfig` these keys describe (raises ValueError on a bad combination)."""
-        from ..plan import ZeroConfig  # noqa: PLC0415 (the schema module stays free of torch imports)
+        from ..parallel.plan import ZeroConfig  # noqa: PLC0415 (the schema module stays free of torch imports)
 
         fields = ("stage", "reduce_bucket_size", "allgather_bucket_size", "param_persistence_threshold", "prefetch",
                   "recompute_blocks")

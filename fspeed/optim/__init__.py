@@ -2,6 +2,8 @@
 
 from .adam import AdamState, adam, adamw
 from .base import (
+    ELEMENTWISE,
+    Capabilities,
     EmptyState,
     GradientTransformation,
     Schedule,
@@ -33,7 +35,7 @@ from .schedules import (
 from .sgd import SGDState, sgd
 
 __all__ = [
-    "AdamState", "EmptyState", "GradientTransformation", "LambState", "ONE_CYCLE_BETA2", "OneBitAdamState",
+    "AdamState", "Capabilities", "ELEMENTWISE", "EmptyState", "GradientTransformation", "LambState", "ONE_CYCLE_BETA2", "OneBitAdamState",
     "OneBitLambState", "SGDState", "ZeroOneAdamState", "needs_full_allreduce", "onebit_adam", "onebit_lamb",
     "zero_one_adam",
     "ScalarOrSchedule", "Schedule", "TransformInfo", "adam", "adamw", "apply_updates", "as_schedule",

@@ -30,6 +30,7 @@ import torch
 
 from ..pytree import tensor_leaves, tree_map, tree_zeros_like
 from .base import (
+    ELEMENTWISE,
     GradientTransformation,
     ScalarOrSchedule,
     TransformInfo,
@@ -150,7 +151,7 @@ def adam(
         dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
              backend=backend),
     )
-    return GradientTransformation(init, update, apply, info)
+    return GradientTransformation(init, update, apply, info, capabilities=ELEMENTWISE)
 
 
 def adamw(

@@ -65,17 +65,68 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
+class Capabilities(NamedTuple):
+    """What a transform's math needs, declared so the runtime can check it against a layout
+    (instead of recognising optimizers by name).
+
+    elementwise    each element's update depends only on that element (and scalars): it runs on
+                   any slice of a flat buffer, a ZeRO partition or a tensor-parallel shard
+    whole_tensors  needs whole parameter tensors (per-tensor norms: LAMB's trust ratio)
+    communicates   does its own data-parallel communication (`gradient_allreduce`, 1-bit family)
+    cpu            has a CPU path (ZeRO-Offload runs it on the host)
+    clip_norm      the transform only scales updates to a global L2 norm of at most this value:
+                   train_step folds it into the loss-scale unscaling, with the true global norm
+    """
+
+    elementwise: bool = False
+    whole_tensors: bool = False
+    communicates: bool = False
+    cpu: bool = False
+    clip_norm: Optional[float] = None
+
+
+ELEMENTWISE = Capabilities(elementwise=True, cpu=True)
+
+
 class GradientTransformation(NamedTuple):
     """`init(params) -> state`; `update(updates, state, params) -> (updates, state)`;
     optional fused `apply(grads, state, params, *, cast_to=None) -> (params, state)` (donates its
     arguments; see the module docstring for `cast_to`); optional `gradient_allreduce(state) ->
-    bool` for optimizers that do their own data-parallel communication (module docstring)."""
+    bool` for optimizers that do their own data-parallel communication (module docstring);
+    `capabilities` (`Capabilities`) say what its math needs. A transform that declares none is
+    taken as needing whole, replicated tensors on the device: safe everywhere, refused where a
+    layout partitions it."""
 
     init: Callable[[Params], OptState]
     update: Callable[..., tuple[Updates, OptState]]
     apply: Optional[Callable[..., tuple[Params, OptState]]] = None
     info: Optional[TransformInfo] = None
     gradient_allreduce: Optional[Callable[[OptState], bool]] = None
+    capabilities: Capabilities = Capabilities()
+
+    @property
+    def children(self) -> tuple["GradientTransformation", ...]:
+        """The transforms a composition (`chain`) applies in order; () for a single transform."""
+        return self.info.children if self.info is not None else ()
+
+    @property
+    def parts(self) -> tuple["GradientTransformation", ...]:
+        """The single transforms this one is made of, compositions flattened."""
+        return tuple(p for child in self.children for p in child.parts) if self.children else (self,)
+
+    def lacking(self, capability: str) -> Optional[str]:
+        """The name of the first part without `capability` (e.g. "cpu"), or None."""
+        for part in self.parts:
+            if not getattr(part.capabilities, capability):
+                return part.info.name if part.info is not None else repr(part)
+        return None
+
+    def having(self, capability: str) -> Optional[str]:
+        """The name of the first part with `capability` (e.g. "whole_tensors"), or None."""
+        for part in self.parts:
+            if getattr(part.capabilities, capability):
+                return part.info.name if part.info is not None else repr(part)
+        return None
 
     def __repr__(self) -> str:
         return repr(self.info) if self.info is not None else "GradientTransformation(...)"
@@ -133,6 +184,14 @@ def _accepts_cast_to(apply: Callable) -> bool:
     return any(p.name == "cast_to" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
+def init_state(opt: GradientTransformation, params: Params, data_size: Optional[int] = None) -> OptState:
+    """`opt.init(params)`; a transform that communicates itself also gets the size of the data
+    axis it will run on (`data_size`: its error buffers are sized for it)."""
+    if opt.capabilities.communicates and data_size is not None:
+        return opt.init(params, data_size=data_size)
+    return opt.init(params)
+
+
 def needs_full_allreduce(opt: GradientTransformation, state: OptState) -> bool:
     """Whether the runtime must all-reduce this step's gradient before `opt` (module docstring)."""
     return opt.gradient_allreduce is None or bool(opt.gradient_allreduce(state))
@@ -170,8 +229,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         if not isinstance(t, GradientTransformation):
             raise TypeError(f"chain() argument {i} is {type(t).__name__}, not a GradientTransformation")
 
-    def init(params):
-        return tuple(t.init(params) for t in transforms)
+    def init(params, *, data_size=None):
+        return tuple(init_state(t, params, data_size) for t in transforms)
 
     def update(updates, state, params=None):
         _check_state(state, len(transforms))
@@ -206,7 +265,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         def allreduce(state):
             return last.gradient_allreduce(state[-1])
 
-    return GradientTransformation(init, update, apply, TransformInfo("chain", {}, tuple(transforms)), allreduce)
+    parts = [p.capabilities for t in transforms for p in t.parts]
+    caps = Capabilities(elementwise=all(c.elementwise for c in parts), whole_tensors=any(c.whole_tensors for c in parts),
+                        communicates=any(c.communicates for c in parts), cpu=all(c.cpu for c in parts))
+    return GradientTransformation(init, update, apply, TransformInfo("chain", {}, tuple(transforms)), allreduce, caps)
 
 
 def _check_state(state: Any, n: int) -> None:

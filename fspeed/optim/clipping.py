@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from ..pytree import tree_map
-from .base import EmptyState, GradientTransformation, TransformInfo, global_norm
+from .base import Capabilities, EmptyState, GradientTransformation, TransformInfo, global_norm
 
 CLIP_EPS = 1e-6
 
@@ -36,4 +36,5 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             updates = tree_map(lambda u: u * coef, updates)
         return updates, state
 
-    return GradientTransformation(init, update, None, TransformInfo("clip_by_global_norm", dict(max_norm=max_norm)))
+    return GradientTransformation(init, update, None, TransformInfo("clip_by_global_norm", dict(max_norm=max_norm)),
+                                  capabilities=Capabilities(cpu=True, clip_norm=float(max_norm)))

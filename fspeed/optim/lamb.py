@@ -29,6 +29,7 @@ from ..flat import Flat, segments
 from ..pytree import tensor_leaves, tree_leaves, tree_map, tree_zeros_like
 from .adam import check_hparams
 from .base import (
+    Capabilities,
     GradientTransformation,
     ScalarOrSchedule,
     TransformInfo,
@@ -134,7 +135,7 @@ def lamb(
         dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
              eps_inside_sqrt=eps_inside_sqrt, max_coeff=max_coeff, min_coeff=min_coeff, backend=backend),
     )
-    return GradientTransformation(init, update, apply, info)
+    return GradientTransformation(init, update, apply, info, capabilities=Capabilities(whole_tensors=True))
 
 
 def _buffers_with_sizes(tree) -> list[tuple[torch.Tensor, tuple[int, ...]]]:

@@ -37,13 +37,12 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..compressed_allreduce import CompressionPlan, compressed_allreduce, padded_numel
 from ..flat import Flat, segments
 from ..pytree import tree_flatten_with_paths, tree_leaves, tree_map, tree_zeros_like
 from .adam import check_hparams
-from .base import GradientTransformation, ScalarOrSchedule, TransformInfo, cast_params_into, resolve
+from .base import Capabilities, GradientTransformation, ScalarOrSchedule, TransformInfo, cast_params_into, resolve
 
 
 class OneBitAdamState(NamedTuple):
@@ -73,13 +72,15 @@ class ZeroOneAdamState(NamedTuple):
 # ------------------------------------------------------------------------------ shared helpers
 
 
-def resolve_world(world_size: Optional[int], name: str) -> int:
-    """The data-parallel size the error buffers are sized for: `world_size`, or torch.distributed's
-    world size when a process group exists (the 1-bit optimizers run on pure data parallelism), else 1."""
+def resolve_world(world_size: Optional[int], name: str, data_size: Optional[int] = None) -> int:
+    """The data-parallel size the error buffers are sized for: `world_size` when given, else the
+    mesh's data axis size that `init_train_state` passes to `init(params, data_size=)`, else 1."""
     if world_size is None:
-        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return 1 if data_size is None else int(data_size)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"{name}: world_size={world_size!r} must be a positive integer or None")
+    if data_size is not None and data_size != world_size:
+        raise ValueError(f"{name}: world_size={world_size} does not match the mesh's data axis of {data_size} ranks")
     return world_size
 
 
@@ -247,8 +248,8 @@ def onebit_adam(
     correction, full-precision all-reduce), then frozen variance and a 1-bit error-feedback
     all-reduce of the momentum, per parameter tensor.
 
-    `world_size`: the data-parallel size the error buffers are sized for (default: the
-    torch.distributed world size at `init`, 1 without a process group). `exp_avg_mask`:
+    `world_size`: the data-parallel size the error buffers are sized for (default: the mesh's
+    data axis, which `init_train_state` passes to `init`; 1 without a mesh). `exp_avg_mask`:
     {parameter path: 0/1 tensor}, multiplied into the momentum after each compressed all-reduce
     (DeepSpeed's param-group key). See the module docstring for what differs from DeepSpeed.
     """
@@ -259,8 +260,8 @@ def onebit_adam(
     plan_for = plan_cache()
     mask_momentum = momentum_mask(name, exp_avg_mask)
 
-    def init(params):
-        world = resolve_world(world_size, name)
+    def init(params, *, data_size=None):
+        world = resolve_world(world_size, name, data_size)
         worker, server = error_buffers(segment_sizes(params), world, _device(params))
         return OneBitAdamState(0, resolve(lr, 0), tree_zeros_like(params), tree_zeros_like(params), worker, server)
 
@@ -289,7 +290,8 @@ def onebit_adam(
 
     info = TransformInfo(name, dict(lr=lr, freeze_step=freeze_step, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                                     **masked_paths(exp_avg_mask)))
-    return GradientTransformation(init, pure_update(apply), apply, info, gradient_allreduce)
+    return GradientTransformation(init, pure_update(apply), apply, info, gradient_allreduce,
+                                  Capabilities(elementwise=True, communicates=True))
 
 
 def masked_paths(exp_avg_mask: Optional[dict]) -> dict:
@@ -329,8 +331,8 @@ def zero_one_adam(
     plan_for = plan_cache()
     mask_momentum = momentum_mask(name, exp_avg_mask)
 
-    def init(params):
-        world = resolve_world(world_size, name)
+    def init(params, *, data_size=None):
+        world = resolve_world(world_size, name, data_size)
         worker, server = error_buffers(segment_sizes(params), world, _device(params))
         return ZeroOneAdamState(0, resolve(lr, 0), tree_zeros_like(params), tree_zeros_like(params),
                                 tree_zeros_like(params), 0.0, 1, 0, 1, 0, worker, server)
@@ -390,7 +392,8 @@ def zero_one_adam(
                                     var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                                     local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
                                     **masked_paths(exp_avg_mask)))
-    return GradientTransformation(init, pure_update(apply), apply, info, gradient_allreduce)
+    return GradientTransformation(init, pure_update(apply), apply, info, gradient_allreduce,
+                                  Capabilities(elementwise=True, communicates=True))
 
 
 def zero_one_full_allreduce(state: ZeroOneAdamState, var_freeze_step: int) -> bool:

@@ -33,7 +33,7 @@ import torch
 from ..compressed_allreduce import compressed_allreduce, padded_numel
 from ..pytree import tree_zeros_like
 from .adam import check_hparams
-from .base import GradientTransformation, ScalarOrSchedule, TransformInfo, cast_params_into, per_tensor_norms, resolve
+from .base import Capabilities, GradientTransformation, ScalarOrSchedule, TransformInfo, cast_params_into, per_tensor_norms, resolve
 from .onebit import (
     _check_b1, _device, check_comm, check_step_count, flat_view, masked_paths, momentum_mask, plan_cache,
     pure_update, resolve_world, segment_sizes, state_world,
@@ -90,8 +90,8 @@ def onebit_lamb(
     plan_for = plan_cache()
     mask_momentum = momentum_mask(name, exp_avg_mask)
 
-    def init(params):
-        world = resolve_world(world_size, name)
+    def init(params, *, data_size=None):
+        world = resolve_world(world_size, name, data_size)
         sizes = segment_sizes(params)
         numel, device, n = sum(sizes), _device(params), len(sizes)
         padded = padded_numel(numel, world)
@@ -171,7 +171,8 @@ def onebit_lamb(
                                     max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
                                     factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold,
                                     **masked_paths(exp_avg_mask)))
-    return GradientTransformation(init, pure_update(apply), apply, info, gradient_allreduce)
+    return GradientTransformation(init, pure_update(apply), apply, info, gradient_allreduce,
+                                  Capabilities(elementwise=True, communicates=True))
 
 
 def trust_ratios(p_norm: torch.Tensor, u_norm: torch.Tensor, min_coeff: float, max_coeff: float) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from ..pytree import tree_map, tree_zeros_like
 from .adam import check_hparams
-from .base import GradientTransformation, ScalarOrSchedule, TransformInfo, cast_params_into, resolve
+from .base import ELEMENTWISE, GradientTransformation, ScalarOrSchedule, TransformInfo, cast_params_into, resolve
 
 
 class SGDState(NamedTuple):
@@ -72,4 +72,4 @@ def sgd(
     info = TransformInfo(
         "sgd", dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
     )
-    return GradientTransformation(init, update, apply, info)
+    return GradientTransformation(init, update, apply, info, capabilities=ELEMENTWISE)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from .comm import AxisComm, CommLog
+from .comm import AxisComm, CommLog, all_gather_objects
 
 AXES = ("pipe", "data", "model")
 
@@ -80,6 +80,9 @@ class Mesh:
                 f"Mesh: pipe x data x model = {sizes['pipe']} x {sizes['data']} x {sizes['model']} = "
                 f"{sizes['pipe'] * sizes['data'] * sizes['model']}, but the world size is {world}"
             )
+        if sizes["pipe"] > 1:
+            raise ValueError(f"Mesh: pipe={sizes['pipe']}: pipeline parallelism is not built yet, and a pipe axis "
+                             "without it would train unsynchronised copies of the model; allowed: pipe=1")
         self.sizes = sizes
         self.world_size = world
         self.rank = rank
@@ -88,6 +91,19 @@ class Mesh:
         self.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else _world_timeout()
         self.coords = dict(zip(AXES, _unravel(rank, [sizes[a] for a in AXES])))
         self.comms = {axis: self._axis_comm(axis) for axis in AXES}
+
+    @classmethod
+    def single(cls, log: Optional[CommLog] = None) -> "Mesh":
+        """A mesh of this process alone (every axis of size 1), whatever process group exists:
+        what a state built without a plan trains on."""
+        mesh = cls.__new__(cls)
+        mesh.sizes = {axis: 1 for axis in AXES}
+        mesh.world_size, mesh.rank = 1, 0
+        mesh.log = log if log is not None else CommLog(enabled=False)
+        mesh.timeout = None
+        mesh.coords = {axis: 0 for axis in AXES}
+        mesh.comms = {axis: AxisComm(axis, None, [0], mesh.log, 0) for axis in AXES}
+        return mesh
 
     def _axis_comm(self, axis: str) -> AxisComm:
         """Create every group of `axis` (all ranks must create all groups, in the same order)."""
@@ -105,7 +121,11 @@ class Mesh:
                 group = dist.new_group(ranks, timeout=self.timeout)
                 if self.rank in ranks:
                     mine, my_group = ranks, group
-        return AxisComm(axis, my_group, mine or [self.rank], self.log)
+        return AxisComm(axis, my_group, mine or [self.rank], self.log, self.rank)
+
+    def all_gather_objects(self, obj: Any, what: str) -> list:
+        """Every rank's small picklable `obj`, in global rank order (for agreeing on decisions)."""
+        return all_gather_objects(obj, what, self.world_size, self.rank)
 
     def comm(self, axis: str) -> AxisComm:
         try:

@@ -9,9 +9,9 @@ the 16-bit cast into a pinned staging buffer in the same pass) and the staging b
 stages 1-2 into the device partition that is then all-gathered, stage 3 into the shard.
 
 With `zero.offload_param.device = "cpu"` too (stage 3), the compute parameters themselves stay
-on CPU: `OffloadedShardedOps` uploads a unit's shard just before its all-gather and brings the
-reduce-scattered gradient back to CPU, and resident (small) units are copied up as the model
-uses them. The optimizer then writes the 16-bit CPU shards directly.
+on CPU: the unit ops (`ops.py`) upload a unit's shard just before its all-gather and copy
+persistent parameters up as the model uses them (`copy_to`), and the gradient sink brings their
+gradients back to the CPU accumulator. The optimizer then writes the 16-bit CPU shards directly.
 
 On a machine without CUDA the "device" is the CPU: every copy below still happens (explicit
 `copy_` between distinct buffers), but pinning and streams are skipped.
@@ -24,13 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .plan import Layout, ShardedUnit
-from .pytree import tree_map
-from .sharded_ops import ShardedOps
-
-# Transforms whose math runs on CPU tensors as well as on device tensors (element-wise, no
-# collectives, no whole-tensor statistics that a ZeRO slice would cut).
-CPU_CAPABLE_TRANSFORMS = frozenset({"chain", "clip_by_global_norm", "adam", "adamw", "sgd"})
+from .layout import Layout
 
 
 def offloads_optimizer(layout: Optional[Layout]) -> bool:
@@ -41,17 +35,16 @@ def offloads_params(layout: Optional[Layout]) -> bool:
     return layout is not None and layout.zero.offload_param.enabled
 
 
-def check_optimizer_for_offload(names: list[str], layout: Layout) -> None:
-    """Refuse optimizers that have no CPU path when the layout offloads the optimizer."""
+def check_optimizer_for_offload(optimizer, layout: Layout) -> None:
+    """Refuse an optimizer without a CPU path when the layout offloads the optimizer."""
     if not offloads_optimizer(layout):
         return
-    bad = [n for n in names if n not in CPU_CAPABLE_TRANSFORMS]
-    if bad:
+    missing = optimizer.lacking("cpu")
+    if missing:
         raise ValueError(
-            f"zero.offload_optimizer.device='cpu' runs the optimizer on CPU, but {bad[0]!r} has no CPU offload path "
-            "in fspeed (communication-compressed and whole-tensor optimizers need their state on the device); "
-            f"allowed: {', '.join(sorted(CPU_CAPABLE_TRANSFORMS - {'chain'}))}. Use offload_optimizer.device=none "
-            "for this optimizer."
+            f"zero.offload_optimizer.device='cpu' runs the optimizer on CPU, but {missing!r} has no "
+            "CPU path in fspeed (communication-compressed and whole-tensor optimizers need their state on the "
+            "device); use adam, adamw or sgd (with clipping), or offload_optimizer.device=none for this optimizer."
         )
 
 
@@ -149,59 +142,7 @@ def copy_to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x if x.device == device else _CopyTo.apply(x, device)
 
 
-class _DeviceSideComm:
-    """The data axis's collectives for shards stored on the host: a shard goes to the compute
-    device just before its all-gather, and the reduce-scattered gradient comes back to the host.
-    Everything else is the wrapped `AxisComm`."""
-
-    def __init__(self, comm, device: torch.device):
-        self._comm = comm
-        self._device = device
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._comm, name)
-
-    def gathered(self, shard: torch.Tensor) -> torch.Tensor:
-        return self._comm.gathered(shard.to(self._device, non_blocking=shard.is_pinned()))
-
-    def start_gather(self, shard: torch.Tensor):
-        return self._comm.start_gather(shard.to(self._device, non_blocking=shard.is_pinned()))
-
-    def reduce_scattered(self, full: torch.Tensor) -> torch.Tensor:
-        return self._comm.reduce_scattered(full).to("cpu")
-
-
-class OffloadedShardedOps(ShardedOps):
-    """`ShardedOps` for parameters stored on the host (stage 3 + offload_param): shards are
-    uploaded just in time for their gather, resident parameters as the model uses them, and
-    their gradients come back to the host."""
-
-    def __init__(self, layout: Layout, mesh, tensor_axes, device: torch.device):
-        super().__init__(layout, mesh, tensor_axes)
-        self.device = device
-        self.data = _DeviceSideComm(self.data, device)
-
-    def param(self, p: Any) -> Any:
-        if isinstance(p, ShardedUnit):
-            if self.data.size == 1:  # no gather: the shard is the unit
-                return p.unit.layout.unflatten(copy_to(p.shard, self.device))
-            return super().param(p)
-        return tree_map(lambda t: copy_to(t, self.device), p)
-
-    def scan(self, fn, blocks, x, rng=None):
-        blocks = [b if isinstance(b, ShardedUnit) else self.param(b) for b in blocks]
-        return super().scan(fn, blocks, x, rng)
-
-
-def sharded_ops_for(layout: Layout, mesh) -> ShardedOps:
-    """The model ops of a layout: `OffloadedShardedOps` when parameters are offloaded."""
-    if offloads_params(layout):
-        return OffloadedShardedOps(layout, mesh, layout.tensor_axes, compute_device(mesh.comm("data").group))
-    return ShardedOps(layout, mesh, layout.tensor_axes)
-
-
 __all__ = [
-    "CPU_CAPABLE_TRANSFORMS", "HostDeviceCopies", "OffloadedShardedOps", "check_optimizer_for_offload",
-    "compute_device", "copy_to", "host_buffer", "offloads_optimizer", "offloads_params", "sharded_ops_for",
-    "to_host",
+    "HostDeviceCopies", "check_optimizer_for_offload", "compute_device", "copy_to", "host_buffer",
+    "offloads_optimizer", "offloads_params", "to_host",
 ]

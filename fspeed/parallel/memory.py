@@ -1,14 +1,18 @@
-"""Per-rank model-state memory of a plan, on the device and in CPU memory, before anything is built.
+"""Per-rank model-state memory of a plan, before anything is built; one accounting for
+`estimate_memory`, `explain` and the benchmarks.
 
     est = fs.estimate_memory(params, fs.zero(2, offload_optimizer="cpu"), {"data": 8}, "bf16")
-    print(est)        # device and CPU bytes per rank, next to the ZeRO paper's formulas
+    print(est)        # device and CPU bytes per rank, the peak within a step, the ZeRO paper's formula
 
 Two accounts, side by side:
 
 * fspeed's own buffers, exactly what `init_train_state` and `make_train_step` hold between steps
-  (padding included): compute params, gradient buffers, fp32 masters, optimizer moments, and
-  with ZeRO-Offload the host gradient copy and the 16-bit upload staging buffer. Stage 3 adds
-  the largest unit gathered in full (a transient peak, as DeepSpeed's estimator counts it).
+  (padding included): compute params, gradient buffers (stage 0-1: the full accumulation
+  buffer; stage 2: the fp32 partition accumulator and its one or two reduce buckets; stage 3: the
+  shard accumulator), fp32 masters, optimizer moments, and with ZeRO-Offload the host gradient
+  copy and the 16-bit upload staging buffer. Within a step come transients (`peak`): the
+  gradients of one unit as backward delivers them, stage 3's gathered units (the current one
+  and the prefetched next) and the padded gradient it reduce-scatters.
 * the ZeRO paper's formulas for mixed-precision Adam (reference 2.2): 2 bytes of params,
   2 of grads and K = 12 of optimizer state per parameter, with `N` data ranks. Offloading the
   optimizer moves the K bytes of the partition and its fp32 gradient copy (4 bytes) to CPU
@@ -23,9 +27,10 @@ from typing import Mapping, Union
 
 import torch
 
-from .plan import Layout, Plan, resolve
-from .precision import Precision
-from .pytree import PyTree, tensor_leaves
+from ..precision import Precision
+from ..pytree import PyTree, tensor_leaves
+from .layout import Layout, resolve
+from .plan import Plan
 
 PAPER_PARAM_BYTES, PAPER_GRAD_BYTES, PAPER_K = 2, 2, 12
 ADAM_STATE_BYTES = 8  # two fp32 moments
@@ -33,7 +38,8 @@ ADAM_STATE_BYTES = 8  # two fp32 moments
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per rank by buffer, on the device and in CPU memory, and the paper's totals."""
+    """Bytes per rank by buffer, on the device and in CPU memory, the transients on the device
+    within a step (`peak`), and the paper's totals."""
 
     plan: str
     precision: str
@@ -41,26 +47,41 @@ class MemoryEstimate:
     data_size: int
     device: dict[str, int]
     cpu: dict[str, int]
+    peak: dict[str, int]
     paper_device: int
     paper_cpu: int
 
     @property
     def device_total(self) -> int:
+        """Held between steps."""
         return sum(self.device.values())
+
+    @property
+    def device_peak(self) -> int:
+        """Held between steps plus the largest transients within a step."""
+        return self.device_total + sum(self.peak.values())
 
     @property
     def cpu_total(self) -> int:
         return sum(self.cpu.values())
+
+    @property
+    def peak_grad_bytes(self) -> int:
+        """Gradient bytes at the peak of a step: the held gradient buffers and the unit gradients
+        in flight."""
+        return self.device["grads"] + self.peak.get("unit grads", 0) + self.peak.get("reduce-scatter input", 0)
 
     def __str__(self) -> str:
         def line(where: str, parts: dict[str, int], total: int, paper: int) -> str:
             shown = ", ".join(f"{k} {_gib(v)}" for k, v in parts.items() if v) or "nothing"
             return f"  {where:<6} {_gib(total):>10} per rank ({shown}); ZeRO paper formula {_gib(paper)}"
 
+        transient = ", ".join(f"{k} {_gib(v)}" for k, v in self.peak.items() if v) or "nothing"
         return "\n".join([
             f"model-state memory, {self.plan}, {self.precision}, {self.parameters:,} parameters, "
             f"{self.data_size} data rank(s):",
             line("device", self.device, self.device_total, self.paper_device),
+            f"  {'peak':<6} {_gib(self.device_peak):>10} within a step (+ {transient})",
             line("CPU", self.cpu, self.cpu_total, self.paper_cpu),
         ])
 
@@ -72,7 +93,7 @@ def _gib(n: int) -> str:
 def _precision(precision: Union[Precision, str]) -> Precision:
     if isinstance(precision, Precision):
         return precision
-    from . import precision as policies  # noqa: PLC0415 (the module shares the argument's name)
+    from .. import precision as policies  # noqa: PLC0415 (the module shares the argument's name)
 
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision={precision!r}: allowed: 'fp32', 'bf16', 'fp16' or a fspeed Precision")
@@ -98,29 +119,41 @@ def estimate_memory(params_or_numel: Union[PyTree, int], plan: Plan, mesh_sizes:
     count (one flat tensor: stage 3 then has a single unit). `mesh_sizes`: {"data": N, "model": M}.
     `optimizer_state_bytes`: per parameter, 8 for Adam's two fp32 moments, 4 for SGD momentum.
     """
-    policy = _precision(precision)
-    layout = _layout(params_or_numel, plan, mesh_sizes, logical_axes)
+    return layout_memory(_layout(params_or_numel, plan, mesh_sizes, logical_axes), _precision(precision),
+                         optimizer_state_bytes)
+
+
+def layout_memory(layout: Layout, policy: Precision, optimizer_state_bytes: int = ADAM_STATE_BYTES) -> MemoryEstimate:
+    """`estimate_memory` of a resolved layout."""
     pb = torch.empty(0, dtype=policy.param_dtype).element_size()
     gb = torch.empty(0, dtype=policy.grad_accum_dtype).element_size()
-    offload, offload_params = layout.zero.offload_optimizer.enabled, layout.zero.offload_param.enabled
+    cfg = layout.zero
+    offload, offload_params = cfg.offload_optimizer.enabled, cfg.offload_param.enabled
     psi, n, stage = layout.local.numel, layout.data_size, layout.stage
-    device = {"params": 0, "grads": 0, "master": 0, "optimizer": 0, "gathered": 0}
+    buckets = 2 if cfg.overlaps else 1
+    device = {"params": 0, "grads": 0, "master": 0, "optimizer": 0}
     cpu = {"params": 0, "grads": 0, "master": 0, "optimizer": 0, "staging": 0}
+    largest_unit = max((sum(layout.params[i].local_numel for i in u.params) for u in layout.units), default=0)
+    peak = {"unit grads": largest_unit * pb}
     if stage == 3:
-        local = sum(u.shard_numel for u in layout.units)
-        device["gathered"] = max((u.numel for u in layout.sharded_units), default=0) * pb
-        updated = local  # what the optimizer updates: every local element
+        local = layout.storage.numel
+        resident = sum(layout.params[i].local_numel for u in layout.units for i in u.resident_params)
+        gathered = sorted((u.numel for u in layout.sharded_units), reverse=True)
+        peak["gathered"] = sum(gathered[:2 if cfg.prefetch else 1]) * pb  # the current unit and the prefetched one
+        peak["reduce-scatter input"] = (gathered[0] if gathered else 0) * pb * (3 if cfg.overlaps else 1)
+        updated = local
         params_at, grads_at = (cpu, cpu) if offload_params else (device, device)
         params_at["params"] = local * pb
         grads_at["grads"] = local * gb
+        device["grads"] += (min(cfg.reduce_bucket_size, resident) * gb * buckets) if n > 1 and resident else 0
         separate_master = policy.has_master or (offload and not offload_params)
     else:
         part = layout.partition_numel
         padded = n * part if stage else psi
         updated = part if stage else psi
         device["params"] = padded * pb
-        # stage 1 keeps the accumulation buffer and the reduce-scattered slice; stage 2 only the slice
-        device["grads"] = {0: psi, 1: padded + part, 2: part}[stage] * gb
+        grads = {0: psi, 1: padded, 2: part + min(cfg.reduce_bucket_size, psi) * buckets}[stage]
+        device["grads"] = grads * gb
         separate_master = policy.has_master or stage in (1, 2)
     state_at = cpu if offload else device
     state_at["master"] = updated * 4 if separate_master else 0
@@ -129,7 +162,7 @@ def estimate_memory(params_or_numel: Union[PyTree, int], plan: Plan, mesh_sizes:
         cpu["grads"] = updated * gb  # the reduced gradient, downloaded in the accumulation dtype
         cpu["staging"] = updated * pb if policy.has_master else 0  # the 16-bit cast, uploaded
     paper_device, paper_cpu = _paper_formula(stage, psi, n, offload, offload_params)
-    return MemoryEstimate(repr(plan), policy.name, psi, n, device, cpu, paper_device, paper_cpu)
+    return MemoryEstimate(repr(layout.plan), policy.name, psi, n, device, cpu, peak, paper_device, paper_cpu)
 
 
 def state_bytes_per_parameter(optimizer) -> int:
@@ -160,4 +193,4 @@ def _paper_formula(stage: int, psi: int, n: int, offload: bool, offload_params: 
     return int(math.ceil(device)), int(math.ceil(cpu))
 
 
-__all__ = ["MemoryEstimate", "estimate_memory", "state_bytes_per_parameter"]
+__all__ = ["MemoryEstimate", "estimate_memory", "layout_memory", "state_bytes_per_parameter"]

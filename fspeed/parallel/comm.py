@@ -7,13 +7,14 @@ functions are `torch.autograd.Function`s with a separate `setup_context` that ca
 collectives in forward and backward; only those compose with `torch.func.grad` (plain c10d
 calls give silently local gradients there, and torch's own autograd collectives raise):
 
-    gather_shards   forward all-gather,         backward reduce-scatter (sum)
     copy_to_group   forward identity,           backward all-reduce     (Megatron's f)
     reduce_in_group forward all-reduce,         backward identity       (Megatron's g)
 
 Every call is recorded in the mesh's `CommLog` (DeepSpeed's comms_logger: op, message size,
-count, latency, algbw, busbw), and a failure or timeout raises `CommError` naming the op, the
-axis and its ranks instead of hanging.
+count, latency, algbw, busbw, and a timeline of issue and wait times), and a failure or timeout
+raises `CommError` naming the op, the axis and its ranks instead of hanging. Asynchronous
+collectives (`start_*`) return a `Pending`, recorded when waited for: gradient buckets overlap
+backward this way.
 """
 
 from __future__ import annotations
@@ -22,17 +23,14 @@ import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
 
-
-# torch 2.13 renamed these (the old names warn); older torch has only the old names
-_funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+from .torch_internals import (
+    AsyncCollectiveTensor, funcol_all_gather, funcol_all_reduce, funcol_reduce_scatter, unwrapped,
+)
 
 
 class CommError(RuntimeError):
@@ -67,9 +65,23 @@ def bus_bandwidth(op: str, nbytes: int, seconds: float, world: int) -> tuple[flo
     return algbw * to_gbps, busbw * to_gbps
 
 
+class CommEvent(NamedTuple):
+    """One collective on the timeline (`time.perf_counter()` seconds): issued, and done waiting;
+    `blocked` is how long the caller waited for it (less than `waited - issued` when it ran
+    asynchronously while other work went on)."""
+
+    op: str
+    axis: str
+    nbytes: int
+    issued: float
+    waited: float
+    blocked: float
+
+
 @dataclass
 class CommLog:
-    """Records of every collective: `records[op][message bytes] -> list of latencies (s)`.
+    """Records of every collective: `records[op][message bytes] -> list of latencies (s)`, and the
+    timeline of `events` (`CommEvent`: issue and wait times, time blocked).
 
     `enabled=False` keeps only byte counts (cheap); `verbose=True` prints each op as it happens.
     """
@@ -79,13 +91,19 @@ class CommLog:
     records: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
     bytes_by_op: dict = field(default_factory=lambda: defaultdict(int))
     world_by_op: dict = field(default_factory=dict)
+    events: list = field(default_factory=list)
 
-    def record(self, op: str, axis: str, nbytes: int, seconds: float, world: int) -> None:
+    def record(self, op: str, axis: str, nbytes: int, seconds: float, world: int, *,
+               issued: Optional[float] = None, blocked: Optional[float] = None) -> None:
+        """One finished collective: `seconds` from issue to done; `blocked` (default: all of it)."""
         self.bytes_by_op[op] += nbytes
         if not self.enabled:
             return
         self.records[op][nbytes].append(seconds)
         self.world_by_op[op] = world
+        waited = time.perf_counter()
+        self.events.append(CommEvent(op, axis, nbytes, waited - seconds if issued is None else issued, waited,
+                                     seconds if blocked is None else blocked))
         if self.verbose:
             algbw, busbw = bus_bandwidth(op, nbytes, seconds, world)
             print(f"comm: {op} ({axis}) {_human(nbytes)} {seconds * 1e3:.2f} ms algbw {algbw:.2f} Gbps "
@@ -94,6 +112,7 @@ class CommLog:
     def reset(self) -> None:
         self.records.clear()
         self.bytes_by_op.clear()
+        self.events.clear()
 
     def total_bytes(self) -> int:
         return sum(self.bytes_by_op.values())
@@ -138,15 +157,18 @@ class AxisComm:
     """Collectives over one mesh axis (`name`), recorded in `log`.
 
     With a group of one rank every collective is a local no-op (copy where an output is asked
-    for), so single-process code runs the same path.
+    for), so single-process code runs the same path. The `start_*` methods launch a collective
+    and return a `Pending` at once; its `wait()` records it (issue time, time blocked).
     """
 
-    def __init__(self, name: str, group: Optional[dist.ProcessGroup], ranks: Sequence[int], log: CommLog):
+    def __init__(self, name: str, group: Optional[dist.ProcessGroup], ranks: Sequence[int], log: CommLog,
+                 rank: int = 0):
         self.name = name
         self.group = group
         self.ranks = tuple(ranks)
         self.size = len(self.ranks)
-        self.rank = self.ranks.index(dist.get_rank()) if self.size > 1 else 0
+        self.global_rank = rank
+        self.rank = self.ranks.index(rank) if self.size > 1 else 0
         self.log = log
 
     def __repr__(self) -> str:
@@ -162,34 +184,57 @@ class AxisComm:
                     f"silently); got shape {list(t.shape)} with strides {t.stride()}"
                 )
 
-    def _run(self, op: str, nbytes: int, launch):
-        """Launch a collective (returning a Work) and wait, recording time and turning failures into CommError."""
+    def _start(self, op: str, nbytes: int, launch: Callable[[], Any], keep: Any = None) -> "Pending":
         start = time.perf_counter()
         try:
             work = launch()
-            if work is not None:
-                work.wait()
         except (RuntimeError, dist.DistBackendError) as err:
             raise self._error(op, start, err) from err
-        self.log.record(op, self.name, nbytes, time.perf_counter() - start, self.size)
+        return Pending(self, op, nbytes, start, work, keep)
 
     def _error(self, op: str, start: float, err: Exception) -> CommError:
         return CommError(
             f"{op} over mesh axis {self.name!r} (global ranks {list(self.ranks)}) failed after "
-            f"{time.perf_counter() - start:.1f}s on rank {dist.get_rank()}: {err}. A peer rank probably "
+            f"{time.perf_counter() - start:.1f}s on rank {self.global_rank}: {err}. A peer rank probably "
             "crashed, was killed, or took another code path; check the other ranks' logs."
         )
 
-    def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In-place all-reduce of a contiguous tensor (sum, max, min, avg)."""
+    def start_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> "Pending":
+        """Launch an in-place all-reduce of a contiguous tensor (sum, max, min, avg)."""
         if self.size == 1:
-            return tensor
+            return Pending.done(self)
         self._check("all_reduce", tensor)
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                      "avg": dist.ReduceOp.AVG}[op]
-        self._run("all_reduce", _nbytes(tensor),
-                  lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True))
+        return self._start("all_reduce", _nbytes(tensor),
+                           lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True))
+
+    def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce of a contiguous tensor (sum, max, min, avg)."""
+        self.start_all_reduce(tensor, op).wait()
         return tensor
+
+    def start_reduce(self, tensor: torch.Tensor, owner: int) -> "Pending":
+        """Launch a sum-reduce of a contiguous tensor onto axis rank `owner` (in place there; the
+        other ranks' buffers are scratch afterwards): ZeRO-1/2's reduction into a partition."""
+        if self.size == 1:
+            return Pending.done(self)
+        self._check("reduce", tensor)
+        dst = self.ranks[owner]
+        return self._start("reduce", _nbytes(tensor),
+                           lambda: dist.reduce(tensor, dst=dst, group=self.group, async_op=True))
+
+    def start_reduce_scatter(self, full: torch.Tensor, out: torch.Tensor) -> "Pending":
+        """Launch a sum-reduce-scatter of `full` ([size * P]) into this rank's `out` ([P])."""
+        if full.numel() != out.numel() * self.size:
+            raise ValueError(f"reduce_scatter on {self.name!r}: input has {full.numel()} elements, "
+                             f"output {out.numel()}, axis size {self.size}")
+        if self.size == 1:
+            out.copy_(full)
+            return Pending.done(self)
+        self._check("reduce_scatter", full, out)
+        return self._start("reduce_scatter", _nbytes(out),
+                           lambda: dist.reduce_scatter_single(out, full, group=self.group, async_op=True), keep=full)
 
     def all_reduce_scalar(self, value: float, op: str = "sum") -> float:
         if self.size == 1:
@@ -210,16 +255,12 @@ class AxisComm:
             return out.copy_(full)
         self._check("reduce_scatter", full, out)
         rows = full.view(self.size, -1)
-        works, start = [], time.perf_counter()
-        try:
-            for lo, hi in _chunks(out.numel(), bucket_elems):
-                src = full if (lo, hi) == (0, out.numel()) else rows[:, lo:hi].contiguous().view(-1)
-                works.append(dist.reduce_scatter_single(out[lo:hi], src, group=self.group, async_op=True))
-            for w in works:
-                w.wait()
-        except (RuntimeError, dist.DistBackendError) as err:
-            raise self._error("reduce_scatter", start, err) from err
-        self.log.record("reduce_scatter", self.name, _nbytes(out), time.perf_counter() - start, self.size)
+        pending = []
+        for lo, hi in _chunks(out.numel(), bucket_elems):
+            src = full if (lo, hi) == (0, out.numel()) else rows[:, lo:hi].contiguous().view(-1)
+            pending.append(self.start_reduce_scatter(src, out[lo:hi]))
+        for p in pending:
+            p.wait()
         return out
 
     def all_gather(self, part: torch.Tensor, out: torch.Tensor, bucket_elems: int = 0) -> torch.Tensor:
@@ -232,22 +273,20 @@ class AxisComm:
         self._check("all_gather", part, out)
         chunks = list(_chunks(part.numel(), bucket_elems))
         rows = out.view(self.size, -1)
-        start = time.perf_counter()
-        try:
-            if len(chunks) == 1:
-                dist.all_gather_single(out, part, group=self.group, async_op=True).wait()
-            else:
-                staged = []
-                for lo, hi in chunks:
-                    buf = torch.empty(self.size * (hi - lo), dtype=out.dtype, device=out.device)
-                    staged.append((lo, hi, buf, dist.all_gather_single(buf, part[lo:hi].contiguous(),
-                                                                      group=self.group, async_op=True)))
-                for lo, hi, buf, work in staged:
-                    work.wait()
-                    rows[:, lo:hi].copy_(buf.view(self.size, -1))
-        except (RuntimeError, dist.DistBackendError) as err:
-            raise self._error("all_gather", start, err) from err
-        self.log.record("all_gather", self.name, _nbytes(part), time.perf_counter() - start, self.size)
+        if len(chunks) == 1:
+            self._start("all_gather", _nbytes(part),
+                        lambda: dist.all_gather_single(out, part, group=self.group, async_op=True)).wait()
+            return out
+        staged = []
+        for lo, hi in chunks:
+            buf = torch.empty(self.size * (hi - lo), dtype=out.dtype, device=out.device)
+            piece = part[lo:hi].contiguous()
+            staged.append((lo, hi, buf, self._start(
+                "all_gather", _nbytes(piece),
+                lambda buf=buf, piece=piece: dist.all_gather_single(buf, piece, group=self.group, async_op=True))))
+        for lo, hi, buf, pending in staged:
+            pending.wait()
+            rows[:, lo:hi].copy_(buf.view(self.size, -1))
         return out
 
     def all_to_all(self, send: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -259,83 +298,72 @@ class AxisComm:
         if self.size == 1:
             return out.copy_(send)
         self._check("all_to_all", send, out)
-        self._run("all_to_all", _nbytes(send),
-                  lambda: dist.all_to_all_single(out, send, group=self.group, async_op=True))
+        self._start("all_to_all", _nbytes(send),
+                    lambda: dist.all_to_all_single(out, send, group=self.group, async_op=True)).wait()
         return out
 
     # -- functional collectives, used inside autograd Functions ------------------------------
-
-    def _funcol(self, op: str, nbytes: int, call) -> torch.Tensor:
-        start = time.perf_counter()
-        try:
-            result = call()
-            if isinstance(result, funcol.AsyncCollectiveTensor):
-                result = result.wait()
-        except (RuntimeError, dist.DistBackendError) as err:
-            raise self._error(op, start, err) from err
-        self.log.record(op, self.name, nbytes, time.perf_counter() - start, self.size)
-        return result
 
     def gathered(self, shard: torch.Tensor) -> torch.Tensor:
         """All-gather along dim 0 (out of place, functional)."""
         if self.size == 1:
             return shard.clone()
-        shard = unwrapped(shard).contiguous()
-        return self._funcol("all_gather", _nbytes(shard),
-                            lambda: _funcol_all_gather(shard, 0, self.group))
+        return self.start_gather(shard).wait()
 
-    def start_gather(self, shard: torch.Tensor) -> "PendingGather":
+    def start_gather(self, shard: torch.Tensor) -> "Pending":
         """Start an all-gather along dim 0 without waiting (ZeRO-3 prefetch); `.wait()` returns it."""
         shard = unwrapped(shard).contiguous()
-        start = time.perf_counter()
-        try:
-            result = _funcol_all_gather(shard, 0, self.group)
-        except (RuntimeError, dist.DistBackendError) as err:
-            raise self._error("all_gather", start, err) from err
-        return PendingGather(self, result, _nbytes(shard), start)
+        return self._start("all_gather", _nbytes(shard), lambda: funcol_all_gather(shard, self.group))
 
     def reduce_scattered(self, full: torch.Tensor) -> torch.Tensor:
         """Sum-reduce-scatter along dim 0 (out of place, functional)."""
         if self.size == 1:
             return full.clone()
         full = unwrapped(full).contiguous()
-        return self._funcol("reduce_scatter", _nbytes(full) // self.size,
-                            lambda: _funcol_reduce_scatter(full, "sum", 0, self.group))
+        return self._start("reduce_scatter", _nbytes(full) // self.size,
+                           lambda: funcol_reduce_scatter(full, self.group)).wait()
 
-    def all_reduced(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum all-reduce (out of place, functional)."""
+    def all_reduced(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """All-reduce (out of place, functional)."""
         if self.size == 1:
             return x.clone()
         x = unwrapped(x).contiguous()
-        return self._funcol("all_reduce", _nbytes(x), lambda: funcol.all_reduce(x, "sum", self.group))
+        return self._start("all_reduce", _nbytes(x), lambda: funcol_all_reduce(x, op, self.group)).wait()
 
 
-class PendingGather:
-    """An all-gather in flight; `wait()` returns the gathered tensor and records the op."""
+class Pending:
+    """A collective in flight. `wait()` blocks until it is done, records it (issue time, time
+    blocked) and returns its result: the output tensor of a functional collective, else None."""
 
-    def __init__(self, comm: AxisComm, result, nbytes: int, start: float):
-        self.comm, self.result, self.nbytes, self.start = comm, result, nbytes, start
+    __slots__ = ("comm", "op", "nbytes", "issued", "work", "keep", "finished")
 
-    def wait(self) -> torch.Tensor:
+    def __init__(self, comm: AxisComm, op: str, nbytes: int, issued: float, work: Any, keep: Any = None):
+        self.comm, self.op, self.nbytes, self.issued, self.work = comm, op, nbytes, issued, work
+        self.keep = keep  # inputs that must stay alive until the collective is done
+        self.finished = False
+
+    @classmethod
+    def done(cls, comm: AxisComm) -> "Pending":
+        pending = cls(comm, "", 0, 0.0, None)
+        pending.finished = True
+        return pending
+
+    def wait(self) -> Any:
+        if self.finished:
+            return self.work if isinstance(self.work, torch.Tensor) else None
+        start = time.perf_counter()
         try:
-            out = self.result.wait() if isinstance(self.result, funcol.AsyncCollectiveTensor) else self.result
+            if isinstance(self.work, AsyncCollectiveTensor):
+                self.work = self.work.wait()
+            elif self.work is not None and not isinstance(self.work, torch.Tensor):
+                self.work.wait()
         except (RuntimeError, dist.DistBackendError) as err:
-            raise self.comm._error("all_gather", self.start, err) from err
-        self.comm.log.record("all_gather", self.comm.name, self.nbytes, time.perf_counter() - self.start,
-                             self.comm.size)
-        return out
-
-
-def unwrapped(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor under torch.func's wrappers.
-
-    Collectives move data and are never differentiated through (the autograd Functions below
-    define their own backward), and funcol's own autograd registration fails under torch.func,
-    so they always run on the unwrapped tensor.
-    """
-    while is_functorch_wrapped_tensor(t):
-        t = get_unwrapped(t)
-    return t
+            raise self.comm._error(self.op, self.issued, err) from err
+        now = time.perf_counter()
+        self.comm.log.record(self.op, self.comm.name, self.nbytes, now - self.issued, self.comm.size,
+                             issued=self.issued, blocked=now - start)
+        self.finished, self.keep = True, None
+        return self.work if isinstance(self.work, torch.Tensor) else None
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -353,20 +381,6 @@ def _chunks(n: int, bucket: int):
 # ------------------------------------------------------------------------ autograd functions
 
 
-class _GatherShards(torch.autograd.Function):
-    @staticmethod
-    def forward(shard, comm):
-        return comm.gathered(shard)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.comm = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.reduce_scattered(grad), None
-
-
 class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def forward(x, comm):
@@ -379,6 +393,22 @@ class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.comm.all_reduced(grad), None
+
+
+class _AllReduceMax(torch.autograd.Function):
+    """Max over the group, not differentiated (the stabilizing max of the vocab-parallel softmax)."""
+
+    @staticmethod
+    def forward(x, comm):
+        return comm.all_reduced(x, "max")
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
 
 
 class _ReduceInGroup(torch.autograd.Function):
@@ -395,11 +425,6 @@ class _ReduceInGroup(torch.autograd.Function):
         return grad, None
 
 
-def gather_shards(shard: torch.Tensor, comm: AxisComm) -> torch.Tensor:
-    """Concatenate every rank's `shard` along dim 0; the gradient is reduce-scattered back."""
-    return shard if comm.size == 1 else _GatherShards.apply(shard, comm)
-
-
 def copy_to_group(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     """Identity whose gradient is summed over the group (input of a column-parallel layer)."""
     return x if comm.size == 1 else _CopyToGroup.apply(x, comm)
@@ -410,21 +435,27 @@ def reduce_in_group(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     return x if comm.size == 1 else _ReduceInGroup.apply(x, comm)
 
 
-def all_gather_objects(obj: Any, what: str) -> list:
-    """Every rank's `obj` (small, picklable), in global rank order, over the whole world.
+def all_reduce_max(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
+    """Elementwise max over the group; not differentiated."""
+    return x if comm.size == 1 else _AllReduceMax.apply(x, comm)
+
+
+def all_gather_objects(obj: Any, what: str, world_size: int, rank: int) -> list:
+    """Every rank's `obj` (small, picklable), in global rank order, over the whole world of
+    `world_size` ranks (`Mesh.all_gather_objects` passes its own).
 
     For agreeing on decisions (did every rank write its file?), not for tensors. A failure
     raises CommError naming `what`.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size == 1:
         return [obj]
-    out: list = [None] * dist.get_world_size()
+    out: list = [None] * world_size
     start = time.perf_counter()
     try:
         dist.all_gather_object(out, obj)
     except (RuntimeError, dist.DistBackendError) as err:
         raise CommError(f"all_gather_object ({what}) failed after {time.perf_counter() - start:.1f}s on rank "
-                        f"{dist.get_rank()}: {err}. A peer rank probably crashed or took another code path.") from err
+                        f"{rank}: {err}. A peer rank probably crashed or took another code path.") from err
     return out
 
 
@@ -433,6 +464,6 @@ def ceil_div(a: int, b: int) -> int:
 
 
 __all__ = [
-    "AxisComm", "CommError", "CommLog", "all_gather_objects", "bus_bandwidth", "ceil_div", "copy_to_group", "gather_shards",
-    "reduce_in_group",
+    "AxisComm", "CommError", "CommEvent", "CommLog", "Pending", "all_gather_objects", "all_reduce_max",
+    "bus_bandwidth", "ceil_div", "copy_to_group", "reduce_in_group", "unwrapped",
 ]

@@ -1,0 +1,32 @@
+"""The parallel wing: meshes, partition specs, plans (ZeRO, tensor slicing) and their runtime.
+
+    mesh = fs.Mesh(data=-1, model=2)
+    plan = fs.zero(stage=3) | fs.tensor_slicing(fs.models.gpt_rules)     # transforms compose with |
+    print(fs.explain(plan, params, mesh, model.logical_axes))
+
+Modules, bottom up: `specs` (partition specs, logical-axis rules), `torch_internals` (every
+private torch API), `comm` (collectives, logged), `mesh`, `plan` (placements, transforms and
+their composition), `config` (ZeRO's keys), `zero` and `tensor_slicing` (the two transforms),
+`layout` (a plan resolved for a tree), `memory` and `explain` (one accounting), `grads`
+(gradient delivery and bucketed reduction during backward), `ops` (how units enter a model),
+`offload` (host buffers and copies), `runtime` (storage and the boundary train_step calls).
+"""
+
+from .comm import CommError, CommLog
+from .config import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from .explain import explain
+from .layout import Layout, resolve
+from .memory import MemoryEstimate, estimate_memory
+from .mesh import Mesh, init_distributed, shutdown_distributed
+from .ops import UnitParams
+from .plan import Placement, Plan, Transform
+from .runtime import gather_params
+from .specs import P, PartitionSpec
+from .tensor_slicing import tensor_slicing
+from .zero import zero
+
+__all__ = [
+    "CommError", "CommLog", "Layout", "MemoryEstimate", "Mesh", "OffloadOptimizerConfig", "OffloadParamConfig", "P",
+    "PartitionSpec", "Placement", "Plan", "Transform", "UnitParams", "ZeroConfig", "estimate_memory", "explain",
+    "gather_params", "init_distributed", "resolve", "shutdown_distributed", "tensor_slicing", "zero",
+]

@@ -1,0 +1,458 @@
+"""Gradients leave backward as it produces them: delivered by unit, reduced by ZeRO stage, in buckets.
+
+Under `torch.func` there are no gradient hooks. `train_step` differentiates each micro-batch's
+loss with respect to a 0-d `anchor` only; every unit's parameters enter the model through
+`deliver_on_backward(anchor, sink, unit, tensors)`, an identity whose backward hands the unit's
+gradients to the sink (ZeRO-3's gather does the same for its shards). The autograd engine runs
+that backward as soon as the unit's gradients are complete, which is right after the layer's
+backward when the identity is applied where the layer is used (`fspeed.parallel.ops` does so in
+`ops.param` and `ops.scan`). What each stage does with a delivered gradient:
+
+    stage 0   copy/add into the full accumulation buffer; on the last micro-batch, all-reduce
+              each bucket (`reduce_bucket_size`, parameter-aligned ranges of the buffer) as soon
+              as every gradient in it has arrived
+    stage 1   the same buffer; its buckets are cut at partition boundaries and reduced onto the
+              rank that owns them (DeepSpeed's reduce_scatter=true); the partition is a view
+    stage 2   no full buffer: gradients are copied into a bucket as they arrive (DeepSpeed's IPG
+              buckets); a full bucket is reduced onto each piece's owner rank, which adds it into
+              its fp32 partition accumulator; every micro-batch, as DeepSpeed's stage 2
+    stage 3   the gathered unit's gradient is reduce-scattered into the unit's shard; persistent
+              parameters are accumulated whole and all-reduced in packed buckets on the last
+              micro-batch
+
+With `overlap_comm` the bucket collectives run asynchronously while backward goes on (stage 2
+and the packed buckets keep two buffers, as DeepSpeed's double buffering) and are waited for at
+`finish`; without it each one is waited for as it is launched. Every collective is issued in the
+same order on every rank because the engine delivers units in the same order (same graph).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..flat import Flat, FlatLayout
+from .comm import AxisComm, Pending
+from .layout import Layout, labelled_layout
+from .torch_internals import unwrapped
+
+
+class _DeliverGrads(torch.autograd.Function):
+    """Identity on a unit's parameters; backward delivers their gradients to the sink."""
+
+    @staticmethod
+    def forward(anchor, sink, unit, *tensors):
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.sink, ctx.unit, ctx.count = inputs[1], inputs[2], len(inputs) - 3
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.sink.deliver(ctx.unit, [None if g is None else unwrapped(g) for g in grads])
+        return (torch.zeros(()), None, None) + (None,) * ctx.count
+
+
+def deliver_on_backward(anchor: torch.Tensor, sink: "GradSink", unit: int,
+                        tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """`tensors` (a unit's parameters, in `sink.order(unit)`), whose gradients reach `sink`."""
+    if not tensors:
+        return ()
+    return _DeliverGrads.apply(anchor, sink, unit, *tensors)
+
+
+def partition_layout(numel: int) -> FlatLayout:
+    """The one-leaf layout of a ZeRO-1/2 slice (`partition`: [numel])."""
+    return labelled_layout(["partition"], [(numel,)])
+
+
+class GradSink:
+    """Receives gradients during backward and reduces them over `data` (module docstring).
+
+    Per step: `begin_step(reduce, micro_batches)`, then per micro-batch `begin_micro(i)`,
+    deliveries, `end_micro()`; `finish()` returns what the optimizer consumes. `reduce=False`
+    (1-bit optimizers' compressed steps) keeps the local gradient.
+    """
+
+    def __init__(self, layout: Layout, comm: AxisComm, dtype: torch.dtype, device: torch.device):
+        self.layout, self.comm, self.dtype, self.device = layout, comm, dtype, device
+        self.overlap = layout.zero.overlaps
+        self.bucket = layout.zero.reduce_bucket_size
+        self.reduce, self.micro, self.last = True, 0, True
+        self.delivered: set[int] = set()
+
+    def order(self, unit: int) -> tuple[int, ...]:
+        """The parameters (indices into layout.params) `deliver(unit, ...)` takes, in order."""
+        return self.layout.units[unit].params
+
+    def begin_step(self, reduce: bool, micro_batches: int) -> None:
+        self.reduce, self.micro_batches = reduce, micro_batches
+
+    def begin_micro(self, index: int) -> None:
+        self.micro, self.last = index, index == self.micro_batches - 1
+        self.delivered = set()
+
+    def deliver(self, unit: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+    def _first_delivery(self, unit: int) -> None:
+        if unit in self.delivered:
+            raise RuntimeError(f"the gradient of unit {self.layout.units[unit].name!r} was delivered twice in one "
+                               "micro-batch; a unit must enter the model once (ops.param caches it)")
+        self.delivered.add(unit)
+
+    def deliver_shard(self, unit: int, grad_full: torch.Tensor) -> None:
+        raise TypeError(f"{type(self).__name__} has no sharded units (ZeRO stage {self.layout.stage})")
+
+    def end_micro(self) -> None:
+        for unit in range(len(self.layout.units)):
+            if unit not in self.delivered:  # unused this micro-batch: no gradient reached it
+                self.deliver(unit, [None] * len(self.order(unit)))
+
+    def finish(self) -> Flat:
+        raise NotImplementedError
+
+    def held_bytes(self) -> int:
+        """Bytes of gradient buffers kept between steps."""
+        return 0
+
+
+def _bytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class _InPlaceBuckets:
+    """Static, parameter-aligned buckets over a flat buffer: each is launched (`launch(lo, hi,
+    owner)`) once every parameter overlapping it has arrived; `flush` launches the rest in order."""
+
+    def __init__(self, ranges: list[tuple[int, int, int]], params_of: list[list[int]], launch, overlap: bool):
+        self.ranges, self.launch, self.overlap = ranges, launch, overlap
+        self.buckets_of: dict[int, list[int]] = {}
+        self.count = [len(p) for p in params_of]
+        for b, params in enumerate(params_of):
+            for p in params:
+                self.buckets_of.setdefault(p, []).append(b)
+        self.remaining: list[int] = []
+        self.launched: list[bool] = []
+        self.pending: list[Pending] = []
+
+    def reset(self) -> None:
+        self.remaining = list(self.count)
+        self.launched = [False] * len(self.ranges)
+        self.pending = []
+
+    def arrived(self, params: Sequence[int]) -> None:
+        for p in params:
+            for b in self.buckets_of.get(p, ()):
+                self.remaining[b] -= 1
+                if self.remaining[b] == 0:
+                    self._launch(b)
+
+    def _launch(self, b: int) -> None:
+        self.launched[b] = True
+        pending = self.launch(*self.ranges[b])
+        if self.overlap:
+            self.pending.append(pending)
+        else:
+            pending.wait()
+
+    def flush(self) -> None:
+        for b, done in enumerate(self.launched):
+            if not done:
+                self._launch(b)
+        for pending in self.pending:
+            pending.wait()
+        self.pending = []
+
+
+def _aligned_ranges(offsets: Sequence[int], sizes: Sequence[int], bucket: int,
+                    cuts: Sequence[int] = ()) -> tuple[list[tuple[int, int]], list[list[int]]]:
+    """Ranges of at most `bucket` elements covering the parameters: whole parameters merged
+    while they fit, never across a point of `cuts`, a parameter larger than a bucket split into
+    bucket-size pieces. Also, per range, the parameters overlapping it."""
+    end = max((o + s for o, s in zip(offsets, sizes)), default=0)
+    cut_set = {c for c in cuts if 0 < c < end}
+    points = sorted({0, end} | {o for o in offsets if o < end} | {o + s for o, s in zip(offsets, sizes)} | cut_set)
+    ranges: list[tuple[int, int]] = []
+    lo = hi = None
+    for a, b in zip(points, points[1:]):
+        if lo is not None and (a in cut_set or b - lo > bucket):
+            ranges.append((lo, hi))
+            lo = None
+        if b - a > bucket:
+            ranges.extend((x, min(b, x + bucket)) for x in range(a, b, bucket))
+            continue
+        lo = a if lo is None else lo
+        hi = b
+    if lo is not None:
+        ranges.append((lo, hi))
+    order = sorted(range(len(offsets)), key=lambda i: offsets[i])
+    members, k = [], 0
+    for a, b in ranges:
+        while k < len(order) and offsets[order[k]] + sizes[order[k]] <= a:
+            k += 1
+        j, inside = k, []
+        while j < len(order) and offsets[order[j]] < b:
+            if sizes[order[j]]:
+                inside.append(order[j])
+            j += 1
+        members.append(inside)
+    return ranges, members
+
+
+class AccumulatedGrads(GradSink):
+    """Stages 0 and 1: one full accumulation buffer; buckets of it are all-reduced (stage 0) or
+    reduced onto their owner (stage 1) on the last micro-batch, as gradients complete them."""
+
+    def __init__(self, layout: Layout, comm: AxisComm, dtype: torch.dtype, device: torch.device):
+        super().__init__(layout, comm, dtype, device)
+        self.stage1 = layout.stage == 1
+        n, local = comm.size, layout.local
+        self.part = layout.partition_numel if self.stage1 else local.numel
+        self.acc = torch.zeros(n * self.part if self.stage1 else local.numel, dtype=dtype, device=device)
+        self.segments = local.segments(self.acc)
+        cuts = [k * self.part for k in range(1, n)] if self.stage1 else []
+        ranges, members = _aligned_ranges(local.offsets, local.sizes, self.bucket, cuts)
+        owned = [(a, b, a // self.part if self.stage1 else -1) for a, b in ranges]
+        self.buckets = _InPlaceBuckets(owned, members, self._launch, self.overlap)
+
+    def _launch(self, lo: int, hi: int, owner: int) -> Pending:
+        piece = self.acc[lo:hi]
+        return self.comm.start_reduce(piece, owner) if owner >= 0 else self.comm.start_all_reduce(piece)
+
+    def begin_step(self, reduce: bool, micro_batches: int) -> None:
+        super().begin_step(reduce, micro_batches)
+        self.buckets.reset()
+
+    def deliver(self, unit: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        self._first_delivery(unit)
+        params = self.order(unit)
+        first = self.micro == 0
+        for i, g in zip(params, grads):
+            seg = self.segments[i]
+            if g is None:
+                if first:
+                    seg.zero_()
+            elif first:
+                seg.copy_(g.reshape(-1))
+            else:
+                seg.add_(g.reshape(-1))
+        if self.last and self.reduce and self.comm.size > 1:
+            self.buckets.arrived(params)
+
+    def finish(self) -> Flat:
+        if self.reduce and self.comm.size > 1:
+            self.buckets.flush()
+        if self.stage1:
+            rank = self.comm.rank
+            return Flat(self.acc[rank * self.part:(rank + 1) * self.part], partition_layout(self.part))
+        return Flat(self.acc, self.layout.local)
+
+    def held_bytes(self) -> int:
+        return _bytes(self.acc)
+
+
+class _PackedBuckets:
+    """Gradient pieces copied, in arrival order, into one of two (overlap) or one bucket
+    buffers of `size` elements; a full bucket is launched, and `apply` gets its records after
+    the collective is done (DeepSpeed's IPG buckets)."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device, overlap: bool, launch, apply):
+        self.size, self.dtype, self.device, self.overlap = size, dtype, device, overlap
+        self.launch, self.apply = launch, apply
+        self.buffers: list[torch.Tensor] = []
+        self.free: list[torch.Tensor] = []
+        self.in_flight: deque = deque()
+        self.current: Optional[torch.Tensor] = None
+        self.fill = 0
+        self.records: list[tuple] = []
+
+    def _buffer(self) -> torch.Tensor:
+        if self.free:
+            return self.free.pop()
+        if len(self.buffers) < (2 if self.overlap else 1):
+            self.buffers.append(torch.empty(self.size, dtype=self.dtype, device=self.device))
+            return self.buffers[-1]
+        self._complete(self.in_flight.popleft())
+        return self.free.pop()
+
+    def add(self, source: torch.Tensor, key: Any) -> None:
+        """Copy the 1-D `source` into buckets; `key(offset)` labels the piece starting at
+        `offset` of source (records are `(label, bucket offset, count)`)."""
+        done, total = 0, source.numel()
+        while done < total:
+            if self.current is None:
+                self.current, self.fill = self._buffer(), 0
+            take = min(total - done, self.size - self.fill)
+            self.current[self.fill:self.fill + take].copy_(source[done:done + take])
+            self.records.append((key(done), self.fill, take))
+            self.fill += take
+            done += take
+            if self.fill == self.size:
+                self.flush()
+
+    def flush(self) -> None:
+        if self.current is None or not self.records:
+            return
+        buf, records = self.current, self.records
+        self.current, self.records, self.fill = None, [], 0
+        entry = (buf, records, self.launch(buf, records))
+        if self.overlap:
+            self.in_flight.append(entry)
+        else:
+            self._complete(entry)
+
+    def _complete(self, entry) -> None:
+        buf, records, pendings = entry
+        for pending in pendings:
+            pending.wait()
+        self.apply(buf, records)
+        self.free.append(buf)
+
+    def drain(self) -> None:
+        self.flush()
+        while self.in_flight:
+            self._complete(self.in_flight.popleft())
+
+    def held_bytes(self) -> int:
+        return sum(_bytes(b) for b in self.buffers)
+
+
+class PartitionGrads(GradSink):
+    """Stage 2: gradients go through packed buckets straight to their owners' partitions; only
+    this rank's fp32 partition accumulator and the buckets exist (module docstring)."""
+
+    def __init__(self, layout: Layout, comm: AxisComm, dtype: torch.dtype, device: torch.device):
+        super().__init__(layout, comm, dtype, device)
+        self.part = layout.partition_numel
+        self.acc = torch.zeros(self.part, dtype=dtype, device=device)
+        size = max(1, min(self.bucket, layout.local.numel))
+        self.buckets = _PackedBuckets(size, dtype, device, self.overlap, self._launch, self._apply)
+
+    def _launch(self, buf: torch.Tensor, records: list) -> list[Pending]:
+        pendings, start = [], 0
+        for k in range(1, len(records) + 1):  # one reduce per run of pieces with the same owner
+            if k == len(records) or records[k][0][0] != records[start][0][0]:
+                lo, hi = records[start][1], records[k - 1][1] + records[k - 1][2]
+                pendings.append(self.comm.start_reduce(buf[lo:hi], records[start][0][0]))
+                start = k
+        return pendings
+
+    def _apply(self, buf: torch.Tensor, records: list) -> None:
+        rank = self.comm.rank
+        for (owner, at), lo, count in records:
+            if owner == rank:
+                self.acc[at:at + count].add_(buf[lo:lo + count])
+
+    def begin_step(self, reduce: bool, micro_batches: int) -> None:
+        super().begin_step(reduce, micro_batches)
+        self.acc.zero_()
+
+    def deliver(self, unit: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        self._first_delivery(unit)
+        local = self.layout.local
+        for i, g in zip(self.order(unit), grads):
+            if g is None:
+                continue  # the accumulator started at zero
+            flat, offset = g.reshape(-1), local.offsets[i]
+            lo = 0
+            while lo < flat.numel():  # split at partition boundaries
+                owner = (offset + lo) // self.part
+                hi = min(flat.numel(), (owner + 1) * self.part - offset)
+                self.buckets.add(flat[lo:hi], lambda d, o=owner, at=offset + lo - owner * self.part: (o, at + d))
+                lo = hi
+
+    def end_micro(self) -> None:
+        super().end_micro()
+        self.buckets.drain()  # every micro-batch's gradient is in the partitions before the next
+
+    def finish(self) -> Flat:
+        self.buckets.drain()
+        return Flat(self.acc, partition_layout(self.part))
+
+    def held_bytes(self) -> int:
+        return _bytes(self.acc) + self.buckets.held_bytes()
+
+
+class ShardGrads(GradSink):
+    """Stage 3: each gathered unit's gradient is reduce-scattered into its shard of the
+    accumulator; persistent parameters accumulate whole and are all-reduced in packed buckets on
+    the last micro-batch. `device` is where the storage lives (the host with offload_param);
+    collectives run on `comm_device`."""
+
+    def __init__(self, layout: Layout, comm: AxisComm, dtype: torch.dtype, device: torch.device,
+                 comm_device: Optional[torch.device] = None):
+        super().__init__(layout, comm, dtype, device)
+        self.comm_device = comm_device or device
+        storage = layout.storage
+        self.acc = torch.zeros(storage.numel, dtype=dtype, device=device)
+        segments = dict(zip(storage.paths, storage.segments(self.acc)))
+        self.shard_seg = {u.index: segments[f"{u.name}.shard"] for u in layout.units if u.sharded}
+        self.param_seg = {i: segments[p.path] for i, p in enumerate(layout.params) if p.path in segments}
+        self.in_flight: deque = deque()
+        size = max(1, min(self.bucket, sum(s.numel() for s in self.param_seg.values())))
+        self.buckets = _PackedBuckets(size, dtype, self.comm_device, self.overlap,
+                                      lambda buf, records: [self.comm.start_all_reduce(buf[:records[-1][1] + records[-1][2]])],
+                                      self._apply_resident)
+
+    def order(self, unit: int) -> tuple[int, ...]:
+        return self.layout.units[unit].resident_params
+
+    def begin_step(self, reduce: bool, micro_batches: int) -> None:
+        super().begin_step(reduce, micro_batches)
+        self.acc.zero_()
+
+    def deliver_shard(self, unit: int, grad_full: torch.Tensor) -> None:
+        info = self.layout.units[unit]
+        n, shard = self.comm.size, info.shard_numel
+        padded = torch.empty(n * shard, dtype=grad_full.dtype, device=grad_full.device)
+        padded[:grad_full.numel()].copy_(grad_full.reshape(-1))
+        padded[grad_full.numel():].zero_()
+        out = torch.empty(shard, dtype=grad_full.dtype, device=grad_full.device)
+        self.in_flight.append((unit, out, self.comm.start_reduce_scatter(padded, out)))
+        if not self.overlap or len(self.in_flight) > 2:
+            self._complete_shard()
+
+    def _complete_shard(self) -> None:
+        unit, out, pending = self.in_flight.popleft()
+        pending.wait()
+        seg = self.shard_seg[unit]
+        seg.add_(out.to(seg.device))
+
+    def deliver(self, unit: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        self._first_delivery(unit)
+        for i, g in zip(self.order(unit), grads):
+            seg = self.param_seg[i]
+            if g is not None:
+                seg.add_(g.reshape(-1).to(seg.device))
+            if self.last and self.comm.size > 1:
+                self.buckets.add(seg.to(self.comm_device), lambda d, i=i: (i, d))
+
+    def _apply_resident(self, buf: torch.Tensor, records: list) -> None:
+        for (i, at), lo, count in records:
+            self.param_seg[i][at:at + count].copy_(buf[lo:lo + count])
+
+    def end_micro(self) -> None:
+        super().end_micro()
+        while self.in_flight:
+            self._complete_shard()
+
+    def finish(self) -> Flat:
+        while self.in_flight:
+            self._complete_shard()
+        self.buckets.drain()
+        return Flat(self.acc, self.layout.storage)
+
+    def held_bytes(self) -> int:
+        return _bytes(self.acc) + self.buckets.held_bytes()
+
+
+SINKS = {0: AccumulatedGrads, 1: AccumulatedGrads, 2: PartitionGrads, 3: ShardGrads}
+
+
+__all__ = ["AccumulatedGrads", "GradSink", "PartitionGrads", "SINKS", "ShardGrads", "deliver_on_backward",
+           "partition_layout"]

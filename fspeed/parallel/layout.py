@@ -1,0 +1,222 @@
+"""A plan resolved for one parameter tree on one mesh: the `Layout`, static and hashable.
+
+    layout = resolve(plan, params, mesh.sizes, mesh.coords, model.logical_axes)
+
+The tree is flattened once, here. Per parameter: its placement (from the plan's transforms), its
+tensor-parallel local shape and its unit. A unit is what ZeRO-3 gathers together and what
+gradients are delivered by during backward: a layer (`blocks.3` for `blocks.3.attn.wqkv`,
+`layers.0` for `layers.0.weight`) or a top-level entry (`wte`). Under ZeRO-3 each unit's
+partitioned parameters (placement.params == "data") are flattened, padded to a multiple of N and
+split into N contiguous shards; its persistent ones (at most `param_persistence_threshold`
+elements each, DeepSpeed's rule, within `model_persistence_threshold` in total) stay whole.
+
+Storage (what a rank keeps in its flat buffers):
+
+    stages 0-2   the tensor-parallel local tree, whole (ZeRO 1-2 slice it further in the runtime)
+    stage 3      per unit: `<unit>.shard` (its 1/N flat shard) then its persistent parameters
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+import optree
+import torch
+
+from ..flat import FlatLayout
+from ..pytree import PyTree, tree_flatten_with_paths
+from .comm import ceil_div
+from .config import ZeroConfig
+from .plan import ParamEntry, Placement, Plan
+from .specs import PartitionSpec, local_shape
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    path: str
+    shape: tuple[int, ...]
+    axes: tuple[Optional[str], ...]
+    placement: Placement
+    local_shape: tuple[int, ...]
+    unit: str
+
+    @property
+    def spec(self) -> PartitionSpec:
+        return self.placement.compute
+
+    @property
+    def tp_sharded(self) -> bool:
+        return "model" in self.spec.axes()
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+
+@dataclass(frozen=True)
+class UnitInfo:
+    """One unit: its parameters (indices into `Layout.params`, in flat order), which of them are
+    sharded (stage 3), and the flat layout of those (`shard_layout`, full paths)."""
+
+    name: str
+    index: int
+    params: tuple[int, ...]
+    sharded_params: tuple[int, ...]
+    shard_layout: FlatLayout
+    shard_numel: int  # ceil(sharded numel / N); 0 without sharded parameters
+    tree: Optional[optree.PyTreeSpec]  # the unit's subtree structure, None when it is not a subtree
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.sharded_params)
+
+    @property
+    def resident_params(self) -> tuple[int, ...]:
+        return tuple(i for i in self.params if i not in self.sharded_params)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the sharded parameters, gathered (stage 3)."""
+        return self.shard_layout.numel
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A plan resolved for given params and mesh sizes/coordinates (module docstring)."""
+
+    plan: Plan
+    zero: ZeroConfig
+    mesh_sizes: tuple[tuple[str, int], ...]
+    mesh_coords: tuple[tuple[str, int], ...]
+    params: tuple[ParamInfo, ...]
+    local: FlatLayout  # the TP-local parameter tree
+    units: tuple[UnitInfo, ...]
+    storage: FlatLayout  # what a rank stores (module docstring)
+    tensor_axes: tuple[str, ...] = ()  # logical axes sliced over `model`
+
+    @property
+    def stage(self) -> int:
+        return self.zero.stage
+
+    @property
+    def data_size(self) -> int:
+        return dict(self.mesh_sizes).get("data", 1)
+
+    @property
+    def model_size(self) -> int:
+        return dict(self.mesh_sizes).get("model", 1)
+
+    @property
+    def data_rank(self) -> int:
+        return dict(self.mesh_coords).get("data", 0)
+
+    @property
+    def partition_numel(self) -> int:
+        """Stages 1-2: elements of this rank's slice of the (padded) flat buffer."""
+        return ceil_div(self.local.numel, self.data_size)
+
+    @property
+    def info(self) -> dict[str, ParamInfo]:
+        return {p.path: p for p in self.params}
+
+    @property
+    def sharded_units(self) -> tuple[UnitInfo, ...]:
+        return tuple(u for u in self.units if u.sharded)
+
+    def describe(self) -> str:
+        return f"{self.plan!r} on mesh {dict(self.mesh_sizes)}"
+
+
+def default_unit(path: str) -> str:
+    """The unit of a parameter: `blocks.3` for `blocks.3.attn.wqkv`, else the top-level entry."""
+    parts = path.split(".")
+    if len(parts) > 2 and parts[1].isdigit():
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def resolve(plan: Plan, params: PyTree, mesh_sizes: Mapping[str, int], mesh_coords: Mapping[str, int],
+            logical_axes: Optional[Mapping[str, Sequence[Optional[str]]]] = None) -> Layout:
+    """Resolve `plan` for `params` (global shapes; meta tensors are fine) on a mesh with the given
+    sizes and coordinates. `logical_axes` (the model's) are needed for tensor slicing."""
+    paths, leaves, treedef = tree_flatten_with_paths(params)
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"parameter {path!r} is {type(leaf).__name__}, not a tensor")
+    sizes = {a: int(s) for a, s in mesh_sizes.items()}
+    tensor = plan.find("tensor_slicing")
+    if tensor is not None and logical_axes is None:
+        raise ValueError("tensor_slicing needs the model's logical axes (Model.logical_axes)")
+    entries = []
+    for path, leaf in zip(paths, leaves):
+        shape = tuple(leaf.shape)
+        axes = tuple(logical_axes.get(path, (None,) * len(shape))) if logical_axes else (None,) * len(shape)
+        if len(axes) != len(shape):
+            raise ValueError(f"logical axes of {path!r} {axes} do not match its shape {list(shape)}")
+        entries.append(ParamEntry(path, shape, axes))
+    placements = plan.place(entries, sizes)
+    infos = tuple(ParamInfo(e.path, e.shape, e.axes, pl, local_shape(e.shape, pl.compute, sizes, e.path),
+                            default_unit(e.path)) for e, pl in zip(entries, placements))
+    local = FlatLayout(treedef, tuple(paths), tuple(i.local_shape for i in infos))
+    zero = plan.find("zero")
+    zero_cfg = zero.config if zero is not None else ZeroConfig()
+    units = _units(infos, params, sizes.get("data", 1))
+    storage = _storage(infos, units) if zero_cfg.stage == 3 else local
+    tensor_axes = tensor.sliced_axes(sizes) if tensor is not None else ()
+    return Layout(plan, zero_cfg, tuple(sorted(sizes.items())), tuple(sorted(mesh_coords.items())), infos, local,
+                  units, storage, tensor_axes)
+
+
+def _units(infos: Sequence[ParamInfo], params: PyTree, data_size: int) -> tuple[UnitInfo, ...]:
+    members: dict[str, list[int]] = {}
+    for i, info in enumerate(infos):
+        members.setdefault(info.unit, []).append(i)
+    units = []
+    for index, (name, idx) in enumerate(members.items()):
+        sharded = tuple(i for i in idx if infos[i].placement.params == "data" and data_size > 1)
+        shard_layout = labelled_layout([infos[i].path for i in sharded], [infos[i].local_shape for i in sharded])
+        units.append(UnitInfo(name, index, tuple(idx), sharded, shard_layout,
+                              ceil_div(shard_layout.numel, data_size) if sharded else 0,
+                              _subtree_structure(params, name, [infos[i].path for i in idx])))
+    return tuple(units)
+
+
+def _subtree_structure(params: PyTree, name: str, paths: Sequence[str]) -> Optional[optree.PyTreeSpec]:
+    """The structure of the subtree at `name` when it holds exactly `paths`, in order; else None."""
+    try:
+        tree = subtree(params, name)
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+    sub_paths, _, treedef = tree_flatten_with_paths(tree)
+    return treedef if [f"{name}.{p}" if p else name for p in sub_paths] == list(paths) else None
+
+
+def subtree(tree: PyTree, path: str) -> PyTree:
+    """The subtree of nested dicts/lists at a dotted path (`blocks.3` -> tree["blocks"][3])."""
+    for part in path.split(".") if path else ():
+        tree = tree[int(part)] if isinstance(tree, (list, tuple)) else tree[part]
+    return tree
+
+
+def _storage(infos: Sequence[ParamInfo], units: Sequence[UnitInfo]) -> FlatLayout:
+    """Stage 3's stored tree: per unit its flat shard, then its persistent parameters."""
+    paths, shapes = [], []
+    for unit in units:
+        if unit.sharded:
+            paths.append(f"{unit.name}.shard")
+            shapes.append((unit.shard_numel,))
+        for i in unit.resident_params:
+            paths.append(infos[i].path)
+            shapes.append(infos[i].local_shape)
+    return labelled_layout(paths, shapes)
+
+
+def labelled_layout(paths: Sequence[str], shapes: Sequence[tuple[int, ...]]) -> FlatLayout:
+    """A flat layout of tensors with the given paths and shapes, in that order (a list tree)."""
+    treedef = FlatLayout.of_tree([torch.empty(0, device="meta") for _ in paths]).treedef
+    return FlatLayout(treedef, tuple(paths), tuple(tuple(s) for s in shapes))
+
+
+__all__ = ["Layout", "ParamInfo", "UnitInfo", "default_unit", "labelled_layout", "resolve", "subtree"]

@@ -1,0 +1,383 @@
+"""The runtime of a layout on a mesh: how a rank stores its state, and the one boundary train_step calls.
+
+Storage per rank (the tensor-parallel local buffer has Psi elements, N data ranks, P = ceil(Psi/N)):
+
+    stage 0   params Psi (compute dtype), fp32 masters Psi (mixed precision)
+    stage 1   params Psi (padded to N*P), masters and optimizer state P (this rank's slice)
+    stage 2   as 1
+    stage 3   per unit its 1/N flat shard and its persistent parameters whole: params, masters,
+              gradients and optimizer state all follow that storage
+
+A step, as train_step drives it (`ParallelRuntime`):
+
+    begin_step(reduce, micro_batches)      the gradient sink of the stage, chosen once
+    per micro-batch: ops(anchor), view(params, ops), grad_and_value, end_micro()
+    finish() -> gradient the optimizer consumes (reduced during backward; offload: on the host)
+    grad_norm, cast_target, write_back (all-gather for stages 1-2), mean_over_data
+
+With ZeRO-Offload (`zero.offload_optimizer`, `zero.offload_param`) masters and optimizer state live
+on CPU, the reduced gradient goes down and the updated parameters come up (`offload.py`).
+Gradients are summed over data ranks of a loss pre-divided by the data size: the mean DeepSpeed
+computes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..flat import Flat
+from ..precision import Precision
+from ..pytree import PyTree, tree_flatten_with_paths, tree_map, tree_unflatten
+from .comm import AxisComm
+from .grads import SINKS, GradSink, ShardGrads, partition_layout
+from .layout import Layout
+from .offload import (
+    HostDeviceCopies, check_optimizer_for_offload, compute_device, copy_to, host_buffer, offloads_optimizer,
+    offloads_params, to_host,
+)
+from .ops import UnitOps, eager_params, model_view, unit_params
+from .specs import shard
+
+
+def check_optimizer(optimizer, layout: Layout) -> None:
+    """Refuse an optimizer whose declared capabilities (`fspeed.optim.Capabilities`) do not fit
+    the layout: partitioned or tensor-sliced state needs elementwise math; a self-communicating
+    optimizer needs whole replicated buffers; offload needs a CPU path."""
+    split = []
+    if layout.stage >= 1:
+        split.append(f"ZeRO stage {layout.stage} slices")
+    if layout.model_size > 1:
+        split.append(f"tensor slicing over {layout.model_size} ranks")
+    if split:
+        where = " and ".join(split)
+        communicating = optimizer.having("communicates")
+        if communicating:
+            raise ValueError(
+                f"{communicating} compresses the data-parallel all-reduce of whole replicated buffers and cannot run "
+                f"with {where}; allowed: zero stage 0 without tensor slicing (DeepSpeed's 1-bit optimizers are not "
+                "compatible with ZeRO either). Use adam/adamw/lamb for ZeRO >= 1.")
+        whole = optimizer.having("whole_tensors")
+        if whole:
+            raise ValueError(
+                f"{whole} needs whole parameter tensors (a per-tensor norm); it cannot run on {where} yet (DeepSpeed "
+                "likewise rejects LAMB under ZeRO). Use adam/adamw/sgd, or zero stage 0 without tensor slicing.")
+        parts = optimizer.parts
+        for i, part in enumerate(parts):
+            caps = part.capabilities
+            if caps.elementwise or (caps.clip_norm is not None and i == 0):
+                continue
+            name = part.info.name if part.info is not None else repr(part)
+            what = ("clip_by_global_norm must lead the chain there (train_step then clips with the true global "
+                    "norm)" if caps.clip_norm is not None else
+                    "declare Capabilities(elementwise=True) if its update of each element depends only on that element")
+            raise ValueError(f"{name} is not declared elementwise, and {where} give it only part of each buffer; "
+                             f"{what}.")
+    check_optimizer_for_offload(optimizer, layout)
+
+
+def local_params(leaves: list[torch.Tensor], layout: Layout) -> list[torch.Tensor]:
+    """This rank's tensor-parallel piece of every parameter (flat order)."""
+    sizes, coords = dict(layout.mesh_sizes), dict(layout.mesh_coords)
+    return [shard(leaf.detach(), info.spec, sizes, coords) for leaf, info in zip(leaves, layout.params)]
+
+
+def build_param_state(params: PyTree, layout: Layout, precision: Precision,
+                      device: Optional[torch.device | str] = None) -> tuple[Flat, Optional[Flat], Flat]:
+    """(compute params, fp32 masters or None, what the optimizer updates) for this rank.
+
+    With `offload_optimizer.device="cpu"` the masters (and so the optimizer state built from
+    them) are a CPU copy, pinned where CUDA exists; with `offload_param` too, the stage-3
+    compute shards are CPU buffers as well.
+    """
+    leaves = tree_flatten_with_paths(params)[1]
+    local = local_params(leaves, layout)
+    n, rank = layout.data_size, layout.data_rank
+    offload = layout.zero.offload_optimizer
+    if layout.stage == 3:
+        storage = Flat(torch.empty(layout.storage.numel, dtype=torch.float32), layout.storage)
+        views = dict(storage.items())
+        for unit in layout.units:
+            if unit.sharded:
+                flat = torch.cat([local[i].reshape(-1).float() for i in unit.sharded_params])
+                flat = torch.cat([flat, flat.new_zeros(unit.shard_numel * n - flat.numel())])
+                views[f"{unit.name}.shard"].copy_(flat[rank * unit.shard_numel:(rank + 1) * unit.shard_numel])
+            for i in unit.resident_params:
+                views[layout.params[i].path].copy_(local[i])
+        if device is not None:
+            storage = storage.with_buffer(storage.buffer.to(device))
+        if offloads_params(layout):  # everything on the host; the optimizer writes the compute shards
+            storage = storage.with_buffer(to_host(storage.buffer, offload.pin_memory))
+            if not precision.has_master:
+                return storage, None, storage
+            pin = layout.zero.offload_param.pin_memory
+            compute = storage.with_buffer(to_host(storage.buffer.to(precision.param_dtype), pin))
+            return compute, storage, storage
+        if offload.enabled:
+            compute = storage.to(precision.param_dtype)
+            master = storage.with_buffer(to_host(storage.buffer, offload.pin_memory))
+            return compute, master, master
+        compute = storage.to(precision.param_dtype) if precision.has_master else storage
+        return compute, (storage if precision.has_master else None), storage
+    padded = n * layout.partition_numel if layout.stage in (1, 2) else layout.local.numel
+    buffer = torch.zeros(padded, dtype=torch.float32)
+    if local:
+        torch.cat([t.reshape(-1).float() for t in local], out=buffer[:layout.local.numel])
+    full = Flat(buffer if device is None else buffer.to(device), layout.local)
+    compute = full.to(precision.param_dtype) if precision.has_master else full
+    if layout.stage == 0:
+        return compute, (full if precision.has_master else None), full
+    p = layout.partition_numel
+    piece = full.buffer[rank * p:(rank + 1) * p]
+    part = Flat(to_host(piece, offload.pin_memory) if offload.enabled else piece.clone(), partition_layout(p))
+    return compute, part, part
+
+
+class NormPieces(NamedTuple):
+    """Views of the optimizer's gradient buffer grouped by how their squares must be summed."""
+
+    data_model: list  # partitioned over data and sliced over model
+    data_only: list
+    model_only: list
+    local: list  # replicated everywhere
+
+
+class ParallelRuntime:
+    """The per-step work of a layout on a mesh (module docstring); built once per layout."""
+
+    def __init__(self, layout: Layout, mesh, precision: Precision, params: Flat, train: bool = True):
+        self.layout = layout
+        self.mesh = mesh
+        self.data: AxisComm = mesh.comm("data")
+        self.model: AxisComm = mesh.comm("model")
+        self.n = layout.data_size
+        self.rank = self.data.rank
+        self.offload = offloads_optimizer(layout)
+        self.offload_params = offloads_params(layout)
+        self.device = compute_device(self.data.group) if self.offload_params else params.device
+        sink_cls = SINKS[layout.stage]
+        self.sink: Optional[GradSink] = None  # evaluation delivers no gradients
+        if train and sink_cls is ShardGrads:
+            self.sink = ShardGrads(layout, self.data, precision.grad_accum_dtype, params.device, self.device)
+        elif train:
+            self.sink = sink_cls(layout, self.data, precision.grad_accum_dtype, params.device)
+        self.param_dtype = params.dtype
+        self._copies = HostDeviceCopies()
+        self._host: dict[str, torch.Tensor] = {}  # offload: host gradient and 16-bit staging buffers
+        self._pieces_for: dict = {}
+
+    # -- forward and backward --------------------------------------------------------------
+
+    def ops(self, anchor: Optional[torch.Tensor]) -> UnitOps:
+        """The model ops for one micro-batch (None: evaluation), unit ops wrapped by each transform."""
+        to_device = (lambda t: copy_to(t, self.device)) if self.offload_params else (lambda t: t)
+        ops = UnitOps(self.layout, self.data, self.sink, anchor, self.device, self.param_dtype, to_device)
+        for transform in self.layout.plan.ordered():
+            ops = transform.wrap_ops(ops, self.mesh, self.layout.tensor_axes)
+        return ops
+
+    def view(self, params: Flat, ops, parallel_aware: bool) -> PyTree:
+        """What the loss sees: units in place for a parallel-aware loss, else plain tensors."""
+        units = unit_params(self.layout, params)
+        tree = model_view(self.layout, units) if parallel_aware else None
+        return tree if tree is not None else eager_params(_unit_ops(ops), units)
+
+    def begin_step(self, reduce: bool, micro_batches: int) -> None:
+        self.sink.begin_step(reduce, micro_batches)
+
+    def begin_micro(self, index: int) -> None:
+        self.sink.begin_micro(index)
+
+    def end_micro(self) -> None:
+        self.sink.end_micro()
+
+    def finish(self) -> Flat:
+        """The reduced gradient the optimizer consumes (with offload_optimizer: on the host, in the
+        accumulation dtype)."""
+        grads = self.sink.finish()
+        if not self.offload or self.offload_params:
+            return grads
+        host = self._host_buffer("grads", grads.buffer.numel(), grads.dtype, self.layout.zero.offload_optimizer.pin_memory)
+        return Flat(self._copies.download(host, grads.buffer), grads.layout)
+
+    def _host_buffer(self, name: str, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        buf = self._host.get(name)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = self._host[name] = host_buffer(numel, dtype, pin)
+        return buf
+
+    def held_grad_bytes(self) -> int:
+        """Bytes of gradient buffers kept between steps (device and, with offload, host)."""
+        return self.sink.held_bytes() + self._host_bytes("grads")
+
+    def _host_bytes(self, name: str) -> int:
+        t = self._host.get(name)
+        return 0 if t is None else t.numel() * t.element_size()
+
+    def host_buffer_bytes(self) -> int:
+        """Offload: bytes of the host gradient and 16-bit staging buffers (the masters are state)."""
+        return sum(t.numel() * t.element_size() for t in self._host.values())
+
+    # -- the boundary ----------------------------------------------------------------------
+
+    def grad_norm(self, grads: Flat) -> float:
+        """The global L2 norm of the gradient, each element counted once over data and model ranks."""
+        pieces = self._pieces(grads)
+        sums = [torch.stack(torch._foreach_norm(group)).double().square().sum() if group
+                else torch.zeros((), dtype=torch.float64) for group in pieces]
+        data_model, data_only, model_only, local = sums
+        device = self.device if grads.device.type == "cpu" and self.device.type != "cpu" else grads.device
+        if self.n > 1:
+            reduced = self.data.all_reduce_(torch.stack([data_model, data_only]).to(device)).to(grads.device)
+            data_model, data_only = reduced[0], reduced[1]
+        if self.model.size > 1:
+            reduced = self.model.all_reduce_(torch.stack([data_model, model_only]).to(device)).to(grads.device)
+            data_model, model_only = reduced[0], reduced[1]
+        return float((data_model + data_only + model_only + local).sqrt())
+
+    def _pieces(self, grads: Flat) -> NormPieces:
+        key = (grads.layout, grads.buffer.data_ptr())
+        if key not in self._pieces_for:
+            self._pieces_for = {key: self._classify(grads)}
+        return self._pieces_for[key]
+
+    def _classify(self, grads: Flat) -> NormPieces:
+        layout, buf = self.layout, grads.buffer
+        pieces = NormPieces([], [], [], [])
+
+        def add(view, partitioned: bool, sliced: bool):
+            group = pieces.data_model if partitioned and sliced else pieces.data_only if partitioned \
+                else pieces.model_only if sliced else pieces.local
+            if view.numel():
+                group.append(view)
+
+        if layout.stage in (1, 2):
+            p = layout.partition_numel
+            lo = self.rank * p
+            for info, off, size in zip(layout.params, layout.local.offsets, layout.local.sizes):
+                a, b = max(off, lo), min(off + size, lo + p)
+                if a < b:
+                    add(buf[a - lo: b - lo], self.n > 1, info.tp_sharded)
+            return pieces
+        if layout.stage in (0,):
+            for info, seg in zip(layout.params, grads.segments()):
+                add(seg, False, info.tp_sharded)
+            return pieces
+        segments = dict(zip(grads.layout.paths, grads.segments()))
+        for unit in layout.units:
+            for i in unit.resident_params:
+                add(segments[layout.params[i].path], False, layout.params[i].tp_sharded)
+            if not unit.sharded:
+                continue
+            seg, lo = segments[f"{unit.name}.shard"], self.rank * unit.shard_numel
+            for i, off, size in zip(unit.sharded_params, unit.shard_layout.offsets, unit.shard_layout.sizes):
+                a, b = max(off, lo), min(off + size, lo + unit.shard_numel)
+                if a < b:
+                    add(seg[a - lo: b - lo], True, layout.params[i].tp_sharded)
+        return pieces
+
+    def compute_device(self, params: Flat) -> torch.device:
+        """Where forward and backward run (params.device unless parameters are offloaded)."""
+        return self.device
+
+    def cast_target(self, master: Flat, params: Flat) -> Optional[Flat]:
+        """What the optimizer writes the updated masters into, cast, in its own pass (None: nothing).
+
+        Without offload: the compute params when they are the masters' local image. With
+        offload_optimizer: a pinned host staging buffer in the compute dtype (the CPU kernel
+        never gets a device tensor), or the host compute shards themselves with offload_param.
+        """
+        if not self.offload:
+            return local_image(master, params)
+        self._copies.wait_for_uploads()  # the previous step's upload has read the host buffers
+        if self.offload_params:
+            return local_image(master, params)  # the host compute shards (None in fp32: they are the masters)
+        if master.dtype == params.dtype:
+            return None  # fp32: write_back uploads the masters themselves
+        staging = self._host_buffer("staging", master.buffer.numel(), params.dtype,
+                                    self.layout.zero.offload_optimizer.pin_memory)
+        return master.with_buffer(staging)
+
+    def write_back(self, master: Flat, params: Flat, cast: Optional[Flat] = None) -> None:
+        """Make the compute parameters match the updated masters (cast; all-gather for stages 1-2).
+
+        `cast` is what the optimizer already wrote (see `cast_target`). With offload_optimizer
+        the host result (staging, or the fp32 masters when no cast is needed) is uploaded first.
+        """
+        if cast is not None and cast.buffer.data_ptr() == params.buffer.data_ptr():
+            return  # the optimizer wrote the compute params in its pass
+        if self.offload_params:
+            return  # the host compute shards are the masters (fp32) or were written as their cast
+        source = cast.buffer if cast is not None else master.buffer
+        if self.layout.stage in (1, 2):
+            p = self.layout.partition_numel
+            if self.offload:  # up into this rank's own slice, then an in-place all-gather (as DeepSpeed)
+                part = self._copies.upload(params.buffer[self.rank * p:(self.rank + 1) * p], source)
+            else:
+                part = source if source.dtype == params.dtype else source.to(params.dtype)
+            self.data.all_gather(part, params.buffer[: self.n * p], self.layout.zero.allgather_bucket_size)
+        elif self.offload:
+            self._copies.upload(params.buffer, source)
+        elif source.data_ptr() != params.buffer.data_ptr():
+            params.buffer.copy_(source)
+
+    def mean_over_data(self, value: float) -> float:
+        return self.data.all_reduce_scalar(value) / self.n if self.n > 1 else value
+
+
+def _unit_ops(ops) -> UnitOps:
+    """The `UnitOps` under the transforms' wrappers."""
+    while not isinstance(ops, UnitOps):
+        ops = ops.inner
+    return ops
+
+
+def local_image(master: Flat, params: Flat) -> Optional[Flat]:
+    """`params` when it is a separate, same-layout copy of `master` on the same device (then the
+    optimizer writes it, cast, in its update pass); None when there is nothing to cast (fp32) or
+    when the runtime must write it back itself (ZeRO-1/2 all-gather the updated partitions)."""
+    same = master.buffer.data_ptr() == params.buffer.data_ptr()
+    return params if not same and master.layout == params.layout and master.buffer.shape == params.buffer.shape \
+        and master.device == params.device else None
+
+
+def gather_params(state, mesh) -> PyTree:
+    """The full (global, unsharded) parameters of a state, in fp32 where masters exist.
+
+    A collective: every rank must call it. Used for checkpoints, evaluation and tests.
+    """
+    layout = state.layout
+    source = state.master if state.master is not None else state.params
+    if layout is None:
+        return tree_map(lambda t: t.detach().clone(), source.tree())
+    data, model = mesh.comm("data"), mesh.comm("model")
+    if layout.stage in (1, 2):
+        p = layout.partition_numel
+        full = torch.empty(layout.data_size * p, dtype=source.dtype, device=source.device)
+        data.all_gather(source.buffer.contiguous(), full)
+        leaves = [t.view(shape) for t, shape in zip(layout.local.segments(full), layout.local.shapes)]
+    elif layout.stage == 3:
+        views = dict(source.items())
+        leaves = [None] * len(layout.params)
+        for unit in layout.units:
+            if unit.sharded:
+                gathered = data.gathered(views[f"{unit.name}.shard"].detach().reshape(-1))
+                for i, t in zip(unit.sharded_params, unit.shard_layout.unflatten(gathered)):
+                    leaves[i] = t
+            for i in unit.resident_params:
+                leaves[i] = views[layout.params[i].path]
+    else:
+        leaves = [t for _, t in source.items()]
+    out = []
+    for info, leaf in zip(layout.params, leaves):
+        dim = info.spec.dim_of("model")
+        leaf = leaf.detach()
+        if dim is not None and model.size > 1:
+            leaf = model.gathered(leaf.movedim(dim, 0).contiguous()).movedim(0, dim)
+        out.append(leaf.clone())
+    return tree_unflatten(layout.local.treedef, out)
+
+
+__all__ = ["NormPieces", "ParallelRuntime", "build_param_state", "check_optimizer", "gather_params", "local_image",
+           "local_params"]
