@@ -3,6 +3,7 @@
 import copy
 import functools
 import json
+import sys
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -23,6 +24,7 @@ from fspeed.config import (
     to_run_config,
     translate_deepspeed_config,
 )
+from fspeed.config import deepspeed_keys as K
 from fspeed.config.schema import (
     GROUPS,
     AdamConfig,
@@ -295,6 +297,220 @@ def test_zero_and_tensor_parallel_blocks_translate():
     assert "zero_optimization.stage = 5" in problems_of({"zero_optimization": {"stage": 5}})
     assert "zero_optimization.round_robin_gradients = true" in problems_of(
         {"zero_optimization": {"stage": 2, "round_robin_gradients": True}})
+
+
+def accepted(ds: dict) -> dict[str, str]:
+    """The summary's "accepted, no effect" lines of `ds`, by key: {key: "value (reason)"}."""
+    return dict(item.split(" = ", 1) for item in translate_deepspeed_config(ds).no_effect)
+
+
+def zero(stage: int, **keys) -> dict:
+    return {**BASE, "zero_optimization": {"stage": stage, **keys}}
+
+
+# ------------------------------------------------------------------------- zero_optimization
+
+
+@pytest.mark.parametrize("value, expected", [(True, True), (False, False), (None, None)])
+def test_overlap_comm_translates(value, expected):
+    run = run_from(zero(2, overlap_comm=value))
+    assert run.zero.overlap_comm is expected and run.zero.to_library().overlap_comm is expected
+    assert f"zero_optimization.overlap_comm -> zero.overlap_comm={format_override('x', value)[2:]}" \
+        in translate_deepspeed_config(zero(2, overlap_comm=value)).summary()
+    assert run_from(zero(3)).zero.overlap_comm is None  # absent: DeepSpeed's stage-dependent default
+
+
+@pytest.mark.parametrize("spelling", ["stage3_model_persistence_threshold", "model_persistence_threshold"])
+def test_model_persistence_threshold_translates_from_both_spellings(spelling):
+    run = run_from(zero(3, **{spelling: 1e6}))
+    assert run.zero.model_persistence_threshold == 1_000_000
+    assert run.zero.to_library().model_persistence_threshold == 1_000_000
+    default = run_from(zero(3, **{spelling: sys.maxsize})).zero
+    assert default.model_persistence_threshold == sys.maxsize == run_from(zero(3)).zero.model_persistence_threshold
+    assert "zero_optimization.model_persistence_threshold = 5: set together with " \
+           "zero_optimization.stage3_model_persistence_threshold" in problems_of(
+               zero(3, stage3_model_persistence_threshold=5, model_persistence_threshold=5))
+
+
+ZERO_PLUS_PLUS = {"zero_quantized_weights": False, "zero_quantized_gradients": False,
+                  "zero_quantized_nontrainable_weights": False, "zero_hpz_partition_size": 1, "mics_shard_size": -1}
+
+
+def test_zero_plus_plus_and_mics_keys_are_accepted_at_deepspeed_defaults():
+    lines = accepted(zero(3, **ZERO_PLUS_PLUS))
+    for key, value in ZERO_PLUS_PLUS.items():
+        assert "as in fspeed" in lines[f"zero_optimization.{key}"], key
+    non_default = {"zero_quantized_weights": True, "zero_quantized_gradients": True,
+                   "zero_quantized_nontrainable_weights": True, "zero_hpz_partition_size": 8, "mics_shard_size": 4}
+    message = problems_of(zero(3, **non_default))
+    assert "5 problems" in message
+    assert "zero_optimization.zero_quantized_weights = true: ZeRO++ quantized weight gathers (qwZ) are not " \
+           "implemented; allowed: false (DeepSpeed's default)" in message
+    assert "zero_optimization.zero_hpz_partition_size = 8: ZeRO++ hierarchical partitioning (hpZ) is not " \
+           "implemented; allowed: 1 (DeepSpeed's default)" in message
+    assert "zero_optimization.mics_shard_size = 4: MiCS (sharding within sub-groups) is not implemented; " \
+           "allowed: -1 (DeepSpeed's default)" in message
+    # DeepSpeed reads them only at stage 3: at stage 2 any value is DeepSpeed's "no effect" too
+    lines = accepted(zero(2, **non_default))
+    assert lines["zero_optimization.mics_shard_size"] == \
+        "4 (DeepSpeed reads it only at stage 3; this config is stage 2)"
+
+
+@pytest.mark.parametrize("ds_key, value, needle", [
+    ("reduce_scatter", False, "fspeed always reduce-scatters gradients to their owners"),
+    ("contiguous_gradients", False, "fspeed always accumulates gradients in one contiguous flat buffer"),
+    ("round_robin_gradients", True, "round-robin gradient partitioning is not implemented"),
+    ("ignore_unused_parameters", False, "fspeed gives unused parameters zero gradients and does not raise"),
+    ("use_multi_rank_bucket_allreduce", False, "per-owner reduce is not implemented"),
+    ("load_from_fp32_weights", False, "fspeed always restores the fp32 masters"),
+    ("elastic_checkpoint", True, "same plan and mesh sizes"),
+])
+def test_stage_1_2_keys_only_at_deepspeed_defaults(ds_key, value, needle):
+    default = K.ZERO_FIXED[ds_key].default
+    assert f"zero_optimization.{ds_key}" in accepted(zero(2, **{ds_key: default}))
+    message = problems_of(zero(2, **{ds_key: value}))
+    assert f"zero_optimization.{ds_key} = {str(value).lower()}: " in message and needle in message
+    assert f"allowed: {str(default).lower()} (DeepSpeed's default)" in message
+    assert "this config is stage 0" in accepted(zero(0, **{ds_key: value}))[f"zero_optimization.{ds_key}"]
+
+
+@pytest.mark.parametrize("ds_key, value", [
+    ("stage3_max_live_parameters", 2e8), ("max_live_parameters", 2e8), ("stage3_max_reuse_distance", 0),
+    ("sub_group_size", 1e8), ("stage3_gather_16bit_weights_on_model_save", True), ("memory_efficient_linear", False),
+    ("stage3_module_granularity_threshold", 1000), ("stage3_allgather_sequential", True),
+])
+def test_stage_3_keys_only_at_deepspeed_defaults(ds_key, value):
+    default = K.ZERO_FIXED[ds_key].default
+    assert accepted(zero(3, **{ds_key: default}))[f"zero_optimization.{ds_key}"].endswith(
+        f"({K.ZERO_FIXED[ds_key].why})")
+    message = problems_of(zero(3, **{ds_key: value}))
+    assert f"zero_optimization.{ds_key} = " in message and "(DeepSpeed's default)" in message
+    assert K.ZERO_FIXED[ds_key].refused in message
+    assert "reads it only at stage 3" in accepted(zero(1, **{ds_key: value}))[f"zero_optimization.{ds_key}"]
+
+
+def test_prefetch_bucket_size_is_on_or_off():
+    assert run_from(zero(3, stage3_prefetch_bucket_size=0)).zero.prefetch is False
+    translation = translate_deepspeed_config(zero(3, prefetch_bucket_size=5e7))
+    assert "zero.prefetch=true" in translation.overrides
+    assert any("fspeed prefetches one block ahead" in note for note in translation.notes)
+    message = problems_of(zero(3, stage3_prefetch_bucket_size=5e8))
+    assert "zero_optimization.stage3_prefetch_bucket_size = 500000000.0: fspeed prefetches exactly one block ahead" \
+           in message and "allowed: 0 (no prefetch) or 50000000 (DeepSpeed's default: prefetch on)" in message
+    assert "reads it only at stage 3" in accepted(zero(2, stage3_prefetch_bucket_size=5e8))[
+        "zero_optimization.stage3_prefetch_bucket_size"]
+
+
+def test_allgather_partitions_is_ignored_by_deepspeed_too():
+    for value in (True, False):
+        line = accepted(zero(2, allgather_partitions=value))["zero_optimization.allgather_partitions"]
+        assert "nothing uses it" in line
+
+
+def test_every_zero_key_is_translated_or_accounted_for():
+    samples = {**{k: f.default for k, f in K.ZERO_FIXED.items()}, **{k: True for k in K.ZERO_NO_EFFECT},
+               "reduce_bucket_size": 1e8, "allgather_bucket_size": 1e8, "param_persistence_threshold": 10,
+               "model_persistence_threshold": 10**9, "overlap_comm": True, "prefetch_bucket_size": 0,
+               "offload_optimizer": {"device": "cpu"}, "offload_param": None, "cpu_offload": False,
+               "cpu_offload_param": False, "cpu_offload_use_pin_memory": True}
+    firsts = {first: samples.pop(first, 0) for first, _ in K.ZERO_ALIASES}  # one spelling per config
+    assert set(K.ZERO_KEYS) == {"stage", *samples, *firsts}
+
+    def reported(ds: dict) -> set[str]:
+        t = translate_deepspeed_config(ds)
+        return {key for key, _ in t.mapping} | {item.split(" = ")[0] for item in t.no_effect}
+
+    keys = reported(zero(3, **samples))
+    for key in samples:
+        assert any(k == f"zero_optimization.{key}" or k.startswith(f"zero_optimization.{key}.") for k in keys), key
+    for first, value in firsts.items():
+        assert f"zero_optimization.{first}" in reported(zero(3, **{first: value})), first
+
+
+def test_recompute_blocks_is_fspeeds_own_key_not_deepspeeds():
+    message = problems_of(zero(3, recompute_blocks=True))
+    assert "zero_optimization.recompute_blocks = true: not a DeepSpeed key" in message
+    assert "set zero.recompute_blocks=true on the fspeed-train command line" in message
+    assert "recompute_blocks" not in K.ZERO_KEYS
+
+
+# ------------------------------------------------------------------ other known keys
+
+
+def test_comms_logger_translates_enabled_and_verbose():
+    run = run_from({**BASE, "comms_logger": {"enabled": True, "verbose": True, "prof_all": True, "debug": False,
+                                             "prof_ops": ["all_reduce"]}})
+    assert run.comms_logger.enabled is True and run.comms_logger.verbose is True
+    lines = accepted({**BASE, "comms_logger": {"enabled": True, "prof_all": True, "debug": False, "prof_ops": []}})
+    assert lines["comms_logger.prof_all"] == "true (every collective is logged, as in fspeed)"
+    assert lines["comms_logger.debug"] == "false (records are named by op, as in fspeed)"
+    assert "prof_all is true" in lines["comms_logger.prof_ops"]
+    assert run_from({**BASE, "comms_logger": {"enabled": False}}).comms_logger.enabled is False
+    assert any("DeepSpeed 0.19 turns its comms logger on whenever" in note
+               for note in translate_deepspeed_config({"comms_logger": {"enabled": False}}).notes)
+    message = problems_of({"comms_logger": {"enabled": True, "prof_all": False, "prof_ops": ["all_reduce"],
+                                            "debug": True, "verbos": True}})
+    assert "3 problems" in message
+    assert "comms_logger.prof_all = false: fspeed logs every collective; choosing ops (prof_ops) is not " \
+           "implemented; allowed: true (DeepSpeed's default)" in message
+    assert "comms_logger.debug = true: caller names in records are not implemented; allowed: false" in message
+    assert "did you mean 'comms_logger.verbose'?" in message
+
+
+def test_timers_only_at_deepspeed_defaults():
+    lines = accepted({**BASE, "timers": {"throughput": {"enabled": True, "synchronized": True}}})
+    assert "fspeed's log lines report tokens/s" in lines["timers"]
+    message = problems_of({"timers": {"throughput": {"enabled": False, "synchronised": True}}})
+    assert "timers.throughput.enabled = false: not supported by fspeed yet; allowed: true (DeepSpeed's default)" \
+           in message
+    assert "timers.throughput.synchronised = true: unknown DeepSpeed key" in message
+
+
+@pytest.mark.parametrize("opt_type", ["Lamb", "SGD"])
+def test_untested_zero_optimizer_needs_the_flag_as_in_deepspeed(opt_type):
+    ds = {**zero(1), "optimizer": {"type": opt_type, "params": {"lr": 0.01}}}
+    message = problems_of(ds)
+    assert f"zero_allow_untested_optimizer = false: optimizer '{opt_type}' is not one of DeepSpeed's tested ZeRO " \
+           "optimizers; DeepSpeed refuses it at zero_optimization.stage 1 unless this is true" in message
+    assert run_from({**ds, "zero_optimization": {"stage": 0}}).zero.stage == 0  # no ZeRO: no check
+    adam = {**zero(2), "optimizer": {"type": "AdamW"}, "zero_allow_untested_optimizer": True}
+    assert "not the case here" in accepted(adam)["zero_allow_untested_optimizer"]
+    allowed = {**ds, "zero_allow_untested_optimizer": True}
+    if opt_type == "SGD":
+        assert run_from(allowed).zero.stage == 1
+        assert accepted(allowed)["zero_allow_untested_optimizer"] == "true (lets SGD run under ZeRO, as fspeed does)"
+    else:  # fspeed's Lamb needs whole tensors: refused under ZeRO even where DeepSpeed would run it
+        assert "fspeed cannot run Lamb under ZeRO even with this flag" in message
+        assert "optimizer.type = 'Lamb': Lamb's per-tensor trust ratio needs whole tensors" in problems_of(allowed)
+
+
+def test_top_level_keys_accepted_only_at_deepspeed_defaults():
+    lines = accepted({**BASE, **{key: fixed.default for key, fixed in K.SCALAR_DEFAULTS.items()}})
+    for key, fixed in K.SCALAR_DEFAULTS.items():
+        assert lines[key].endswith(f"({fixed.why})"), key
+    message = problems_of({"log_level": "debug", "communication_data_type": "fp32", "sequence_parallel_size": 2})
+    assert "log_level = 'debug': fspeed logs through Hydra; use hydra.verbose=fspeed for debug output; allowed: null" \
+           in message
+    assert "communication_data_type = 'fp32': a separate reduction dtype is not implemented; set " \
+           "data_types.grad_accum_dtype; allowed: null (DeepSpeed's default)" in message
+    assert "sequence_parallel_size = 2" in message
+
+
+def test_keys_deepspeed_ignores_are_accepted_at_any_value():
+    lines = accepted({**BASE, "vocabulary_size": 50257, "aio": {"block_size": 262144}, "disable_allgather": True,
+                      "zero_force_ds_cpu_optimizer": False, "seq_parallel_communication_data_type": "bf16"})
+    assert "multiple of 8" in lines["vocabulary_size"] and "NVMe" in lines["aio"]
+    assert "nothing uses it" in lines["disable_allgather"]
+    assert "client optimizer" in lines["zero_force_ds_cpu_optimizer"]
+    assert "sequence_parallel_size > 1" in lines["seq_parallel_communication_data_type"]
+
+
+def test_every_no_effect_reason_is_given():
+    tables = [K.NO_EFFECT, K.ZERO_NO_EFFECT, *K.OFFLOAD_NO_EFFECT.values()]
+    assert all(reason.strip() for table in tables for reason in table.values())
+    fixed = [*K.SCALAR_DEFAULTS.values(), *K.ZERO_FIXED.values(), *K.COMMS_LOGGER_FIXED.values()]
+    assert all(f.why.strip() and f.refused.strip() for f in fixed)
+    assert all(reason.strip() for _, reason in K.BLOCK_DEFAULTS.values())
 
 
 def test_auto_values_are_refused_with_a_hint():

@@ -11,7 +11,7 @@ import fspeed.optim as optim
 import fspeed.precision as precision
 from fspeed.models import GPTConfig, pad_vocab
 from fspeed.optim import schedules
-from fspeed.parallel.plan import ZeroConfig
+from fspeed import ZeroConfig
 
 from .schema import RunConfig
 

@@ -1,24 +1,30 @@
 """Translate a DeepSpeed ``ds_config.json`` into Hydra overrides of fspeed's config.
 
 Translated: the batch triad, ``fp16`` / ``bf16`` (alias ``bfloat16``) and
-``data_types.grad_accum_dtype``, ``optimizer`` (Adam, AdamW, Lamb, SGD), ``scheduler``
-(LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR), ``gradient_clipping``,
-``steps_per_print``, ``csv_monitor.enabled`` and ``zero_optimization`` (stage, buckets, persistence,
-prefetch, and the ``offload_optimizer`` / ``offload_param`` blocks with device cpu, also from the
-legacy ``cpu_offload`` booleans). Every other key is accounted for by name:
+``data_types.grad_accum_dtype``, ``optimizer`` (Adam, AdamW, Lamb, SGD, the 1-bit family),
+``scheduler`` (LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR),
+``gradient_clipping``, ``steps_per_print``, ``csv_monitor.enabled``, ``comms_logger.enabled`` /
+``verbose``, ``tensor_parallel.autotp_size``, ``sparse_attention`` and ``zero_optimization`` (stage,
+buckets, ``overlap_comm``, parameter and model persistence thresholds, prefetch on/off, and the
+``offload_optimizer`` / ``offload_param`` blocks with device cpu, also from the legacy
+``cpu_offload`` booleans). Every other key is accounted for by name:
 
 * unknown keys (typos) are errors with a did-you-mean;
-* known keys fspeed does not support yet are errors when set to a non-default or enabled value,
-  and are listed as "accepted, no effect" when at DeepSpeed's default or in a disabled block;
+* a key accepted "with no effect" is listed in the summary with the reason, which is one of two:
+  DeepSpeed itself ignores the key in fspeed's setting (an NVMe-only key with device cpu, a
+  stage-3 key at stage 2, ...), or the value is DeepSpeed's default and fspeed does what DeepSpeed
+  does at it. Any other value is an error naming the key, the value and what is allowed;
 * ``"auto"`` (a Hugging Face Trainer placeholder) is an error: resolve it first.
 
 All problems are reported together in one `DeepSpeedConfigError`. DeepSpeed semantics matched:
 optimizer type is case-insensitive; type "Adam" means AdamW unless ``adam_w_mode: false``;
 ``torch_adam`` switches to torch.optim defaults (AdamW weight_decay 0.01); ``max_grad_norm`` in
 optimizer params is an error; absent ``gradient_clipping`` is 1.0; no scheduler block means a
-constant lr; no fp16/bf16 block means fp32. Deviations: an unknown ``warmup_type`` falls back to
+constant lr; no fp16/bf16 block means fp32; Lamb or SGD under ZeRO needs
+``zero_allow_untested_optimizer: true``. Deviations: an unknown ``warmup_type`` falls back to
 "log" as in DeepSpeed but is reported as a note; fspeed accumulates bf16/fp16 gradients in fp32
-unless ``data_types.grad_accum_dtype`` says otherwise (DeepSpeed #2768).
+unless ``data_types.grad_accum_dtype`` says otherwise (DeepSpeed #2768); fspeed's comms logger
+follows ``comms_logger.enabled`` (DeepSpeed 0.19 turns it on whenever the block is present).
 """
 
 from __future__ import annotations
@@ -137,6 +143,34 @@ def _at_default(w: _Ledger, ds_key: str, value: Any, default: Any, reason: str,
         w.accept(ds_key, value, reason)
     else:
         w.unsupported(ds_key, value, f"{show_value(default)} ({allowed_note})")
+
+
+def _fixed(w: _Ledger, ds_key: str, value: Any, fixed: K.Fixed, unread: str | None = None) -> None:
+    """A key fspeed accepts only at DeepSpeed's default (`fixed.why` says why that changes nothing);
+    `unread` is the reason any value is fine when DeepSpeed does not read the key in this config."""
+    if _same(value, fixed.default):
+        w.accept(ds_key, value, fixed.why)
+    elif unread is not None and not _has_auto(value):
+        w.accept(ds_key, value, unread)
+    else:
+        w.unsupported(ds_key, value, f"{show_value(fixed.default)} (DeepSpeed's default)", fixed.refused)
+
+
+def _check_defaults(w: _Ledger, prefix: str, block: Mapping[str, Any], defaults: Mapping[str, Any]) -> bool:
+    """Report every key of `block` that is unknown or not at its default (nested blocks too);
+    True when there is none."""
+    ok = True
+    for key, value in block.items():
+        name = f"{prefix}.{key}"
+        if key not in defaults:
+            w.unknown(name, value, defaults)
+            ok = False
+        elif isinstance(defaults[key], Mapping) and isinstance(value, Mapping):
+            ok = _check_defaults(w, name, value, defaults[key]) and ok
+        elif not _same(value, defaults[key]):
+            w.unsupported(name, value, f"{show_value(defaults[key])} (DeepSpeed's default)")
+            ok = False
+    return ok
 
 
 # ------------------------------------------------------------------------------ sections
@@ -385,8 +419,16 @@ def _zero(ds: Mapping[str, Any], w: _Ledger) -> None:
     if block is None:
         return
     for key, value in block.items():
-        if key not in K.ZERO_KEYS:
+        if key in K.FSPEED_ONLY_ZERO_KEYS:
+            w.problems.append(Problem(f"zero_optimization.{key}", "not a DeepSpeed key", value,
+                                      hint=K.FSPEED_ONLY_ZERO_KEYS[key]))
+        elif key not in K.ZERO_KEYS:
             w.unknown(f"zero_optimization.{key}", value, K.ZERO_KEYS)
+    for first, second in K.ZERO_ALIASES:
+        if first in block and second in block:
+            w.problems.append(Problem(f"zero_optimization.{second}", f"set together with zero_optimization.{first}, "
+                                      "its other spelling (DeepSpeed reads one field from either); keep one",
+                                      block[second]))
     stage = block.get("stage", 0)
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         w.problems.append(Problem("zero_optimization.stage", "not a ZeRO stage", stage, "0, 1, 2, 3"))
@@ -395,23 +437,48 @@ def _zero(ds: Mapping[str, Any], w: _Ledger) -> None:
     for ds_key, key in K.ZERO_TRANSLATED.items():
         if ds_key in block:
             w.emit(f"zero_optimization.{ds_key}", f"zero.{key}", block[ds_key])
-    for ds_key in ("stage3_prefetch_bucket_size", "prefetch_bucket_size"):
+    _prefetch(block, stage, w)
+    for ds_key, fixed in K.ZERO_FIXED.items():
         if ds_key in block:
-            w.emit(f"zero_optimization.{ds_key}", "zero.prefetch", bool(block[ds_key]))
-    for ds_key, (default, reason) in K.ZERO_NO_EFFECT.items():
-        if ds_key in block and default is None:  # a pure performance hint: any value is fine
+            _fixed(w, f"zero_optimization.{ds_key}", block[ds_key], fixed, _unread(ds_key, stage))
+    for ds_key, reason in K.ZERO_NO_EFFECT.items():
+        if ds_key in block:
             w.accept(f"zero_optimization.{ds_key}", block[ds_key], reason)
-        elif ds_key in block:
-            _at_default(w, f"zero_optimization.{ds_key}", block[ds_key], default, reason)
     for ds_key in ("offload_optimizer", "offload_param"):
-        if ds_key in block and block[ds_key] is not None:
+        if ds_key in block and block[ds_key] is None:
+            w.accept(f"zero_optimization.{ds_key}", None, "null: nothing offloaded (DeepSpeed's default)")
+        elif ds_key in block:
             _offload(ds_key, block[ds_key], w)
     _legacy_offload(block, w)
-    handled = {"stage", *K.ZERO_TRANSLATED, *K.ZERO_NO_EFFECT, "offload_optimizer", "offload_param",
-               "stage3_prefetch_bucket_size", "prefetch_bucket_size", *K.LEGACY_OFFLOAD, "cpu_offload_use_pin_memory"}
-    for key, value in block.items():
-        if key in K.ZERO_KEYS and key not in handled:
-            w.unsupported(f"zero_optimization.{key}", value, "the key's default (not supported by fspeed yet)")
+
+
+def _unread(ds_key: str, stage: int) -> str | None:
+    """Why any value of zero_optimization.`ds_key` has no effect at `stage` (DeepSpeed does not read
+    it there), or None when DeepSpeed reads it."""
+    stages = K.ZERO_READ_AT.get(ds_key, (1, 2, 3))
+    if stage in stages:
+        return None
+    return f"DeepSpeed reads it only at stage {'/'.join(map(str, stages))}; this config is stage {stage}"
+
+
+def _prefetch(block: Mapping[str, Any], stage: int, w: _Ledger) -> None:
+    """stage3_prefetch_bucket_size (or prefetch_bucket_size) -> zero.prefetch: 0 turns prefetching
+    off; DeepSpeed's default turns it on (fspeed prefetches one block ahead). Other sizes cannot be
+    honoured, so they are errors where DeepSpeed reads them (stage 3)."""
+    for ds_key in K.PREFETCH_KEYS:
+        if ds_key not in block:
+            continue
+        name, value = f"zero_optimization.{ds_key}", block[ds_key]
+        if _same(value, 0) or _same(value, K.PREFETCH_BUCKET_DEFAULT):
+            w.emit(name, "zero.prefetch", bool(value))
+            if value and stage == 3:
+                w.notes.append(f"{name} = {show_value(value)} (DeepSpeed's default): fspeed prefetches one block "
+                               "ahead rather than up to that many elements")
+        elif (unread := _unread(ds_key, stage)) is not None and not _has_auto(value):
+            w.accept(name, value, unread)
+        else:
+            w.unsupported(name, value, f"0 (no prefetch) or {K.PREFETCH_BUCKET_DEFAULT} (DeepSpeed's default: "
+                          "prefetch on)", "fspeed prefetches exactly one block ahead, not a number of elements")
 
 
 def _offload(name: str, raw: Any, w: _Ledger) -> None:
@@ -487,16 +554,25 @@ def _tensor_parallel(ds: Mapping[str, Any], w: _Ledger) -> None:
 
 
 def _comms_logger(ds: Mapping[str, Any], w: _Ledger) -> None:
+    """`comms_logger` -> fspeed's comm log (comms_logger.enabled / verbose). fspeed logs every
+    collective under its op name: prof_all and debug only at DeepSpeed's defaults."""
     block = w.block("comms_logger", ds["comms_logger"])
     if block is None:
         return
     for key, value in block.items():
         if key not in K.COMMS_LOGGER_KEYS:
             w.unknown(f"comms_logger.{key}", value, K.COMMS_LOGGER_KEYS)
-        elif key in ("enabled", "verbose"):
-            w.emit(f"comms_logger.{key}", f"comms_logger.{key}", value)
-        else:
-            _at_default(w, f"comms_logger.{key}", value, K.COMMS_LOGGER_KEYS[key], "fspeed logs every op")
+    for key in K.COMMS_LOGGER_TRANSLATED:
+        if key in block:
+            w.emit(f"comms_logger.{key}", f"comms_logger.{key}", block[key])
+    for key, fixed in K.COMMS_LOGGER_FIXED.items():
+        if key in block:
+            _fixed(w, f"comms_logger.{key}", block[key], fixed)
+    if "prof_ops" in block and _same(block.get("prof_all", True), True):
+        w.accept("comms_logger.prof_ops", block["prof_ops"], "no effect while prof_all is true: every op is logged")
+    if block.get("enabled", False) is False:
+        w.notes.append("comms_logger.enabled is false: DeepSpeed 0.19 turns its comms logger on whenever the "
+                       "comms_logger block is present (it reads only the block's presence); fspeed follows enabled")
 
 
 def _csv_monitor(ds: Mapping[str, Any], w: _Ledger) -> None:
@@ -507,7 +583,7 @@ def _csv_monitor(ds: Mapping[str, Any], w: _Ledger) -> None:
         if key not in K.CSV_MONITOR_KEYS:
             w.unknown(f"csv_monitor.{key}", value, K.CSV_MONITOR_KEYS)
         elif key != "enabled":
-            _at_default(w, f"csv_monitor.{key}", value, K.CSV_MONITOR_KEYS[key], "DeepSpeed's default")
+            _at_default(w, f"csv_monitor.{key}", value, K.CSV_MONITOR_KEYS[key], K.CSV_MONITOR_DEFAULT_REASON)
     w.emit("csv_monitor.enabled", "monitor.csv", block.get("enabled", False))
 
 
@@ -543,31 +619,54 @@ def _other(key: str, value: Any, w: _Ledger) -> None:
     if key in K.NO_EFFECT:
         w.accept(key, value, K.NO_EFFECT[key])
     elif key in K.SCALAR_DEFAULTS:
-        _at_default(w, key, value, K.SCALAR_DEFAULTS[key], "DeepSpeed's default")
+        _fixed(w, key, value, K.SCALAR_DEFAULTS[key])
     elif key in K.ENABLED_BLOCKS:
         if value is None or value == {} or (isinstance(value, Mapping) and value.get("enabled") is False):
-            w.accept(key, value, "disabled")
+            w.accept(key, value, K.ENABLED_BLOCK_REASON)
         else:
             shown = value.get("enabled", value) if isinstance(value, Mapping) else value
             w.unsupported(f"{key}.enabled" if isinstance(value, Mapping) else key, shown, "false (disabled)")
     elif key in K.BLOCK_DEFAULTS:
         block = w.block(key, value)
-        if block is None:
-            return
-        defaults = K.BLOCK_DEFAULTS[key]
-        for inner, inner_value in block.items():
-            if inner not in defaults:
-                w.unknown(f"{key}.{inner}", inner_value, defaults)
-            elif not _same(inner_value, defaults[inner]):
-                w.unsupported(f"{key}.{inner}", inner_value, f"{show_value(defaults[inner])} (DeepSpeed's default)")
-        if all(_same(v, defaults.get(k)) for k, v in block.items()):
-            w.accept(key, dict(block), "all at DeepSpeed's defaults")
+        defaults, why = K.BLOCK_DEFAULTS[key]
+        if block is not None and _check_defaults(w, key, block, defaults):
+            w.accept(key, dict(block), why)
     else:
         w.unknown(key, value, K.ALL_TOP_LEVEL)
 
 
+def _untested_optimizer(ds: Mapping[str, Any], w: _Ledger) -> None:
+    """zero_allow_untested_optimizer: DeepSpeed asserts under ZeRO (stage >= 1) for an optimizer
+    outside its tested list (of the translated ones: Lamb and SGD) unless it is true. fspeed runs
+    SGD there; Lamb's per-tensor trust ratio needs whole tensors, so fspeed refuses it under ZeRO."""
+    key = "zero_allow_untested_optimizer"
+    allow = ds.get(key, False)
+    if not isinstance(allow, bool):
+        w.unsupported(key, allow, "true, false", "expected a boolean")
+        return
+    zero, opt = ds.get("zero_optimization"), ds.get("optimizer")
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    kind = opt.get("type") if isinstance(opt, Mapping) else None
+    untested = isinstance(kind, str) and kind.lower() in K.UNTESTED_ZERO_OPTIMIZERS \
+        and stage in (1, 2, 3) and not isinstance(stage, bool)
+    lamb = untested and kind.lower() == "lamb"
+    if untested and not allow:
+        w.problems.append(Problem(key, f"optimizer {kind!r} is not one of DeepSpeed's tested ZeRO optimizers; "
+                                  f"DeepSpeed refuses it at zero_optimization.stage {stage} unless this is true", allow,
+                                  "zero_optimization.stage 0 or optimizer Adam/AdamW (fspeed cannot run Lamb under "
+                                  "ZeRO even with this flag)" if lamb else "true, or optimizer Adam/AdamW"))
+        return
+    if lamb:
+        w.problems.append(Problem("optimizer.type", "Lamb's per-tensor trust ratio needs whole tensors: fspeed runs "
+                                  f"it only without ZeRO, not at zero_optimization.stage {stage}", kind,
+                                  "zero_optimization.stage 0, or optimizer Adam/AdamW/SGD"))
+    if key in ds:
+        w.accept(key, allow, f"lets {kind} run under ZeRO, as fspeed does" if untested else
+                 "DeepSpeed checks it only for an optimizer outside its tested list under ZeRO; not the case here")
+
+
 _HANDLED = {*K.TRIAD, "gradient_clipping", "steps_per_print", "fp16", "bf16", "bfloat16", "data_types",
-            "optimizer", "scheduler"}
+            "optimizer", "scheduler", "zero_allow_untested_optimizer"}
 
 
 def translate_deepspeed_config(ds: Mapping[str, Any]) -> DeepSpeedTranslation:
@@ -583,6 +682,7 @@ def translate_deepspeed_config(ds: Mapping[str, Any]) -> DeepSpeedTranslation:
     _optimizer(ds, w)
     _scheduler(ds, w)
     _precision(ds, w)
+    _untested_optimizer(ds, w)
     for key, value in ds.items():
         if key == "zero_optimization":
             _zero(ds, w)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import TYPE_CHECKING, Literal, Optional, Union
 
 from ..batch_triad import BatchTriad, BatchTriadError, resolve_batch_triad
 from ..sparse.config import SparseAttentionConfig
@@ -30,6 +31,9 @@ from .fields import (
     required,
     setting,
 )
+
+if TYPE_CHECKING:
+    import fspeed
 
 Betas = tuple[float, float]
 WarmupType = Literal["log", "linear"]
@@ -381,6 +385,8 @@ class ZeroSection(ValidatedConfig):
     reduce_bucket_size: int = setting(500_000_000, POSITIVE)  # elements
     allgather_bucket_size: int = setting(500_000_000, POSITIVE)
     param_persistence_threshold: int = setting(100_000, NON_NEGATIVE)  # stage3_param_persistence_threshold
+    model_persistence_threshold: int = setting(sys.maxsize, NON_NEGATIVE)  # stage 3: cap on all persistent elements
+    overlap_comm: Optional[bool] = None  # None = DeepSpeed's default: true for stage 3, false otherwise
     prefetch: bool = True  # stage 3: gather the next layer while one computes (prefetch_bucket_size > 0)
     recompute_blocks: bool = False  # fspeed's own, stage 3: recompute each block in backward (less memory)
     offload_optimizer: OffloadOptimizerSection = field(default_factory=OffloadOptimizerSection)
@@ -395,15 +401,15 @@ class ZeroSection(ValidatedConfig):
             return [Problem(named.group(1) if named else "offload_optimizer", message)]
         return []
 
-    def to_library(self):
-        """The `fspeed.plan.ZeroConfig` these keys describe (raises ValueError on a bad combination)."""
-        from ..parallel.plan import ZeroConfig  # noqa: PLC0415 (the schema module stays free of torch imports)
+    def to_library(self) -> fspeed.ZeroConfig:
+        """The `fspeed.ZeroConfig` these keys describe (raises ValueError on a bad combination)."""
+        import fspeed  # noqa: PLC0415 (the schema module stays free of torch imports)
 
-        fields = ("stage", "reduce_bucket_size", "allgather_bucket_size", "param_persistence_threshold", "prefetch",
-                  "recompute_blocks")
-        return ZeroConfig(**{f: getattr(self, f) for f in fields},
-                          offload_optimizer=dataclasses.asdict(self.offload_optimizer),
-                          offload_param=dataclasses.asdict(self.offload_param))
+        fields = ("stage", "reduce_bucket_size", "allgather_bucket_size", "param_persistence_threshold",
+                  "model_persistence_threshold", "overlap_comm", "prefetch", "recompute_blocks")
+        return fspeed.ZeroConfig(**{f: getattr(self, f) for f in fields},
+                                 offload_optimizer=dataclasses.asdict(self.offload_optimizer),
+                                 offload_param=dataclasses.asdict(self.offload_param))
 
 
 @dataclass(frozen=True, kw_only=True)
