@@ -59,7 +59,7 @@ def measure(kind: str, layers: int, steps: int, warmup: int, local_interval: int
     else:  # phase B from step warmup + 2, intervals already at local_interval
         opt = fs.optim.zero_one_adam(1e-3, var_freeze_step=warmup, var_update_scaler=1, local_step_scaler=1,
                                      local_step_clipper=local_interval, world_size=n)
-    plan = fs.plan.zero(0)
+    plan = fs.zero(0)
     state = fs.init_train_state(params, opt, plan=plan, mesh=mesh)
     step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)
     gen = torch.Generator().manual_seed(rank)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -32,10 +33,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 
-from .parallel.comm import all_gather_objects
 from .flat import Flat
 from .pytree import tree_flatten_with_paths, tree_unflatten
 from .train_state import TrainState
@@ -180,7 +179,7 @@ def save_checkpoint(
     directory = Path(directory)
     tag = _check_tag(tag or f"global_step{state.step}")
     if _is_sharded(state, mesh, "save_checkpoint"):
-        return _save_sharded(directory, state, tag, client_state, save_latest)
+        return _save_sharded(directory, state, tag, client_state, save_latest, mesh)
     tensors, scalars = state_entries(state)
     client_json = _split_client_state(client_state or {}, "", tensors)
     directory.mkdir(parents=True, exist_ok=True)
@@ -199,8 +198,7 @@ def save_checkpoint(
 
 def _is_sharded(state: TrainState, mesh, what: str) -> bool:
     """Whether `state` lives on several ranks (then each rank keeps its own file)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if state.layout is None or world == 1:
+    if state.layout is None or math.prod(size for _, size in state.layout.mesh_sizes) == 1:
         return False
     if mesh is None:
         raise ValueError(f"{what}: this state is sharded (zero stage {state.layout.stage} on mesh "
@@ -251,8 +249,9 @@ def _rank_file(rank: int) -> str:
 
 
 def _save_sharded(directory: Path, state: TrainState, tag: str, client_state: Optional[dict],
-                  save_latest: bool) -> Path:
-    rank = dist.get_rank()
+                  save_latest: bool, mesh) -> Path:
+    rank = mesh.rank
+    all_gather_objects = mesh.all_gather_objects
     tmp_name = None
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
@@ -380,7 +379,7 @@ def load_checkpoint(
         if tag is None:
             raise CheckpointError(f"no checkpoint in {directory} (no '{LATEST_FILE}' file)")
     if _is_sharded(template, mesh, "load_checkpoint"):
-        return _load_sharded(directory, template, tag, load_optimizer_states)
+        return _load_sharded(directory, template, tag, load_optimizer_states, mesh)
     path = _checkpoint_dir(directory, tag)
     meta = read_meta(path)
     if "layout" in meta:
@@ -393,8 +392,9 @@ def load_checkpoint(
         _join_client_state(meta.get("client_state", {}), reader.get_tensor)
 
 
-def _load_sharded(directory: Path, template: TrainState, tag: str, load_optimizer_states: bool):
-    rank = dist.get_rank()
+def _load_sharded(directory: Path, template: TrainState, tag: str, load_optimizer_states: bool, mesh):
+    rank = mesh.rank
+    all_gather_objects = mesh.all_gather_objects
     result, client, error = None, None, None
     try:
         path = _checkpoint_dir(directory, tag)

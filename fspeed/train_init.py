@@ -55,7 +55,7 @@ def init_train_state(
     return TrainState(
         params=compute,
         master=master if precision.has_master else None,
-        opt_state=init_state(optimizer, master, 1),
+        opt_state=init_state(optimizer, master),
         loss_scale=scaler,
         rng_seed=int(seed),
         precision=precision,

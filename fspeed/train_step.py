@@ -40,7 +40,7 @@ from .optim.clipping import clip_coefficient
 from .parallel.layout import resolve
 from .parallel.mesh import Mesh
 from .parallel.plan import Plan
-from .parallel.runtime import ParallelRuntime
+from .parallel.runtime import ParallelRuntime, check_optimizer
 from .pytree import PyTree, tree_flatten_with_paths, tree_unflatten
 from .train_state import TrainState
 
@@ -124,6 +124,7 @@ def make_train_step(
             if plan != layout.plan or dict(mesh.sizes) != dict(layout.mesh_sizes):
                 raise ValueError(f"make_train_step's plan {plan!r} on mesh {mesh.sizes} does not match the state's "
                                  f"({layout.describe()})")
+            check_optimizer(optimizer, layout)
             if layout.tensor_axes and not parallel_aware:
                 raise ValueError("tensor slicing needs a parallel-aware loss (one that accepts ops=, like the "
                                  "reference GPT's); functionalize(nn.Module) models support ZeRO stages 0-3 only")
@@ -155,9 +156,11 @@ def make_train_step(
 
     grad_and_loss = torch.func.grad_and_value(micro_loss, has_aux=True)
 
-    def persistent_grad_bytes() -> int:
-        """Bytes held between steps for gradients (accumulators, partitions, buckets)."""
-        return sum(r.held_grad_bytes() for r in runtimes.values())
+    def persistent_grad_bytes(where: str = "all") -> int:
+        """Bytes held between steps for gradients (accumulators, partitions, buckets): on the
+        "device", the "host" (offload_param's accumulator) or "all"."""
+        held = [r.held_grad_bytes() for r in runtimes.values()]
+        return sum(h["device"] + h["host"] if where == "all" else h[where] for h in held)
 
     def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         precision, params = state.precision, state.params

@@ -322,7 +322,6 @@ def test_zero_library_errors_are_reported_under_the_key_they_name(monkeypatch):
         "zero.stage=2", "zero.recompute_blocks=true")
 
 
-@pytest.mark.xfail(strict=False, reason="ZeroConfig check lands with the parallel reshape")
 def test_recompute_blocks_needs_zero_stage_3():
     message = error_of("zero.stage=2", "zero.recompute_blocks=true")
     assert "zero.recompute_blocks: zero.recompute_blocks=True needs zero stage 3" in message

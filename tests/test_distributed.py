@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fspeed as fs
-from fspeed.parallel.plan import model_state_bytes, resolve, tensor_slicing, zero
+from fspeed.parallel import resolve, tensor_slicing, zero
 from fspeed.testing import GlooWorld, WorkerError
-from fspeed.parallel.zero import gather_params
+from fspeed.parallel import gather_params
+from fspeed.parallel.memory import layout_memory
 
 
 
@@ -162,20 +163,24 @@ def test_per_rank_model_state_bytes_follow_the_zero_formulas(world4, stage):
         layout = got["layout"]
         psi, n, p = layout.local.numel, layout.data_size, layout.partition_numel
         if stage == 3:
-            local = sum(u.shard_numel for u in layout.units)
+            local = layout.storage.numel
             assert any(u.sharded for u in layout.units) and any(not u.sharded for u in layout.units)
-            expected = {"params": 2 * local, "grads": 2 * local, "master": 4 * local, "optimizer": 8 * local}
-            assert local < psi / n + sum(u.numel for u in layout.units if not u.sharded) + n * len(layout.units)
+            resident = sum(layout.params[i].local_numel for u in layout.units for i in u.resident_params)
+            # the shard accumulator and one packed bucket holding all persistent parameters
+            expected = {"params": 2 * local, "grads": 2 * (local + resident), "master": 4 * local,
+                        "optimizer": 8 * local}
+            assert local < psi / n + resident + n * len(layout.units)
         else:
             padded = n * p if stage else psi
-            # stage 1 keeps the full accumulation buffer and the reduce-scattered slice it feeds
-            expected = {"params": 2 * padded, "grads": 2 * {0: padded, 1: padded + p, 2: p}[stage],
+            # stage 0-1 keep one full accumulation buffer; stage 2 only its partition and one bucket
+            # (overlap_comm is off by default below stage 3)
+            expected = {"params": 2 * padded, "grads": 2 * {0: padded, 1: padded, 2: p + psi}[stage],
                         "master": 4 * (p if stage else psi), "optimizer": 8 * (p if stage else psi)}
         assert {k: got[k] for k in expected} == expected
-    # the layout's own accounting (what explain() prints) is exactly what the buffers hold
-    mem = model_state_bytes(results[0]["layout"])
-    assert (results[0]["params"], results[0]["grads"], results[0]["master"] + results[0]["optimizer"]) == \
-        (mem["params"], mem["grads"], mem["optimizer"])
+    # the layout's own accounting (what explain() and estimate_memory print) is what the buffers hold
+    mem = layout_memory(results[0]["layout"], fs.precision.bf16(grad_accum_dtype="bf16"))
+    assert (results[0]["params"], results[0]["grads"], results[0]["master"], results[0]["optimizer"]) == \
+        (mem.device["params"], mem.device["grads"], mem.device["master"], mem.device["optimizer"])
 
 
 @settings(max_examples=6, deadline=None)
@@ -318,7 +323,7 @@ def gathered_bytes_case(recompute):
     """Bytes of gathered ZeRO-3 weights still held when each unit's backward starts."""
     import fspeed.parallel.ops as so
     calls, held = [], []
-    real_init, real_backward = so._UnitCall.__init__, so._GatheredUnit.backward
+    real_init, real_backward = so._BlockCall.__init__, so._GatheredUnit.backward
 
     def init(self, *args):
         real_init(self, *args)
@@ -327,11 +332,11 @@ def gathered_bytes_case(recompute):
     def backward(ctx, grad):
         held.append(sum(c.full.untyped_storage().nbytes() for c in calls if c.full is not None))
         return real_backward(ctx, grad)
-    so._UnitCall.__init__, so._GatheredUnit.backward = init, staticmethod(backward)
+    so._BlockCall.__init__, so._GatheredUnit.backward = init, staticmethod(backward)
     try:
         flat, *_ = distributed_case(1, 1, 1, 2, "sgd", 3, 1, dims={"n_layer": 3, "d_model": 32}, recompute=recompute)
     finally:
-        so._UnitCall.__init__, so._GatheredUnit.backward = real_init, staticmethod(real_backward)
+        so._BlockCall.__init__, so._GatheredUnit.backward = real_init, staticmethod(real_backward)
     return len(calls), held
 
 

@@ -14,9 +14,9 @@ import fspeed.parallel.offload as offload_mod
 from fspeed.config import ConfigError, check_overrides, to_run_config
 from fspeed.config.build import build_zero_config
 from fspeed.config.deepspeed import DeepSpeedConfigError, translate_deepspeed_config
-from fspeed.optim.base import GradientTransformation, TransformInfo
-from fspeed.parallel.plan import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig, zero
-from fspeed.parallel.zero import gather_params
+from fspeed.optim.base import Capabilities, GradientTransformation, TransformInfo
+from fspeed.parallel import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig, zero
+from fspeed.parallel import gather_params
 
 
 def tiny_gpt(seed, n_layer=2, d_model=16, vocab=24, seq=8):
@@ -179,16 +179,20 @@ def test_offload_config_forms_and_repr():
     assert ZeroConfig(stage=2, offload_optimizer=None).offload_optimizer.device == "none"
     plan = zero(3, offload_optimizer={"device": "cpu", "pin_memory": False}, offload_param="cpu")
     assert repr(plan) == "zero(stage=3, offload_optimizer='cpu', offload_param='cpu')"
-    assert not plan.zero.offload_optimizer.pin_memory and plan.zero.offload_param.pin_memory
+    cfg = plan.find("zero").config
+    assert not cfg.offload_optimizer.pin_memory and cfg.offload_param.pin_memory
 
 
 def test_optimizer_without_cpu_path_is_refused():
     _, model, params = tiny_gpt(0)
-    compressed = GradientTransformation(lambda p: (), lambda u, s, p=None: (u, s), None,
-                                        TransformInfo("onebit_adam", {}))
-    with pytest.raises(ValueError, match="'onebit_adam' has no CPU offload path"):
-        fs.init_train_state(params, compressed, plan=offload_plan(1, True), mesh=fs.Mesh(data=1))
-    fs.init_train_state(params, compressed, plan=offload_plan(1, False), mesh=fs.Mesh(data=1))  # fine on the device
+    device_only = GradientTransformation(lambda p: (), lambda u, s, p=None: (u, s), None,
+                                         TransformInfo("device_only", {}), capabilities=Capabilities(elementwise=True))
+    with pytest.raises(ValueError, match="'device_only' has no CPU path"):
+        fs.init_train_state(params, device_only, plan=offload_plan(1, True), mesh=fs.Mesh(data=1))
+    fs.init_train_state(params, device_only, plan=offload_plan(1, False), mesh=fs.Mesh(data=1))  # fine on the device
+    chained = fs.optim.chain(fs.optim.clip_by_global_norm(1.0), device_only)
+    with pytest.raises(ValueError, match="'device_only' has no CPU path"):
+        fs.init_train_state(params, chained, plan=offload_plan(2, True), mesh=fs.Mesh(data=1))
 
 
 def compose_run(*overrides: str):
@@ -251,7 +255,7 @@ def test_deepspeed_offload_blocks_translate_and_report_unused_keys():
 def measured_memory_case(stage, precision, offload, offload_param):
     """Bytes of every model-state buffer after two steps, split by where ZeRO-Offload puts them,
     with the estimate for the same params, plan, mesh and precision."""
-    zero_mod = importlib.import_module("fspeed.parallel.zero")  # (fspeed.parallel.zero the attribute is the plan function)
+    zero_mod = importlib.import_module("fspeed.parallel.runtime")
 
     host_allocations = []
     real = zero_mod.host_buffer
@@ -274,12 +278,14 @@ def measured_memory_case(stage, precision, offload, offload_param):
     finally:
         zero_mod.host_buffer = real
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-    params_b, grads_b = nbytes(state.params.buffer), step.persistent_grad_bytes()
+    params_b = nbytes(state.params.buffer)
+    grads_device, grads_host = step.persistent_grad_bytes("device"), step.persistent_grad_bytes("host")
     master_b = nbytes(state.master.buffer) if state.master is not None else 0
     opt_b = nbytes(state.opt_state.mu.buffer) + nbytes(state.opt_state.nu.buffer)
-    on_device = {"params": 0 if offload_param else params_b, "grads": 0 if offload_param else grads_b,
+    on_device = {"params": 0 if offload_param else params_b, "grads": grads_device,
                  "master": 0 if offload else master_b, "optimizer": 0 if offload else opt_b}
-    on_host = (params_b + grads_b if offload_param else 0) + (master_b + opt_b if offload else 0) + sum(host_allocations)
+    on_host = (params_b if offload_param else 0) + grads_host + (master_b + opt_b if offload else 0) \
+        + sum(host_allocations)
     estimate = fs.estimate_memory(params, plan, mesh.sizes, prec)
     return on_device, on_host, estimate
 
@@ -305,13 +311,16 @@ def test_estimator_follows_the_zero_paper_formulas(stage):
     assert plain.paper_device == {1: 4 * psi + k_part, 2: 2 * psi + 14 * psi // n, 3: 16 * psi // n}[stage]
     assert off.paper_device == plain.paper_device - k_part and off.paper_cpu == 16 * psi // n  # 12 + fp32 grads
     assert both.paper_device == 0 and both.paper_cpu == 20 * psi // n
-    slice_grads = 2 * psi // n if stage == 1 else 0  # stage 1 also keeps the reduce-scattered slice
-    assert plain.device_total - plain.device["gathered"] == plain.paper_device + slice_grads
-    assert off.device_total - off.device["gathered"] == off.paper_device + slice_grads
+    # stage 2 also keeps its reduce bucket (DeepSpeed's IPG buffer: reduce_bucket_size elements, here
+    # capped at the model's size); stage 1's partition is a view of its accumulation buffer
+    bucket = 2 * psi if stage == 2 else 0
+    assert plain.device_total == plain.paper_device + bucket
+    assert off.device_total == off.paper_device + bucket
     # on CPU: 12 bytes of masters and moments + the 16-bit gradient and 16-bit staging = the paper's 16
     assert off.cpu_total == off.paper_cpu and off.device["master"] == off.device["optimizer"] == 0
     # parameters offloaded too: the 16-bit host gradient is read as it is, no 4-byte copy
-    assert both.cpu_total == both.paper_cpu - 4 * psi // n and both.device_total == both.device["gathered"]
+    assert both.cpu_total == both.paper_cpu - 4 * psi // n and both.device_total == 0
+    assert both.peak["gathered"] == 2 * psi  # the one unit, gathered for its forward
     assert "ZeRO paper formula" in str(off) and "CPU" in str(off)
 
 

@@ -93,10 +93,10 @@ def make_onebit(kind, world):
 
 
 def train_ranks(kind, steps, rows):
-    mesh = fs.Mesh(data=-1, log=fs.comm.CommLog())
+    mesh = fs.Mesh(data=-1, log=fs.CommLog())
     n, rank = mesh.size("data"), mesh.coordinate("data")
     opt = make_onebit(kind, n)
-    plan = fs.plan.zero(0)
+    plan = fs.zero(0)
     state = fs.init_train_state(tree(0), opt, plan=plan, mesh=mesh)
     step = fs.make_train_step(linear_loss, opt, plan=plan, mesh=mesh)
     for i in range(steps):
@@ -279,7 +279,7 @@ def masked_momentum_ranks(kind, masked, steps):
     else:
         make = fs.optim.onebit_adam if kind == "onebit_adam" else fs.optim.onebit_lamb
         opt = make(1e-2, freeze_step=2, weight_decay=0.01, world_size=n, exp_avg_mask=mask)
-    plan = fs.plan.zero(0)
+    plan = fs.zero(0)
     state = fs.init_train_state(tree(0), opt, plan=plan, mesh=mesh)
     step = fs.make_train_step(linear_loss, opt, plan=plan, mesh=mesh)
     for i in range(steps):
@@ -324,7 +324,7 @@ def resume_ranks(kind, directory, split, steps, rows):
     checkpoint to `steps`. Returns both runs' params and error buffers on this rank."""
     mesh = fs.Mesh(data=-1)
     n, rank = mesh.size("data"), mesh.coordinate("data")
-    opt, plan = make_onebit(kind, n), fs.plan.zero(0)
+    opt, plan = make_onebit(kind, n), fs.zero(0)
     step = fs.make_train_step(linear_loss, opt, plan=plan, mesh=mesh)
 
     def run(state, start):
@@ -378,7 +378,7 @@ def train_gpt(kind, steps):
     params = model.init(torch.Generator().manual_seed(0))
     opt = (fs.optim.onebit_adam(3e-3, freeze_step=steps // 4, world_size=n) if kind == "onebit_adam"
            else fs.optim.adam(3e-3))
-    plan = fs.plan.zero(0)
+    plan = fs.zero(0)
     state = fs.init_train_state(params, opt, plan=plan, mesh=mesh)
     step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)
     rows = 16

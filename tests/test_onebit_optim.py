@@ -232,7 +232,7 @@ def test_zero_stage_one_and_more_is_a_clear_error():
     mesh = fs.Mesh(data=-1)
     params = tree(0)
     for stage in (1, 2, 3):
-        plan = fs.plan.zero(stage)
+        plan = fs.zero(stage)
         opt = fs.optim.onebit_adam(1e-3, freeze_step=2)
         with pytest.raises(ValueError, match=f"onebit_adam .* cannot run with ZeRO stage {stage}"):
             fs.init_train_state(params, opt, plan=plan, mesh=mesh)

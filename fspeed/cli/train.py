@@ -30,13 +30,11 @@ from .. import checkpoint, data
 from ..config import ConfigError, Problem, prepare_overrides, to_run_config
 from ..config.build import build_model_config, build_optimizer, build_precision, build_zero_config
 from ..config.schema import RunConfig
-from ..parallel.comm import CommLog
-from ..parallel.memory import estimate_memory, state_bytes_per_parameter
-from ..parallel.mesh import Mesh, init_distributed, shutdown_distributed
 from ..models import GPT_RULES, count_params, gpt
-from ..parallel.plan import Plan, tensor_slicing
 from ..monitor import CSVMonitor
-from ..train_state import init_train_state
+from ..parallel import CommLog, Mesh, Plan, estimate_memory, init_distributed, shutdown_distributed, tensor_slicing, zero
+from ..parallel.memory import state_bytes_per_parameter
+from ..train_init import init_train_state
 from ..train_step import make_eval_step, make_train_step
 
 log = logging.getLogger("fspeed")
@@ -51,7 +49,7 @@ def _parallel_setup(run: RunConfig):
         init_distributed(timeout_s=run.parallel.timeout_s)
     log_comms = CommLog(enabled=run.comms_logger.enabled, verbose=run.comms_logger.verbose)
     mesh = Mesh(data=run.parallel.data, model=run.parallel.tensor, log=log_comms)
-    plan = Plan(zero=build_zero_config(run))  # stage, buckets, prefetch and the offload blocks
+    plan = zero(build_zero_config(run))  # stage, buckets, overlap, prefetch and the offload blocks
     if run.parallel.tensor > 1:
         plan = plan | tensor_slicing(GPT_RULES)
     return mesh, plan

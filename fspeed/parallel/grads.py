@@ -36,7 +36,7 @@ import torch
 from ..flat import Flat, FlatLayout
 from .comm import AxisComm, Pending
 from .layout import Layout, labelled_layout
-from .torch_internals import unwrapped
+from .torch_internals import below_functorch, unwrapped
 
 
 class _DeliverGrads(torch.autograd.Function):
@@ -53,7 +53,7 @@ class _DeliverGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.sink.deliver(ctx.unit, [None if g is None else unwrapped(g) for g in grads])
+        ctx.sink.deliver(ctx.unit, grads)
         return (torch.zeros(()), None, None) + (None,) * ctx.count
 
 
@@ -97,7 +97,20 @@ class GradSink:
         self.delivered = set()
 
     def deliver(self, unit: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """The gradients of a unit's parameters (`order(unit)`; None: unused), from backward."""
+        with below_functorch():
+            self._deliver(unit, [None if g is None else unwrapped(g) for g in grads])
+
+    def deliver_shard(self, unit: int, grad_full: torch.Tensor) -> None:
+        """Stage 3: the gradient of a unit's gathered (sharded) parameters, flat, to reduce-scatter."""
+        with below_functorch():
+            self._deliver_shard(unit, unwrapped(grad_full))
+
+    def _deliver(self, unit: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
         raise NotImplementedError
+
+    def _deliver_shard(self, unit: int, grad_full: torch.Tensor) -> None:
+        raise TypeError(f"{type(self).__name__} has no sharded units (ZeRO stage {self.layout.stage})")
 
     def _first_delivery(self, unit: int) -> None:
         if unit in self.delivered:
@@ -105,24 +118,30 @@ class GradSink:
                                "micro-batch; a unit must enter the model once (ops.param caches it)")
         self.delivered.add(unit)
 
-    def deliver_shard(self, unit: int, grad_full: torch.Tensor) -> None:
-        raise TypeError(f"{type(self).__name__} has no sharded units (ZeRO stage {self.layout.stage})")
-
     def end_micro(self) -> None:
         for unit in range(len(self.layout.units)):
             if unit not in self.delivered:  # unused this micro-batch: no gradient reached it
-                self.deliver(unit, [None] * len(self.order(unit)))
+                self._deliver(unit, [None] * len(self.order(unit)))
 
     def finish(self) -> Flat:
         raise NotImplementedError
 
-    def held_bytes(self) -> int:
-        """Bytes of gradient buffers kept between steps."""
-        return 0
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of gradient buffers kept between steps, by where they live ("device", "host")."""
+        raise NotImplementedError
 
 
 def _bytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def _by_place(buffers: Sequence[torch.Tensor], host: Optional[bool] = None) -> dict[str, int]:
+    """Bytes of `buffers` by place; with `host=True` the first one (an offloaded accumulator) is
+    on the host whatever its device (on a machine without CUDA, host and device are both CPU)."""
+    out = {"device": 0, "host": 0}
+    for k, t in enumerate(buffers):
+        out["host" if (host and k == 0) else "device"] += _bytes(t)
+    return out
 
 
 class _InPlaceBuckets:
@@ -228,7 +247,7 @@ class AccumulatedGrads(GradSink):
         super().begin_step(reduce, micro_batches)
         self.buckets.reset()
 
-    def deliver(self, unit: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
+    def _deliver(self, unit: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
         self._first_delivery(unit)
         params = self.order(unit)
         first = self.micro == 0
@@ -252,8 +271,8 @@ class AccumulatedGrads(GradSink):
             return Flat(self.acc[rank * self.part:(rank + 1) * self.part], partition_layout(self.part))
         return Flat(self.acc, self.layout.local)
 
-    def held_bytes(self) -> int:
-        return _bytes(self.acc)
+    def held_bytes(self) -> dict[str, int]:
+        return _by_place([self.acc])
 
 
 class _PackedBuckets:
@@ -318,9 +337,6 @@ class _PackedBuckets:
         while self.in_flight:
             self._complete(self.in_flight.popleft())
 
-    def held_bytes(self) -> int:
-        return sum(_bytes(b) for b in self.buffers)
-
 
 class PartitionGrads(GradSink):
     """Stage 2: gradients go through packed buckets straight to their owners' partitions; only
@@ -352,7 +368,7 @@ class PartitionGrads(GradSink):
         super().begin_step(reduce, micro_batches)
         self.acc.zero_()
 
-    def deliver(self, unit: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
+    def _deliver(self, unit: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
         self._first_delivery(unit)
         local = self.layout.local
         for i, g in zip(self.order(unit), grads):
@@ -374,8 +390,8 @@ class PartitionGrads(GradSink):
         self.buckets.drain()
         return Flat(self.acc, partition_layout(self.part))
 
-    def held_bytes(self) -> int:
-        return _bytes(self.acc) + self.buckets.held_bytes()
+    def held_bytes(self) -> dict[str, int]:
+        return _by_place([self.acc, *self.buckets.buffers])
 
 
 class ShardGrads(GradSink):
@@ -385,9 +401,10 @@ class ShardGrads(GradSink):
     collectives run on `comm_device`."""
 
     def __init__(self, layout: Layout, comm: AxisComm, dtype: torch.dtype, device: torch.device,
-                 comm_device: Optional[torch.device] = None):
+                 comm_device: Optional[torch.device] = None, on_host: bool = False):
         super().__init__(layout, comm, dtype, device)
         self.comm_device = comm_device or device
+        self.on_host = on_host  # the accumulator is offloaded (offload_param)
         storage = layout.storage
         self.acc = torch.zeros(storage.numel, dtype=dtype, device=device)
         segments = dict(zip(storage.paths, storage.segments(self.acc)))
@@ -406,7 +423,7 @@ class ShardGrads(GradSink):
         super().begin_step(reduce, micro_batches)
         self.acc.zero_()
 
-    def deliver_shard(self, unit: int, grad_full: torch.Tensor) -> None:
+    def _deliver_shard(self, unit: int, grad_full: torch.Tensor) -> None:
         info = self.layout.units[unit]
         n, shard = self.comm.size, info.shard_numel
         padded = torch.empty(n * shard, dtype=grad_full.dtype, device=grad_full.device)
@@ -423,7 +440,7 @@ class ShardGrads(GradSink):
         seg = self.shard_seg[unit]
         seg.add_(out.to(seg.device))
 
-    def deliver(self, unit: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
+    def _deliver(self, unit: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
         self._first_delivery(unit)
         for i, g in zip(self.order(unit), grads):
             seg = self.param_seg[i]
@@ -447,8 +464,8 @@ class ShardGrads(GradSink):
         self.buckets.drain()
         return Flat(self.acc, self.layout.storage)
 
-    def held_bytes(self) -> int:
-        return _bytes(self.acc) + self.buckets.held_bytes()
+    def held_bytes(self) -> dict[str, int]:
+        return _by_place([self.acc, *self.buckets.buffers], host=self.on_host)
 
 
 SINKS = {0: AccumulatedGrads, 1: AccumulatedGrads, 2: PartitionGrads, 3: ShardGrads}

@@ -130,7 +130,12 @@ def layout_memory(layout: Layout, policy: Precision, optimizer_state_bytes: int 
     cfg = layout.zero
     offload, offload_params = cfg.offload_optimizer.enabled, cfg.offload_param.enabled
     psi, n, stage = layout.local.numel, layout.data_size, layout.stage
-    buckets = 2 if cfg.overlaps else 1
+
+    def buckets(total: int) -> int:
+        """Elements of the packed reduce buckets for `total` elements of gradient (grads.py)."""
+        size = min(cfg.reduce_bucket_size, total)
+        return size * (2 if cfg.overlaps and size < total else 1)
+
     device = {"params": 0, "grads": 0, "master": 0, "optimizer": 0}
     cpu = {"params": 0, "grads": 0, "master": 0, "optimizer": 0, "staging": 0}
     largest_unit = max((sum(layout.params[i].local_numel for i in u.params) for u in layout.units), default=0)
@@ -145,14 +150,14 @@ def layout_memory(layout: Layout, policy: Precision, optimizer_state_bytes: int 
         params_at, grads_at = (cpu, cpu) if offload_params else (device, device)
         params_at["params"] = local * pb
         grads_at["grads"] = local * gb
-        device["grads"] += (min(cfg.reduce_bucket_size, resident) * gb * buckets) if n > 1 and resident else 0
+        device["grads"] += buckets(resident) * gb if n > 1 and resident else 0
         separate_master = policy.has_master or (offload and not offload_params)
     else:
         part = layout.partition_numel
         padded = n * part if stage else psi
         updated = part if stage else psi
         device["params"] = padded * pb
-        grads = {0: psi, 1: padded, 2: part + min(cfg.reduce_bucket_size, psi) * buckets}[stage]
+        grads = {0: psi, 1: padded, 2: part + buckets(psi)}[stage]
         device["grads"] = grads * gb
         separate_master = policy.has_master or stage in (1, 2)
     state_at = cpu if offload else device

@@ -159,7 +159,8 @@ class ParallelRuntime:
         sink_cls = SINKS[layout.stage]
         self.sink: Optional[GradSink] = None  # evaluation delivers no gradients
         if train and sink_cls is ShardGrads:
-            self.sink = ShardGrads(layout, self.data, precision.grad_accum_dtype, params.device, self.device)
+            self.sink = ShardGrads(layout, self.data, precision.grad_accum_dtype, params.device, self.device,
+                                   on_host=self.offload_params)
         elif train:
             self.sink = sink_cls(layout, self.data, precision.grad_accum_dtype, params.device)
         self.param_dtype = params.dtype
@@ -207,13 +208,10 @@ class ParallelRuntime:
             buf = self._host[name] = host_buffer(numel, dtype, pin)
         return buf
 
-    def held_grad_bytes(self) -> int:
-        """Bytes of gradient buffers kept between steps (device and, with offload, host)."""
-        return self.sink.held_bytes() + self._host_bytes("grads")
-
-    def _host_bytes(self, name: str) -> int:
-        t = self._host.get(name)
-        return 0 if t is None else t.numel() * t.element_size()
+    def held_grad_bytes(self) -> dict[str, int]:
+        """Bytes of the sink's gradient buffers kept between steps, by where they live
+        ("device", "host"); the offload download buffer is in `host_buffer_bytes`."""
+        return self.sink.held_bytes() if self.sink is not None else {"device": 0, "host": 0}
 
     def host_buffer_bytes(self) -> int:
         """Offload: bytes of the host gradient and 16-bit staging buffers (the masters are state)."""

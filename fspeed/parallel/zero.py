@@ -68,8 +68,13 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def zero(stage: int, **options: Any) -> Plan:
-    """ZeRO stage 0-3 over the `data` axis; `options` are `ZeroConfig` fields (DeepSpeed's keys)."""
+def zero(stage: int | ZeroConfig, **options: Any) -> Plan:
+    """ZeRO stage 0-3 over the `data` axis; `options` are `ZeroConfig` fields (DeepSpeed's keys).
+    A `ZeroConfig` may be passed whole instead: `zero(config)`."""
+    if isinstance(stage, ZeroConfig):
+        if options:
+            raise TypeError(f"zero(config) takes no other options; got {sorted(options)}")
+        return Plan((Zero(stage),))
     return Plan((Zero(ZeroConfig(stage=stage, **options)),))
 
 
