@@ -33,14 +33,14 @@ def global_batch(cfg, rows, seed, step):
 
 
 def train(seed, steps, grad_accum, micro, opt_kind, precision="fp32", stage=None, tp=1, persistence=0, bucket=None,
-          mesh=None, dims=None, recompute=False):
+          mesh=None, dims=None, recompute=False, overlap=None):
     """Train the tiny GPT; with a plan, each data rank takes its share of every global batch."""
     cfg, model, params = gpt_setup(seed, **(dims or {}))
     opt = make_opt(opt_kind)
     prec = getattr(fs.precision, precision)()
     plan = None
     if stage is not None:
-        options = {"param_persistence_threshold": persistence, "recompute_blocks": recompute}
+        options = {"param_persistence_threshold": persistence, "recompute_blocks": recompute, "overlap_comm": overlap}
         if bucket:
             options.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
         plan = zero(stage, **options)
@@ -63,10 +63,10 @@ def train(seed, steps, grad_accum, micro, opt_kind, precision="fp32", stage=None
 
 
 def distributed_case(seed, steps, grad_accum, micro, opt_kind, stage, tp, precision="fp32", persistence=0, bucket=None,
-                     dims=None, recompute=False):
+                     dims=None, recompute=False, overlap=None):
     mesh = fs.Mesh(data=-1, model=tp)
     flat, losses, norms, state = train(seed, steps, grad_accum, micro, opt_kind, precision, stage, tp, persistence,
-                                       bucket, mesh, dims, recompute)
+                                       bucket, mesh, dims, recompute, overlap)
     sizes = {"params": state.params.buffer.numel(),
              "master": state.master.buffer.numel() if state.master is not None else 0}
     return flat, losses, norms, sizes

@@ -426,9 +426,12 @@ class ShardGrads(GradSink):
     def _deliver_shard(self, unit: int, grad_full: torch.Tensor) -> None:
         info = self.layout.units[unit]
         n, shard = self.comm.size, info.shard_numel
-        padded = torch.empty(n * shard, dtype=grad_full.dtype, device=grad_full.device)
-        padded[:grad_full.numel()].copy_(grad_full.reshape(-1))
-        padded[grad_full.numel():].zero_()
+        if grad_full.numel() == n * shard and grad_full.is_contiguous():
+            padded = grad_full.reshape(-1)
+        else:  # the unit's numel is not a multiple of N: pad with zeros
+            padded = torch.empty(n * shard, dtype=grad_full.dtype, device=grad_full.device)
+            padded[:grad_full.numel()].copy_(grad_full.reshape(-1))
+            padded[grad_full.numel():].zero_()
         out = torch.empty(shard, dtype=grad_full.dtype, device=grad_full.device)
         self.in_flight.append((unit, out, self.comm.start_reduce_scatter(padded, out)))
         if not self.overlap or len(self.in_flight) > 2:

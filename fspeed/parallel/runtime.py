@@ -287,6 +287,9 @@ class ParallelRuntime:
         never gets a device tensor), or the host compute shards themselves with offload_param.
         """
         if not self.offload:
+            if self.layout.stage in (1, 2):  # this rank's slice of the compute params, all-gathered in place
+                p = self.layout.partition_numel
+                return master.with_buffer(params.buffer[self.rank * p:(self.rank + 1) * p])
             return local_image(master, params)
         self._copies.wait_for_uploads()  # the previous step's upload has read the host buffers
         if self.offload_params:
@@ -303,18 +306,20 @@ class ParallelRuntime:
         `cast` is what the optimizer already wrote (see `cast_target`). With offload_optimizer
         the host result (staging, or the fp32 masters when no cast is needed) is uploaded first.
         """
-        if cast is not None and cast.buffer.data_ptr() == params.buffer.data_ptr():
+        if cast is not None and cast.buffer.data_ptr() == params.buffer.data_ptr() and \
+                cast.buffer.numel() == params.buffer.numel():
             return  # the optimizer wrote the compute params in its pass
         if self.offload_params:
             return  # the host compute shards are the masters (fp32) or were written as their cast
         source = cast.buffer if cast is not None else master.buffer
         if self.layout.stage in (1, 2):
             p = self.layout.partition_numel
+            own = params.buffer[self.rank * p:(self.rank + 1) * p]
             if self.offload:  # up into this rank's own slice, then an in-place all-gather (as DeepSpeed)
-                part = self._copies.upload(params.buffer[self.rank * p:(self.rank + 1) * p], source)
-            else:
-                part = source if source.dtype == params.dtype else source.to(params.dtype)
-            self.data.all_gather(part, params.buffer[: self.n * p], self.layout.zero.allgather_bucket_size)
+                self._copies.upload(own, source)
+            elif source.data_ptr() != own.data_ptr():
+                own.copy_(source)
+            self.data.all_gather(own, params.buffer[: self.n * p], self.layout.zero.allgather_bucket_size)
         elif self.offload:
             self._copies.upload(params.buffer, source)
         elif source.data_ptr() != params.buffer.data_ptr():
