@@ -287,7 +287,8 @@ class ParallelRuntime:
         never gets a device tensor), or the host compute shards themselves with offload_param.
         """
         if not self.offload:
-            if self.layout.stage in (1, 2):  # this rank's slice of the compute params, all-gathered in place
+            if self.layout.stage in (1, 2) and master.dtype != params.dtype:
+                # the cast goes straight into this rank's slice of the compute params (all-gathered in place)
                 p = self.layout.partition_numel
                 return master.with_buffer(params.buffer[self.rank * p:(self.rank + 1) * p])
             return local_image(master, params)
