@@ -98,7 +98,7 @@ def _free_port() -> int:
 def launch_stage(stage: int, config_path: Path, result_path: Path, args: argparse.Namespace) -> dict:
     """Run one stage on `WORLD` gloo ranks with torchrun; returns rank 0's result."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}",
-           f"--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__, "--worker",
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__, "--worker",
            "--stage", str(stage), "--ds_config", str(config_path), "--result", str(result_path),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--compare_at", str(args.compare_at),
            "--threads", str(args.threads), *(["--breakdown"] if args.breakdown else [])]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
 
 from .flat import Flat
 from .loss_scale import LossScaleState

@@ -16,7 +16,6 @@ from fspeed.flat import Flat
 from fspeed.optim.base import per_tensor_norms
 from fspeed.optim.onebit import ZeroOneAdamState, zero_one_counters, zero_one_full_allreduce
 from fspeed.optim.onebit_lamb import frozen_factor, momentum_scaling, trust_ratios
-from fspeed.testing import GlooWorld
 from test_onebit_optim import SHAPES, batch_for, linear_loss, tree
 
 

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 import fspeed as fs
 from fspeed.parallel.grads import _aligned_ranges
-from tests.test_distributed import assert_matches_one_process, distributed_case, global_batch, gpt_setup
+from tests.parallel_cases import assert_matches_one_process, distributed_case, global_batch, gpt_setup
 
 
 @pytest.mark.parametrize("grad_accum, overlap, bucket", [(1, False, 1000), (3, False, 97), (1, True, 97),

@@ -66,6 +66,9 @@ class Mesh:
         for axis, size in sizes.items():
             if size != -1 and (not isinstance(size, int) or size < 1):
                 raise ValueError(f"Mesh: {axis}={size!r} must be a positive integer or -1")
+        if sizes["pipe"] != 1:
+            raise ValueError(f"Mesh: pipe={sizes['pipe']}: pipeline parallelism is not built yet, and a pipe axis "
+                             "without it would train unsynchronised copies of the model; allowed: pipe=1")
         known = 1
         for axis, size in sizes.items():
             if size != -1:
@@ -80,9 +83,6 @@ class Mesh:
                 f"Mesh: pipe x data x model = {sizes['pipe']} x {sizes['data']} x {sizes['model']} = "
                 f"{sizes['pipe'] * sizes['data'] * sizes['model']}, but the world size is {world}"
             )
-        if sizes["pipe"] > 1:
-            raise ValueError(f"Mesh: pipe={sizes['pipe']}: pipeline parallelism is not built yet, and a pipe axis "
-                             "without it would train unsynchronised copies of the model; allowed: pipe=1")
         self.sizes = sizes
         self.world_size = world
         self.rank = rank

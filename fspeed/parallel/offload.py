@@ -19,7 +19,7 @@ On a machine without CUDA the "device" is the CPU: every copy below still happen
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist

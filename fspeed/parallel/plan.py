@@ -97,10 +97,10 @@ class Plan:
     transforms: tuple = ()
 
     def __post_init__(self):
-        names = [t.name for t in self.transforms]
         for t in self.transforms:
             if not isinstance(t, Transform):
                 raise TypeError(f"a plan composes parallel transforms (fs.zero, fs.tensor_slicing), got {t!r}")
+        names = [t.name for t in self.transforms]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
             raise ValueError(f"a plan holds at most one {repeated[0]}(...) transform; got {self!r}")

@@ -1,7 +1,6 @@
 """ZeRO-Offload: CPU masters and optimizer state (stages 1-3), CPU parameter shards (stage 3),
-their configuration, and the memory estimator, against non-offloaded training and real bytes."""
+their configuration, against non-offloaded training (the estimator's tests are in test_parallel_memory)."""
 
-import importlib
 
 import pytest
 import torch
@@ -17,21 +16,11 @@ from fspeed.config.deepspeed import DeepSpeedConfigError, translate_deepspeed_co
 from fspeed.optim.base import Capabilities, GradientTransformation, TransformInfo
 from fspeed.parallel import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig, zero
 from fspeed.parallel import gather_params
-
-
-def tiny_gpt(seed, n_layer=2, d_model=16, vocab=24, seq=8):
-    cfg = fs.models.GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=n_layer, n_head=4, d_model=d_model)
-    model = fs.models.gpt(cfg)
-    return cfg, model, model.init(torch.Generator().manual_seed(seed))
+from tests.parallel_cases import offload_plan, tiny_gpt
 
 
 def adamw():
     return fs.optim.chain(fs.optim.clip_by_global_norm(0.5), fs.optim.adamw(3e-3, weight_decay=0.1))
-
-
-def offload_plan(stage, offload, offload_param=False, persistence=0):
-    return zero(stage, param_persistence_threshold=persistence, offload_optimizer="cpu" if offload else "none",
-                offload_param="cpu" if offload_param else "none")
 
 
 def train_case(seed, steps, stage, precision, offload, offload_param=False, grad_accum=1, micro=2, persistence=0,
@@ -247,88 +236,6 @@ def test_deepspeed_offload_blocks_translate_and_report_unused_keys():
     assert "zero_optimization.offload_param.pin_memroy" in text and "zero_optimization.offload_param.ratio" in text
     legacy = translate_deepspeed_config({"zero_optimization": {"stage": 2, "cpu_offload": True}})
     assert "zero.offload_optimizer.device=cpu" in legacy.overrides
-
-
-# --------------------------------------------------------------------- memory estimator
-
-
-def measured_memory_case(stage, precision, offload, offload_param):
-    """Bytes of every model-state buffer after two steps, split by where ZeRO-Offload puts them,
-    with the estimate for the same params, plan, mesh and precision."""
-    zero_mod = importlib.import_module("fspeed.parallel.runtime")
-
-    host_allocations = []
-    real = zero_mod.host_buffer
-
-    def recording(numel, dtype, pin_memory):
-        host_allocations.append(numel * torch.empty(0, dtype=dtype).element_size())
-        return real(numel, dtype, pin_memory)
-
-    zero_mod.host_buffer = recording  # the runtime's host gradient and staging buffers
-    try:
-        mesh = fs.Mesh(data=-1)
-        cfg, model, params = tiny_gpt(0, n_layer=3, d_model=32)
-        opt, plan = fs.optim.adamw(1e-3), offload_plan(stage, offload, offload_param, persistence=300)
-        prec = fs.precision.bf16(grad_accum_dtype="bf16") if precision == "bf16" else fs.precision.fp32()
-        state = fs.init_train_state(params, opt, precision=prec, plan=plan, mesh=mesh)
-        step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)
-        for i in range(2):
-            x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(i))
-            state, _ = step(state, {"inputs": x[:, :-1], "targets": x[:, 1:]})
-    finally:
-        zero_mod.host_buffer = real
-    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-    params_b = nbytes(state.params.buffer)
-    grads_device, grads_host = step.persistent_grad_bytes("device"), step.persistent_grad_bytes("host")
-    master_b = nbytes(state.master.buffer) if state.master is not None else 0
-    opt_b = nbytes(state.opt_state.mu.buffer) + nbytes(state.opt_state.nu.buffer)
-    on_device = {"params": 0 if offload_param else params_b, "grads": grads_device,
-                 "master": 0 if offload else master_b, "optimizer": 0 if offload else opt_b}
-    on_host = (params_b if offload_param else 0) + grads_host + (master_b + opt_b if offload else 0) \
-        + sum(host_allocations)
-    estimate = fs.estimate_memory(params, plan, mesh.sizes, prec)
-    return on_device, on_host, estimate
-
-
-@pytest.mark.parametrize("stage, offload, offload_param", [(1, True, False), (2, False, False), (2, True, False),
-                                                           (3, True, False), (3, True, True)])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_estimator_matches_the_bytes_really_held(world2, stage, offload, offload_param, precision):
-    for on_device, on_host, est in world2.run(measured_memory_case, stage, precision, offload, offload_param):
-        assert {k: est.device[k] for k in on_device} == on_device
-        assert est.cpu_total == on_host
-        assert (est.cpu_total > 0) == offload
-
-
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_estimator_follows_the_zero_paper_formulas(stage):
-    psi, n = 8 * 3 * 1000, 8
-    precision = fs.precision.bf16(grad_accum_dtype="bf16")  # the paper's 2 + 2 + 12 bytes per parameter
-    plain = fs.estimate_memory(psi, offload_plan(stage, False), {"data": n}, precision)
-    off = fs.estimate_memory(psi, offload_plan(stage, True), {"data": n}, precision)
-    both = fs.estimate_memory(psi, offload_plan(3, True, True), {"data": n}, precision)
-    k_part = 12 * psi // n
-    assert plain.paper_device == {1: 4 * psi + k_part, 2: 2 * psi + 14 * psi // n, 3: 16 * psi // n}[stage]
-    assert off.paper_device == plain.paper_device - k_part and off.paper_cpu == 16 * psi // n  # 12 + fp32 grads
-    assert both.paper_device == 0 and both.paper_cpu == 20 * psi // n
-    # stage 2 also keeps its reduce bucket (DeepSpeed's IPG buffer: reduce_bucket_size elements, here
-    # capped at the model's size); stage 1's partition is a view of its accumulation buffer
-    bucket = 2 * psi if stage == 2 else 0
-    assert plain.device_total == plain.paper_device + bucket
-    assert off.device_total == off.paper_device + bucket
-    # on CPU: 12 bytes of masters and moments + the 16-bit gradient and 16-bit staging = the paper's 16
-    assert off.cpu_total == off.paper_cpu and off.device["master"] == off.device["optimizer"] == 0
-    # parameters offloaded too: the 16-bit host gradient is read as it is, no 4-byte copy
-    assert both.cpu_total == both.paper_cpu - 4 * psi // n and both.device_total == 0
-    assert both.peak["gathered"] == 2 * psi  # the one unit, gathered for its forward
-    assert "ZeRO paper formula" in str(off) and "CPU" in str(off)
-
-
-def test_estimator_rejects_bad_input():
-    with pytest.raises(ValueError, match="positive element count"):
-        fs.estimate_memory(0, zero(2), {"data": 2})
-    with pytest.raises(ValueError, match="allowed: 'fp32', 'bf16', 'fp16'"):
-        fs.estimate_memory(10, zero(2), {"data": 2}, "int8")
 
 
 # ---------------------------------------------------------------------------------- CLI

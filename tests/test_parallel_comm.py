@@ -1,0 +1,80 @@
+"""fspeed.parallel.comm and mesh: the single-process mesh and Megatron's mpu interface, DeepSpeed's
+bandwidth formulas and comm-log table, asynchronous collectives on the timeline."""
+
+import pytest
+import torch
+
+import fspeed as fs
+from fspeed.parallel.comm import CommLog, bus_bandwidth
+
+
+def test_single_process_mesh_and_mpu_interface():
+    mesh = fs.Mesh()
+    assert mesh.sizes == {"pipe": 1, "data": 1, "model": 1}
+    assert mesh.get_data_parallel_world_size() == 1 and mesh.get_model_parallel_rank() == 0
+    assert mesh.get_model_parallel_group() is None
+    x = torch.arange(4.0)
+    assert torch.equal(mesh.comm("data").all_reduce_(x.clone()), x)
+    with pytest.raises(ValueError, match="but the world size is 1"):
+        fs.Mesh(data=2)
+    with pytest.raises(ValueError, match="at most one axis may be -1"):
+        fs.Mesh(data=-1, model=-1)
+    with pytest.raises(ValueError, match="unknown mesh axis"):
+        mesh.comm("tensor")
+
+
+def test_bus_bandwidth_formulas_and_summary():
+    n, size, t = 4, 1_000_000, 0.002
+    algbw, busbw = bus_bandwidth("all_reduce", size, t, n)
+    assert algbw == pytest.approx(2 * size / t * 8 / 1e9) and busbw == pytest.approx(size / t * 2 * 3 / 4 * 8 / 1e9)
+    algbw, busbw = bus_bandwidth("all_gather", size, t, n)
+    assert algbw == pytest.approx(size * n / t * 8 / 1e9) and busbw == pytest.approx(algbw * 3 / 4)
+    log = CommLog()
+    for latency in (0.001, 0.002, 0.003, 0.1):
+        log.record("all_reduce", "data", 4096, latency, 2)
+    log.record("all_gather", "data", 1 << 20, 0.01, 2)
+    assert log.total_bytes() == 4 * 4096 + (1 << 20)
+    table = log.summary()
+    assert "Comm. Op" in table and "all_reduce" in table and "4.00 KB" in table and "1.00 MB" in table
+
+
+def test_a_pipe_axis_is_refused_until_pipelines_exist():
+    with pytest.raises(ValueError, match="pipe=2: pipeline parallelism is not built yet"):
+        fs.Mesh(data=1, pipe=2)
+
+
+def test_single_mesh_ignores_the_process_group_and_pending_ops_record_the_timeline():
+    mesh = fs.Mesh.single(fs.CommLog())
+    assert mesh.sizes == {"pipe": 1, "data": 1, "model": 1} and mesh.world_size == 1
+    pending = mesh.comm("data").start_all_reduce(torch.ones(3))
+    assert pending.wait() is None and not mesh.log.events  # a world of one communicates nothing
+    log = CommLog()
+    log.record("reduce", "data", 64, 0.5, 2, issued=10.0, blocked=0.1)
+    (event,) = log.events
+    assert event.op == "reduce" and event.issued == 10.0 and event.blocked == 0.1 and event.waited > 10.0
+    log.reset()
+    assert not log.events and log.total_bytes() == 0
+
+
+def comm_pending_case():
+    """Every asynchronous collective on 2 ranks, waited for later: results and the log's timeline."""
+    import time
+
+    mesh = fs.Mesh(data=-1, log=fs.CommLog())
+    comm, rank = mesh.comm("data"), mesh.rank
+    summed, owned = torch.full((4,), float(rank + 1)), torch.full((6,), float(rank + 1))
+    full, out = torch.arange(8.0) * (rank + 1), torch.empty(4)
+    pending = [comm.start_all_reduce(summed), comm.start_reduce(owned, owner=1), comm.start_reduce_scatter(full, out)]
+    time.sleep(0.05)
+    for p in pending:
+        p.wait()
+    return summed.tolist(), owned.tolist() if rank == 1 else None, out.tolist(), mesh.log.events
+
+
+def test_asynchronous_collectives_on_2_ranks(world2):
+    for rank, (summed, owned, out, events) in enumerate(world2.run(comm_pending_case)):
+        assert summed == [3.0] * 4
+        assert rank == 0 or owned == [3.0] * 6  # reduced onto its owner
+        assert out == [3.0 * x for x in range(4 * rank, 4 * rank + 4)]
+        assert [e.op for e in events] == ["all_reduce", "reduce", "reduce_scatter"]
+        assert all(e.waited - e.issued >= 0.05 > e.blocked for e in events)  # they ran while this rank slept

@@ -1,0 +1,122 @@
+"""fspeed.parallel.runtime: ZeRO 0-3 and tensor slicing on real gloo worlds, against the one-process
+run; a dead or stuck rank fails with a clear error."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fspeed as fs
+from fspeed.parallel import zero
+from fspeed.testing import GlooWorld, WorkerError
+from tests.parallel_cases import assert_matches_one_process, distributed_case, global_batch, gpt_setup, train
+
+
+@pytest.mark.parametrize("stage, grad_accum", [(stage, ga) for stage in (0, 1, 2, 3) for ga in (1, 3)])
+def test_zero_stages_match_one_process_on_2_ranks(world2, stage, grad_accum):
+    seed, steps, micro = 11 + stage, 3, 2
+    results = world2.run(distributed_case, seed, steps, grad_accum, micro, "sgd", stage, 1, "fp32", 0, 1000)
+    assert_matches_one_process(results, seed, steps, grad_accum, micro, dp=2)
+
+
+def test_zero3_recompute_blocks_matches_one_process_on_2_ranks(world2):
+    """zero.recompute_blocks: backward recomputes each block (same dropout stream) instead of replaying it."""
+    seed, steps, micro, grad_accum = 13, 3, 2, 2
+    dims = {"n_layer": 2, "d_model": 16}
+    results = world2.run(distributed_case, seed, steps, grad_accum, micro, "sgd", 3, 1, "fp32", 0, 1000, dims, True)
+    assert_matches_one_process(results, seed, steps, grad_accum, micro, dp=2, dims=dims)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_tensor_slicing_matches_one_process_on_2_ranks(world2, stage):
+    seed, steps, micro, grad_accum = 5, 3, 2, 2
+    results = world2.run(distributed_case, seed, steps, grad_accum, micro, "sgd", stage, 2)
+    assert_matches_one_process(results, seed, steps, grad_accum, micro, dp=1)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_data_times_tensor_parallel_on_4_ranks(world4, stage):
+    seed, steps, micro, grad_accum = 7, 3, 1, 2
+    results = world4.run(distributed_case, seed, steps, grad_accum, micro, "sgd", stage, 2, "fp32", 0, 500)
+    assert_matches_one_process(results, seed, steps, grad_accum, micro, dp=2)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_on_4_data_ranks_with_adamw(world4, stage):
+    seed, steps, micro, grad_accum = 3, 3, 1, 1
+    results = world4.run(distributed_case, seed, steps, grad_accum, micro, "adamw", stage, 1)
+    # Adam divides by sqrt(v): reduction-order rounding on near-zero gradients is amplified
+    assert_matches_one_process(results, seed, steps, grad_accum, micro, dp=4, opt_kind="adamw", rtol=1e-4,
+                               atol=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_zero(world2, precision):
+    seed, steps, micro, grad_accum = 9, 3, 2, 2
+    results = world2.run(distributed_case, seed, steps, grad_accum, micro, "sgd", 2, 1, precision)
+    for flat, *_ in results:
+        assert torch.equal(flat, results[0][0])
+    # against the one-process run in the same precision: equal up to low-precision rounding
+    ref_flat, ref_losses, _, _ = train(seed, steps, grad_accum, micro * 2, "sgd", precision)
+    torch.testing.assert_close(results[0][0], ref_flat, rtol=0, atol=1e-2)
+    for got, want in zip(results[0][1], ref_losses):
+        assert math.isclose(got, want, rel_tol=1e-2)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 1000), stage=st.sampled_from([0, 1, 2, 3]), grad_accum=st.sampled_from([1, 2, 3]),
+       micro=st.integers(1, 2), persistence=st.sampled_from([0, 300, 10**6]), bucket=st.sampled_from([None, 97, 1000]),
+       n_layer=st.integers(1, 3), d_model=st.sampled_from([8, 16, 24]), vocab=st.integers(5, 40),
+       tp=st.sampled_from([1, 2]))
+def test_property_any_layout_matches_one_process(world2, seed, stage, grad_accum, micro, persistence, bucket, n_layer,
+                                                 d_model, vocab, tp):
+    dims = dict(n_layer=n_layer, d_model=d_model, n_head=4, vocab=fs.models.pad_vocab(vocab, 2 * tp))
+    results = world2.run(distributed_case, seed, 2, grad_accum, micro, "sgd", stage, tp, "fp32", persistence, bucket,
+                         dims)
+    assert_matches_one_process(results, seed, 2, grad_accum, micro, dp=2 // tp, dims=dims)
+
+
+def dying_rank_case():
+    """Rank 1 exits in the middle of a step; rank 0 must fail with a clear error instead of hanging."""
+    import os
+
+    mesh = fs.Mesh(data=-1)
+    if mesh.rank == 1:
+        os._exit(3)
+    cfg, model, params = gpt_setup(0)
+    opt = fs.optim.sgd(0.1)
+    plan = zero(2)
+    state = fs.init_train_state(params, opt, plan=plan, mesh=mesh)
+    fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)(state, global_batch(cfg, 2, 0, 0))
+
+
+def test_a_dead_rank_makes_the_others_fail_with_a_clear_error():
+    with GlooWorld(2, timeout_s=60) as world:
+        with pytest.raises(WorkerError) as err:
+            world.run(dying_rank_case)
+    text = str(err.value)
+    assert "rank 1 died (exit code 3)" in text
+    assert "CommError" in text and "over mesh axis 'data'" in text and "peer rank" in text
+
+
+def straggler_case():
+    """Rank 1 never joins the all-reduce rank 0 issues: rank 0 must time out with a clear error."""
+    import time
+
+    mesh = fs.Mesh(data=-1)
+    if mesh.rank == 1:
+        time.sleep(5)
+        return "slept"
+    mesh.comm("data").all_reduce_(torch.ones(4))
+    return "reduced"
+
+
+def test_a_stuck_collective_times_out_with_a_clear_error():
+    with GlooWorld(2, timeout_s=60, collective_timeout_s=2) as world:
+        with pytest.raises(WorkerError) as err:
+            world.run(straggler_case)
+    text = str(err.value)
+    assert "1 rank(s)" in text and "--- rank 0" in text
+    assert "all_reduce over mesh axis 'data' (global ranks [0, 1]) failed after" in text
