@@ -75,13 +75,13 @@ def wrap_fspeed_boundary(sections: Sections) -> None:
     global the step looks up at call time).
     """
     import fspeed.train_step as train_step_module
-    from fspeed.parallel.zero import ZeroRuntime
+    from fspeed.parallel.runtime import ParallelRuntime
 
-    sections.wrap(ZeroRuntime, "reduce", "reduce grads (all-reduce / reduce-scatter)")
-    sections.wrap(ZeroRuntime, "grad_norm", "grad norm")
+    sections.wrap(ParallelRuntime, "finish", "finish grad reduction (what backward did not overlap)")
+    sections.wrap(ParallelRuntime, "grad_norm", "grad norm")
     sections.wrap(train_step_module, "optimizer_step", "optimizer (clip folded in, AdamW apply)")
-    sections.wrap(ZeroRuntime, "write_back", "write back (ZeRO-1/2 all-gather)")
-    sections.wrap(ZeroRuntime, "mean_over_data", "loss all-reduce")
+    sections.wrap(ParallelRuntime, "write_back", "write back (ZeRO-1/2 all-gather)")
+    sections.wrap(ParallelRuntime, "mean_over_data", "loss all-reduce")
 
 
 def wrap_fspeed_zero3(sections: Sections) -> list[str]:
@@ -92,14 +92,14 @@ def wrap_fspeed_zero3(sections: Sections) -> list[str]:
     """
     import torch
 
-    import fspeed.parallel.comm as comm
-    import fspeed.parallel.ops as sharded_ops
+    import fspeed.parallel.grads as grads
+    import fspeed.parallel.ops as unit_ops
 
     targets = [
-        (getattr(sharded_ops, "_Prefetcher", None), "take", "ZeRO-3 wait for a layer's all-gather"),
-        (getattr(sharded_ops, "_UnitCall", None), "run",
+        (getattr(unit_ops, "_Prefetcher", None), "take", "ZeRO-3 wait for a layer's all-gather"),
+        (getattr(unit_ops, "_BlockCall", None), "run",
          lambda: "ZeRO-3 layer recompute in backward" if torch.is_grad_enabled() else "ZeRO-3 layer forward"),
-        (getattr(comm, "AxisComm", None), "reduce_scattered", "ZeRO-3 layer grad reduce-scatter"),
+        (getattr(grads, "ShardGrads", None), "_complete_shard", "ZeRO-3 wait for a layer's grad reduce-scatter"),
     ]
     missing = []
     for owner, name, label in targets:

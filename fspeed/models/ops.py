@@ -1,11 +1,11 @@
 """The ops a parallel-aware model calls, and their single-device behaviour.
 
 A model names, at each use, the logical axes of what it touches (`out_axis="mlp"`); it never
-imports the parallel transforms. `DenseOps` is plain PyTorch. The parallel transforms pass an
-object with the same methods (`fspeed.sharded_ops.ShardedOps`) that slices weights over the
-`model` axis (Megatron's column/row parallel layers, vocab-parallel embedding and loss) and
-gathers ZeRO-3 shards just in time. A loss function that accepts an `ops=` keyword is
-parallel-aware; `train_step` passes the plan's ops to it.
+imports the parallel transforms. `DenseOps` is plain PyTorch. Under a plan, `train_step` passes
+an object with the same methods (`fspeed.parallel.ops.UnitOps`, wrapped by each transform) that
+slices weights over the `model` axis (Megatron's column/row parallel layers, vocab-parallel
+embedding and loss), gathers ZeRO-3 shards just in time and delivers each unit's gradients as
+its backward ends. A loss function that accepts an `ops=` keyword is parallel-aware.
 
 Weights are `[out, in]` (`nn.Linear`'s layout); a weight with more dims is `[*out, in]` and is
 flattened for the matmul (the fused QKV weight `[3, heads, embed]`).
