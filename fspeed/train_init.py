@@ -13,11 +13,11 @@ import torch
 from .flat import Flat
 from .loss_scale import init_loss_scale
 from .optim.base import GradientTransformation, init_state
-from .parallel.layout import resolve
+from .parallel.layout import resolve_flat
 from .parallel.plan import Plan
 from .parallel.runtime import build_param_state, check_optimizer
 from .precision import Precision, fp32
-from .pytree import PyTree
+from .pytree import PyTree, tree_flatten_with_paths
 from .train_state import TrainState
 
 
@@ -45,9 +45,10 @@ def init_train_state(
         raise ValueError("init_train_state: pass both plan= and mesh= (or neither)")
     scaler = init_loss_scale(precision.loss_scale)
     if plan is not None:
-        layout = resolve(plan, params, mesh.sizes, mesh.coords, logical_axes)
+        paths, leaves, treedef = tree_flatten_with_paths(params)  # the one flattening of the tree
+        layout = resolve_flat(plan, paths, leaves, treedef, mesh.sizes, mesh.coords, logical_axes)
         check_optimizer(optimizer, layout)
-        compute, master, target = build_param_state(params, layout, precision, device)
+        compute, master, target = build_param_state(leaves, layout, precision, device)
         return TrainState(params=compute, master=master, opt_state=init_state(optimizer, target, layout.data_size),
                           loss_scale=scaler, rng_seed=int(seed), precision=precision, layout=layout)
     master = Flat.from_tree(params, dtype=torch.float32, device=device)

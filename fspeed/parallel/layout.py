@@ -26,7 +26,7 @@ import optree
 import torch
 
 from ..flat import FlatLayout
-from ..pytree import PyTree, tree_flatten_with_paths
+from ..pytree import PyTree, tree_flatten, tree_flatten_with_paths, tree_unflatten
 from .comm import ceil_div
 from .config import ZeroConfig
 from .plan import ParamEntry, Placement, Plan
@@ -141,7 +141,13 @@ def resolve(plan: Plan, params: PyTree, mesh_sizes: Mapping[str, int], mesh_coor
             logical_axes: Optional[Mapping[str, Sequence[Optional[str]]]] = None) -> Layout:
     """Resolve `plan` for `params` (global shapes; meta tensors are fine) on a mesh with the given
     sizes and coordinates. `logical_axes` (the model's) are needed for tensor slicing."""
-    paths, leaves, treedef = tree_flatten_with_paths(params)
+    return resolve_flat(plan, *tree_flatten_with_paths(params), mesh_sizes, mesh_coords, logical_axes)
+
+
+def resolve_flat(plan: Plan, paths: Sequence[str], leaves: Sequence[torch.Tensor], treedef: optree.PyTreeSpec,
+                 mesh_sizes: Mapping[str, int], mesh_coords: Mapping[str, int],
+                 logical_axes: Optional[Mapping[str, Sequence[Optional[str]]]] = None) -> Layout:
+    """`resolve` of a tree already flattened with paths (the one flattening a state's build needs)."""
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"parameter {path!r} is {type(leaf).__name__}, not a tensor")
@@ -162,14 +168,15 @@ def resolve(plan: Plan, params: PyTree, mesh_sizes: Mapping[str, int], mesh_coor
     local = FlatLayout(treedef, tuple(paths), tuple(i.local_shape for i in infos))
     zero = plan.find("zero")
     zero_cfg = zero.config if zero is not None else ZeroConfig()
-    units = _units(infos, params, sizes.get("data", 1))
+    units = _units(infos, treedef, sizes.get("data", 1))
     storage = _storage(infos, units) if zero_cfg.stage == 3 else local
     tensor_axes = tensor.sliced_axes(sizes) if tensor is not None else ()
     return Layout(plan, zero_cfg, tuple(sorted(sizes.items())), tuple(sorted(mesh_coords.items())), infos, local,
                   units, storage, tensor_axes)
 
 
-def _units(infos: Sequence[ParamInfo], params: PyTree, data_size: int) -> tuple[UnitInfo, ...]:
+def _units(infos: Sequence[ParamInfo], treedef: optree.PyTreeSpec, data_size: int) -> tuple[UnitInfo, ...]:
+    index_tree = tree_unflatten(treedef, range(len(infos)))  # each leaf replaced by its index
     members: dict[str, list[int]] = {}
     for i, info in enumerate(infos):
         members.setdefault(info.unit, []).append(i)
@@ -179,18 +186,19 @@ def _units(infos: Sequence[ParamInfo], params: PyTree, data_size: int) -> tuple[
         shard_layout = labelled_layout([infos[i].path for i in sharded], [infos[i].local_shape for i in sharded])
         units.append(UnitInfo(name, index, tuple(idx), sharded, shard_layout,
                               ceil_div(shard_layout.numel, data_size) if sharded else 0,
-                              _subtree_structure(params, name, [infos[i].path for i in idx])))
+                              _subtree_structure(index_tree, name, idx)))
     return tuple(units)
 
 
-def _subtree_structure(params: PyTree, name: str, paths: Sequence[str]) -> Optional[optree.PyTreeSpec]:
-    """The structure of the subtree at `name` when it holds exactly `paths`, in order; else None."""
+def _subtree_structure(index_tree: PyTree, name: str, members: Sequence[int]) -> Optional[optree.PyTreeSpec]:
+    """The structure of the subtree at `name` when it holds exactly the parameters `members`, in
+    order (`index_tree` has each parameter's index as its leaf); else None."""
     try:
-        tree = subtree(params, name)
+        tree = subtree(index_tree, name)
     except (KeyError, IndexError, TypeError, ValueError):
         return None
-    sub_paths, _, treedef = tree_flatten_with_paths(tree)
-    return treedef if [f"{name}.{p}" if p else name for p in sub_paths] == list(paths) else None
+    leaves, treedef = tree_flatten(tree)
+    return treedef if leaves == list(members) else None
 
 
 def subtree(tree: PyTree, path: str) -> PyTree:
@@ -219,4 +227,4 @@ def labelled_layout(paths: Sequence[str], shapes: Sequence[tuple[int, ...]]) -> 
     return FlatLayout(treedef, tuple(paths), tuple(tuple(s) for s in shapes))
 
 
-__all__ = ["Layout", "ParamInfo", "UnitInfo", "default_unit", "labelled_layout", "resolve", "subtree"]
+__all__ = ["Layout", "ParamInfo", "UnitInfo", "default_unit", "labelled_layout", "resolve", "resolve_flat", "subtree"]

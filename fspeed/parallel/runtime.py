@@ -29,7 +29,7 @@ import torch
 
 from ..flat import Flat
 from ..precision import Precision
-from ..pytree import PyTree, tree_flatten_with_paths, tree_map, tree_unflatten
+from ..pytree import PyTree, tree_map, tree_unflatten
 from .comm import AxisComm
 from .grads import SINKS, GradSink, ShardGrads, partition_layout
 from .layout import Layout
@@ -83,15 +83,15 @@ def local_params(leaves: list[torch.Tensor], layout: Layout) -> list[torch.Tenso
     return [shard(leaf.detach(), info.spec, sizes, coords) for leaf, info in zip(leaves, layout.params)]
 
 
-def build_param_state(params: PyTree, layout: Layout, precision: Precision,
+def build_param_state(leaves: list[torch.Tensor], layout: Layout, precision: Precision,
                       device: Optional[torch.device | str] = None) -> tuple[Flat, Optional[Flat], Flat]:
-    """(compute params, fp32 masters or None, what the optimizer updates) for this rank.
+    """(compute params, fp32 masters or None, what the optimizer updates) for this rank, from the
+    full parameters (`leaves`, in the layout's flat order).
 
     With `offload_optimizer.device="cpu"` the masters (and so the optimizer state built from
     them) are a CPU copy, pinned where CUDA exists; with `offload_param` too, the stage-3
     compute shards are CPU buffers as well.
     """
-    leaves = tree_flatten_with_paths(params)[1]
     local = local_params(leaves, layout)
     n, rank = layout.data_size, layout.data_rank
     offload = layout.zero.offload_optimizer
