@@ -117,6 +117,7 @@ def make_train_step(
                 raise ValueError("make_train_step was given a plan, but the state was built without one; "
                                  "pass the same plan= and mesh= to init_train_state")
             key = ("local", state.params.layout, state.params.dtype, state.params.device, state.precision)
+            _warn_if_distributed()
         else:
             if mesh is None:
                 raise ValueError(f"this state was built with a plan ({layout.describe()}); pass plan= and mesh= to "
@@ -229,6 +230,15 @@ def make_train_step(
     train_step.persistent_grad_bytes = persistent_grad_bytes
     train_step.runtime_for = runtime_for
     return train_step
+
+
+def _warn_if_distributed() -> None:
+    """A step without a plan in a world of several ranks trains one independent copy per rank."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world > 1:
+        log.warning("train_step without plan= and mesh= in a process group of %d ranks: each rank trains its own "
+                    "copy, nothing is averaged. For data parallelism pass plan=fs.zero(0) (or any plan) and "
+                    "mesh=fs.Mesh(data=-1) to init_train_state and make_train_step.", world)
 
 
 def _rows(batch: PyTree) -> int:

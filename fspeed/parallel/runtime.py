@@ -39,6 +39,7 @@ from .offload import (
 )
 from .ops import UnitOps, eager_params, model_view, unit_params
 from .specs import shard
+from .torch_internals import foreach_norm
 
 
 def check_optimizer(optimizer, layout: Layout) -> None:
@@ -222,7 +223,7 @@ class ParallelRuntime:
     def grad_norm(self, grads: Flat) -> float:
         """The global L2 norm of the gradient, each element counted once over data and model ranks."""
         pieces = self._pieces(grads)
-        sums = [torch.stack(torch._foreach_norm(group)).double().square().sum() if group
+        sums = [torch.stack(foreach_norm(group)).double().square().sum() if group
                 else torch.zeros((), dtype=torch.float64) for group in pieces]
         data_model, data_only, model_only, local = sums
         device = self.device if grads.device.type == "cpu" and self.device.type != "cpu" else grads.device

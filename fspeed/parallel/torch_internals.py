@@ -5,7 +5,8 @@
 - functorch's tensor wrappers (`torch._C._functorch`): collectives and kernels run on the plain
   tensor under `torch.func`'s wrappers;
 - `torch._C._DisableFuncTorch`: a plain memory copy into storage a recorded graph holds (ZeRO-3
-  refills a freed gathered layer for its backward without a version bump).
+  refills a freed gathered layer for its backward without a version bump);
+- `torch._foreach_norm`: the L2 norms of many gradient views in one call.
 
 A torch upgrade that moves one of these breaks here, not across the code base.
 """
@@ -53,6 +54,11 @@ def unwrapped(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norm of each tensor (one fused call)."""
+    return list(torch._foreach_norm(tensors))
+
+
 @contextlib.contextmanager
 def below_functorch() -> Iterator[None]:
     """Run tensor code below torch.func's transforms, without autograd (plain memory operations)."""
@@ -60,5 +66,5 @@ def below_functorch() -> Iterator[None]:
         yield
 
 
-__all__ = ["AsyncCollectiveTensor", "below_functorch", "funcol_all_gather", "funcol_all_reduce",
+__all__ = ["AsyncCollectiveTensor", "below_functorch", "foreach_norm", "funcol_all_gather", "funcol_all_reduce",
            "funcol_reduce_scatter", "unwrapped"]
