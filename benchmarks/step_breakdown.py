@@ -96,8 +96,8 @@ def wrap_fspeed_zero3(sections: Sections) -> list[str]:
     import fspeed.parallel.ops as unit_ops
 
     targets = [
-        (getattr(unit_ops, "_Prefetcher", None), "take", "ZeRO-3 wait for a layer's all-gather"),
-        (getattr(unit_ops, "_BlockCall", None), "run",
+        (getattr(unit_ops, "UnitOps", None), "gathered", "ZeRO-3 wait for a layer's all-gather"),
+        (getattr(unit_ops, "_UnitCall", None), "run",
          lambda: "ZeRO-3 layer recompute in backward" if torch.is_grad_enabled() else "ZeRO-3 layer forward"),
         (getattr(grads, "ShardGrads", None), "_complete_shard", "ZeRO-3 wait for a layer's grad reduce-scatter"),
     ]

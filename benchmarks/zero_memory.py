@@ -92,7 +92,7 @@ class LiveStorages(TorchDispatchMode):
 def track_gradients(mode: LiveStorages) -> None:
     """Label what reaches the gradient sink as "param grad", and what the sink allocates as "sink"."""
     from fspeed.parallel.grads import GradSink
-    from fspeed.parallel.torch_internals import unwrapped
+    from fspeed.torch_internals import unwrapped
 
     def labelled(method):
         def call(self, unit, grads):

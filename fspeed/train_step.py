@@ -291,8 +291,11 @@ def make_eval_step(loss_fn: LossFn, *, plan: Optional[Plan] = None, mesh=None) -
             runtimes[key] = ParallelRuntime(layout, mesh, state.precision, state.params, train=False)
         runtime = runtimes[key]
         ops = runtime.ops(None)
-        params = runtime.view(state.params, ops, parallel_aware)
-        loss = loss_fn(params, batch, rng=None, ops=ops) if parallel_aware else loss_fn(params, batch, rng=None)
+        try:
+            params = runtime.view(state.params, ops, parallel_aware)
+            loss = loss_fn(params, batch, rng=None, ops=ops) if parallel_aware else loss_fn(params, batch, rng=None)
+        finally:
+            runtime.close_ops()
         return runtime.mean_over_data(float(loss))
 
     return eval_step

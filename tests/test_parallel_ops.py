@@ -11,7 +11,7 @@ def gathered_bytes_case(recompute):
     """Bytes of gathered ZeRO-3 weights still held when each unit's backward starts."""
     import fspeed.parallel.ops as so
     calls, held = [], []
-    real_init, real_backward = so._BlockCall.__init__, so._GatheredUnit.backward
+    real_init, real_backward = so._UnitCall.__init__, so._GatheredUnit.backward
 
     def init(self, *args):
         real_init(self, *args)
@@ -20,11 +20,11 @@ def gathered_bytes_case(recompute):
     def backward(ctx, grad):
         held.append(sum(c.full.untyped_storage().nbytes() for c in calls if c.full is not None))
         return real_backward(ctx, grad)
-    so._BlockCall.__init__, so._GatheredUnit.backward = init, staticmethod(backward)
+    so._UnitCall.__init__, so._GatheredUnit.backward = init, staticmethod(backward)
     try:
         flat, *_ = distributed_case(1, 1, 1, 2, "sgd", 3, 1, dims={"n_layer": 3, "d_model": 32}, recompute=recompute)
     finally:
-        so._BlockCall.__init__, so._GatheredUnit.backward = real_init, staticmethod(real_backward)
+        so._UnitCall.__init__, so._GatheredUnit.backward = real_init, staticmethod(real_backward)
     return len(calls), held
 
 

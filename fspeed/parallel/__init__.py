@@ -4,8 +4,8 @@
     plan = fs.zero(stage=3) | fs.tensor_slicing(fs.models.gpt_rules)     # transforms compose with |
     print(fs.explain(plan, params, mesh, model.logical_axes))
 
-Modules, bottom up: `specs` (partition specs, logical-axis rules), `torch_internals` (every
-private torch API), `comm` (collectives, logged), `mesh`, `plan` (placements, transforms and
+Modules, bottom up: `specs` (partition specs, logical-axis rules), `comm` (collectives, logged;
+every private torch API fspeed uses is in `fspeed.torch_internals`), `mesh`, `plan` (placements, transforms and
 their composition), `config` (ZeRO's keys), `zero` and `tensor_slicing` (the two transforms),
 `layout` (a plan resolved for a tree), `memory` and `explain` (one accounting), `grads`
 (gradient delivery and bucketed reduction during backward), `ops` (how units enter a model),

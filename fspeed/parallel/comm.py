@@ -28,7 +28,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .torch_internals import (
+from ..torch_internals import (
     AsyncCollectiveTensor, funcol_all_gather, funcol_all_reduce, funcol_reduce_scatter, unwrapped,
 )
 

@@ -36,7 +36,7 @@ import torch
 from ..flat import Flat, FlatLayout
 from .comm import AxisComm, Pending
 from .layout import Layout, labelled_layout
-from .torch_internals import below_functorch, unwrapped
+from ..torch_internals import below_functorch, unwrapped
 
 
 class _DeliverGrads(torch.autograd.Function):

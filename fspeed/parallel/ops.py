@@ -25,11 +25,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..models.ops import BlockFn, DenseOps
-from ..pytree import PyTree, tree_unflatten
+from ..pytree import PyTree, tree_flatten, tree_unflatten
+from ..torch_internals import below_functorch, unwrapped
 from .comm import AxisComm
 from .grads import GradSink, deliver_on_backward
 from .layout import Layout, UnitInfo
-from .torch_internals import below_functorch, unwrapped
 
 
 class UnitParams:
@@ -62,29 +62,56 @@ def _assemble(unit: UnitInfo, full: Optional[torch.Tensor], resident: Sequence[t
     return [sharded[i] if i in sharded else whole[i] for i in unit.params]
 
 
-class _BlockCall:
-    """What a block's forward and backward need besides tensors: the function, the unit, the
-    replayable dropout generator, the sink, the prefetcher."""
+class _UnitCall:
+    """One call of a unit's function: everything its forward and backward need besides the tensors
+    (the function, the unit, the non-tensor arguments, the random state to replay) and the
+    structure of its arguments and results. Tensors cross the autograd Functions flat."""
 
-    def __init__(self, ops: "UnitOps", fn: BlockFn, unit: UnitInfo, index: int, rng: Optional[torch.Generator],
-                 prefetch: "_Prefetcher"):
-        self.ops, self.fn, self.unit, self.index, self.prefetch = ops, fn, unit, index, prefetch
-        self.rng_state = rng.get_state() if rng is not None else None
-        self.rng_device = rng.device if rng is not None else None
+    def __init__(self, ops: "UnitOps", fn: Callable, unit: UnitInfo, args: tuple, kwargs: dict):
+        self.ops, self.fn, self.unit = ops, fn, unit
+        leaves, self.in_spec = tree_flatten((args, kwargs))
+        self.is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+        self.static = [None if t else x for x, t in zip(leaves, self.is_tensor)]
+        self.tensors = [x for x, t in zip(leaves, self.is_tensor) if t]
+        # explicit generators (the reference GPT's dropout) and the global generators (nn.Module dropout)
+        self.generators = {i: x.get_state() for i, x in enumerate(leaves) if isinstance(x, torch.Generator)}
+        self.devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        self.global_rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
+        self.out_spec = self.out_static = None
         self.vjp = self.full = None
         self.nbytes = 0
+        self.hint: Optional[int] = None  # the unit expected next in forward (scan knows it)
 
-    def generator(self) -> Optional[torch.Generator]:
-        if self.rng_state is None:
-            return None
-        g = torch.Generator(device=self.rng_device)
-        g.set_state(self.rng_state)
-        return g
+    def run(self, full: Optional[torch.Tensor], tensors: Sequence[torch.Tensor],
+            resident: Sequence[torch.Tensor], replay: bool) -> tuple[torch.Tensor, ...]:
+        """The unit's function on these tensors; `replay` restores the random state of the first run."""
+        leaves, it = [], iter(tensors)
+        for i, (is_tensor, static) in enumerate(zip(self.is_tensor, self.static)):
+            if is_tensor:
+                leaves.append(next(it))
+            elif i in self.generators:
+                g = torch.Generator(device=static.device)
+                g.set_state(self.generators[i])
+                leaves.append(g)
+            else:
+                leaves.append(static)
+        args, kwargs = tree_unflatten(self.in_spec, leaves)
+        tree = tree_unflatten(self.unit.tree, _assemble(self.unit, full, [self.ops.to_device(t) for t in resident]))
+        with torch.random.fork_rng(devices=self.devices, enabled=replay):
+            if replay:
+                torch.set_rng_state(self.global_rng[0])
+                for device, state in zip(self.devices, self.global_rng[1]):
+                    torch.cuda.set_rng_state(state, device)
+            out = self.fn(tree, *args, **kwargs)
+        out_leaves, self.out_spec = tree_flatten(out)
+        self.out_static = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
+        return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
 
-    def run(self, full: Optional[torch.Tensor], x: torch.Tensor, *resident: torch.Tensor) -> torch.Tensor:
-        resident = [self.ops.to_device(t) for t in resident]
-        tree = tree_unflatten(self.unit.tree, _assemble(self.unit, full, resident))
-        return self.fn(tree, x, self.generator())
+    def result(self, outputs: Sequence[torch.Tensor]) -> Any:
+        """The function's result (its structure) with these output tensors."""
+        it = iter(outputs)
+        leaves = [next(it) if static is None else static for static in self.out_static]
+        return tree_unflatten(self.out_spec, leaves)
 
     def deliver(self, grad_full: Optional[torch.Tensor], grad_resident: Sequence[Optional[torch.Tensor]]) -> None:
         sink = self.ops.sink
@@ -93,45 +120,56 @@ class _BlockCall:
         sink.deliver(self.unit.index, list(grad_resident))
 
 
-class _GatheredUnit(torch.autograd.Function):
-    """A block whose sharded weights exist gathered only while it computes.
+def _cotangents(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]) -> tuple:
+    """Gradients for every output (zeros where autograd gave none)."""
+    return tuple(torch.zeros_like(o) if g is None else g for o, g in zip(outputs, grads))
 
-    Forward gathers the shard and records the block's graph (`torch.func.vjp`), then frees the
+
+class _GatheredUnit(torch.autograd.Function):
+    """A unit whose sharded weights exist gathered only while it computes.
+
+    Forward gathers the shard and records the unit's graph (`torch.func.vjp`), then frees the
     gathered storage: the graph keeps views of it, which hold no memory while it is empty.
     Backward gathers again into that same storage (no version bump: the bits are what the graph
     saw), runs the recorded vjp and delivers the unit's gradients. With recompute, forward keeps
-    only the block input and backward recomputes the block (activation checkpointing).
+    only the unit's inputs and backward recomputes it (activation checkpointing), replaying the
+    same random state.
     """
 
     @staticmethod
-    def forward(x, anchor, shard, call: _BlockCall, recompute: bool, *resident):
-        full = call.prefetch.take(call.index, shard)
-        call.prefetch.start(call.index + 1)
+    def forward(anchor, shard, call: _UnitCall, recompute: bool, n_inputs: int, *tensors):
+        inputs, resident = tensors[:n_inputs], tensors[n_inputs:]
+        full = call.ops.gathered(call.unit, shard, forward=True, hint=call.hint)
         if recompute:
             with torch.no_grad():
-                return call.run(full, x, *resident)
+                return call.run(full, inputs, resident, replay=False)
         with torch.enable_grad():
-            out, call.vjp = torch.func.vjp(call.run, full, x, *resident)
+            outputs, call.vjp = torch.func.vjp(
+                lambda f, ins, res: call.run(f, ins, res, replay=False), full, tuple(inputs), tuple(resident))
         call.full, call.nbytes = full, full.untyped_storage().nbytes()
+        call.outputs_like = [torch.empty_like(o, device="meta") for o in outputs]
         full.untyped_storage().resize_(0)
-        return out
+        return outputs
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, _, shard, call, recompute, *resident = inputs
-        ctx.save_for_backward(x, shard, *resident)
-        ctx.call, ctx.recompute = call, recompute
+        _, shard, call, recompute, n_inputs, *tensors = inputs
+        ctx.mark_non_differentiable(*[o for o in output if not o.is_floating_point()])
+        ctx.save_for_backward(shard, *tensors) if recompute else ctx.save_for_backward(shard)
+        ctx.call, ctx.recompute, ctx.n_inputs, ctx.count = call, recompute, n_inputs, len(tensors)
+        ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, *grads):
         call = ctx.call
-        x, shard, *resident = ctx.saved_tensors
-        full = call.prefetch.take(call.index, shard)
-        call.prefetch.start(call.index - 1)
+        shard, *tensors = ctx.saved_tensors
+        full = call.ops.gathered(call.unit, shard, forward=False)
         if ctx.recompute:
+            inputs, resident = tuple(tensors[:ctx.n_inputs]), tuple(tensors[ctx.n_inputs:])
             with torch.enable_grad():
-                _, vjp = torch.func.vjp(call.run, full, x, *resident)
-                grads = vjp(grad_out)
+                outputs, vjp = torch.func.vjp(lambda f, ins, res: call.run(f, ins, res, replay=True),
+                                              full, inputs, resident)
+                grad_full, grad_inputs, grad_resident = vjp(_cotangents(outputs, grads))
         else:
             storage = call.full.untyped_storage()
             storage.resize_(call.nbytes)
@@ -140,36 +178,40 @@ class _GatheredUnit(torch.autograd.Function):
             with below_functorch():
                 call.full.data.copy_(unwrapped(full))
             del full
-            grads = call.vjp(grad_out)
+            cotangents = tuple(g if g is not None else torch.zeros(o.shape, dtype=o.dtype, device=call.ops.device)
+                               for o, g in zip(call.outputs_like, grads))
+            grad_full, grad_inputs, grad_resident = call.vjp(cotangents)
             storage.resize_(0)
             call.vjp = call.full = None
-        grad_full, grad_x, *grad_resident = grads
         call.deliver(unwrapped(grad_full), [unwrapped(g) for g in grad_resident])
-        return (grad_x, torch.zeros(()), None, None, None) + (None,) * len(resident)
+        return (torch.zeros(()), None, None, None, None) + tuple(grad_inputs) + (None,) * (ctx.count - ctx.n_inputs)
 
 
 class _RecomputedUnit(torch.autograd.Function):
-    """A block of whole parameters that keeps only its input and recomputes in backward."""
+    """A unit of whole parameters that keeps only its inputs and recomputes in backward."""
 
     @staticmethod
-    def forward(x, anchor, call: _BlockCall, *resident):
+    def forward(anchor, call: _UnitCall, n_inputs: int, *tensors):
         with torch.no_grad():
-            return call.run(None, x, *resident)
+            return call.run(None, tensors[:n_inputs], tensors[n_inputs:], replay=False)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, _, call, *resident = inputs
-        ctx.save_for_backward(x, *resident)
-        ctx.call = call
+        _, call, n_inputs, *tensors = inputs
+        ctx.mark_non_differentiable(*[o for o in output if not o.is_floating_point()])
+        ctx.save_for_backward(*tensors)
+        ctx.call, ctx.n_inputs = call, n_inputs
+        ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx, grad_out):
-        x, *resident = ctx.saved_tensors
+    def backward(ctx, *grads):
+        tensors, n = ctx.saved_tensors, ctx.n_inputs
         with torch.enable_grad():
-            _, vjp = torch.func.vjp(lambda x_, *r: ctx.call.run(None, x_, *r), x, *resident)
-            grad_x, *grad_resident = vjp(grad_out)
+            outputs, vjp = torch.func.vjp(lambda ins, res: ctx.call.run(None, ins, res, replay=True),
+                                          tuple(tensors[:n]), tuple(tensors[n:]))
+            grad_inputs, grad_resident = vjp(_cotangents(outputs, grads))
         ctx.call.deliver(None, [unwrapped(g) for g in grad_resident])
-        return (grad_x, torch.zeros(()), None) + (None,) * len(resident)
+        return (torch.zeros(()), None, None) + tuple(grad_inputs) + (None,) * (len(tensors) - n)
 
 
 class _GatheredParams(torch.autograd.Function):
@@ -205,42 +247,83 @@ class _GatheredParams(torch.autograd.Function):
         return (torch.zeros(()), None, None, None) + (None,) * ctx.count
 
 
-class _Prefetcher:
-    """All-gathers of block shards started ahead of their use (one block ahead in each direction)."""
+class UnitTrace:
+    """The order in which units ran, kept from one micro-batch to the next: ZeRO-3 prefetches the
+    unit that ran after (forward) or before (backward) the current one last time, as DeepSpeed's
+    trace does."""
 
-    def __init__(self, ops: "UnitOps", blocks: Sequence[Any], enabled: bool):
-        self.ops, self.blocks, self.enabled = ops, blocks, enabled
-        self.pending: dict[int, Any] = {}
+    def __init__(self):
+        self.previous: list[int] = []
+        self.current: list[int] = []
 
-    def start(self, i: int) -> None:
-        if self.enabled and 0 <= i < len(self.blocks) and i not in self.pending \
-                and isinstance(self.blocks[i], UnitParams) and self.blocks[i].shard is not None:
-            self.pending[i] = self.ops.data.start_gather(self.ops.to_device(self.blocks[i].shard))
+    def ran(self, unit: int) -> None:
+        self.current.append(unit)
 
-    def take(self, i: int, shard: torch.Tensor) -> torch.Tensor:
-        handle = self.pending.pop(i, None)
-        return handle.wait() if handle is not None else self.ops.data.gathered(self.ops.to_device(shard))
+    def neighbour(self, unit: int, forward: bool) -> Optional[int]:
+        """The unit after `unit` in the last micro-batch's forward, or the one before it in this
+        micro-batch's forward (backward runs in reverse)."""
+        order = self.previous if forward else self.current
+        if unit not in order:
+            return None
+        at = order.index(unit) + (1 if forward else -1)
+        return order[at] if 0 <= at < len(order) else None
+
+    def next_micro_batch(self) -> None:
+        if self.current:
+            self.previous, self.current = self.current, []
 
 
 class UnitOps(DenseOps):
-    """Dense model ops whose `param` and `scan` take `UnitParams` (module docstring). Bound to
-    one micro-batch: the anchor it differentiates, and the sink its gradients go to; without a
-    sink (evaluation) units are only gathered."""
+    """Dense model ops whose `param`, `call` and `scan` take `UnitParams` (module docstring).
+    Bound to one micro-batch: the anchor it differentiates, and the sink its gradients go to;
+    without a sink (evaluation) units are only gathered."""
 
     def __init__(self, layout: Layout, data: AxisComm, sink: Optional[GradSink], anchor: Optional[torch.Tensor],
-                 device: torch.device, dtype: torch.dtype, to_device: Callable[[torch.Tensor], torch.Tensor]):
+                 device: torch.device, dtype: torch.dtype, to_device: Callable[[torch.Tensor], torch.Tensor],
+                 trace: Optional[UnitTrace] = None):
         self.layout, self.data, self.sink, self.anchor = layout, data, sink, anchor
         self.device, self.dtype, self.to_device = device, dtype, to_device
         self.recompute = layout.zero.recompute_blocks
         self.prefetch = layout.zero.prefetch
+        self.trace = trace if trace is not None else UnitTrace()
+        self.units: dict[int, UnitParams] = {}
         self._taken: dict[int, list[torch.Tensor]] = {}
+        self._pending: dict[int, Any] = {}
+
+    def bind(self, units: Sequence[UnitParams]) -> None:
+        """The units of this micro-batch's parameters (for prefetching by index)."""
+        self.units = {u.unit.index: u for u in units}
+
+    # -- gathering ---------------------------------------------------------------------------
+
+    def gathered(self, unit: UnitInfo, shard: torch.Tensor, forward: bool, hint: Optional[int] = None) -> torch.Tensor:
+        """A sharded unit's full flat parameters (from its prefetch when one is in flight), and the
+        prefetch of the unit expected next (`hint`, else the trace)."""
+        pending = self._pending.pop(unit.index, None)
+        full = pending.wait() if pending is not None else self.data.gathered(self.to_device(shard))
+        if forward:
+            self.trace.ran(unit.index)
+        neighbour = hint if hint is not None else self.trace.neighbour(unit.index, forward)
+        nxt = self.units.get(neighbour) if neighbour is not None else None
+        if self.prefetch and nxt is not None and nxt.shard is not None and neighbour not in self._pending:
+            self._pending[neighbour] = self.data.start_gather(self.to_device(nxt.shard))
+        return full
+
+    def close(self) -> None:
+        """End of the micro-batch: wait for prefetches nobody took (every rank issued them)."""
+        for pending in self._pending.values():
+            pending.wait()
+        self._pending.clear()
+        self.trace.next_micro_batch()
+
+    # -- the ops -----------------------------------------------------------------------------
 
     def take(self, p: UnitParams) -> list[torch.Tensor]:
         """The unit's tensors in `unit.params` order, ready to compute with (once per micro-batch)."""
         unit = p.unit
         if unit.index not in self._taken:
             if self.sink is None:
-                full = self.data.gathered(self.to_device(p.shard)) if p.shard is not None else None
+                full = self.gathered(unit, p.shard, forward=True) if p.shard is not None else None
                 tensors = _assemble(unit, full, [self.to_device(t) for t in p.resident])
             elif p.shard is not None:
                 tensors = list(_GatheredParams.apply(self.anchor, p.shard, self, unit, *p.resident))
@@ -256,23 +339,32 @@ class UnitOps(DenseOps):
             raise TypeError(f"unit {p.unit.name!r} is not a subtree of the parameters; it cannot be taken whole")
         return tree_unflatten(p.unit.tree, self.take(p))
 
+    def call(self, p: Any, fn: Callable, *args: Any, _hint: Optional[int] = None, **kwargs: Any) -> Any:
+        """`fn(params, *args, **kwargs)` with the unit's parameters: a sharded unit is gathered
+        for this call only (and again for its backward), with `recompute_blocks` the call keeps
+        only its inputs; a unit taken whole is taken once per micro-batch."""
+        if not isinstance(p, UnitParams) or self.sink is None or p.unit.index in self._taken:
+            out = fn(self.param(p), *args, **kwargs)
+            if self.sink is None and isinstance(p, UnitParams):
+                self._taken.pop(p.unit.index, None)  # evaluation keeps no gathered unit
+            return out
+        if p.shard is None and not self.recompute:
+            return fn(self.param(p), *args, **kwargs)
+        call = _UnitCall(self, fn, p.unit, args, kwargs)
+        call.hint = _hint
+        inputs = call.tensors
+        if p.shard is not None:
+            outputs = _GatheredUnit.apply(self.anchor, p.shard, call, self.recompute, len(inputs), *inputs, *p.resident)
+        else:
+            outputs = _RecomputedUnit.apply(self.anchor, call, len(inputs), *inputs, *p.resident)
+        return call.result(outputs)
+
     def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor,
              rng: Optional[torch.Generator] = None) -> torch.Tensor:
-        prefetch = _Prefetcher(self, blocks, self.prefetch)
         for i, block in enumerate(blocks):
-            if not isinstance(block, UnitParams):
-                x = fn(block, x, rng)
-            elif self.sink is None:
-                x = fn(self.param(block), x, rng)
-                self._taken.pop(block.unit.index, None)  # evaluation keeps no gathered layer
-            elif block.shard is not None:
-                call = _BlockCall(self, fn, block.unit, i, rng, prefetch)
-                x = _GatheredUnit.apply(x, self.anchor, block.shard, call, self.recompute, *block.resident)
-            elif self.recompute:
-                call = _BlockCall(self, fn, block.unit, i, rng, prefetch)
-                x = _RecomputedUnit.apply(x, self.anchor, call, *block.resident)
-            else:
-                x = fn(self.param(block), x, rng)
+            after = blocks[i + 1] if i + 1 < len(blocks) else None
+            hint = after.unit.index if isinstance(after, UnitParams) else None
+            x = self.call(block, fn, x, rng, _hint=hint)
         return x
 
 
@@ -318,4 +410,4 @@ def replace_units(tree: PyTree, replacements: dict, prefix: str = "") -> PyTree:
     return tree
 
 
-__all__ = ["UnitOps", "UnitParams", "eager_params", "model_view", "replace_units", "unit_params"]
+__all__ = ["UnitOps", "UnitParams", "UnitTrace", "eager_params", "model_view", "replace_units", "unit_params"]

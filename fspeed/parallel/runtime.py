@@ -37,9 +37,9 @@ from .offload import (
     HostDeviceCopies, check_optimizer_for_offload, compute_device, copy_to, host_buffer, offloads_optimizer,
     offloads_params, to_host,
 )
-from .ops import UnitOps, eager_params, model_view, unit_params
+from .ops import UnitOps, UnitTrace, eager_params, model_view, unit_params
 from .specs import shard
-from .torch_internals import foreach_norm
+from ..torch_internals import foreach_norm
 
 
 def check_optimizer(optimizer, layout: Layout) -> None:
@@ -168,13 +168,17 @@ class ParallelRuntime:
         self._copies = HostDeviceCopies()
         self._host: dict[str, torch.Tensor] = {}  # offload: host gradient and 16-bit staging buffers
         self._pieces_for: dict = {}
+        self._trace = UnitTrace()  # the order units ran in, for ZeRO-3's prefetch
+        self._unit_ops: Optional[UnitOps] = None
 
     # -- forward and backward --------------------------------------------------------------
 
     def ops(self, anchor: Optional[torch.Tensor]) -> UnitOps:
         """The model ops for one micro-batch (None: evaluation), unit ops wrapped by each transform."""
         to_device = (lambda t: copy_to(t, self.device)) if self.offload_params else (lambda t: t)
-        ops = UnitOps(self.layout, self.data, self.sink, anchor, self.device, self.param_dtype, to_device)
+        self._unit_ops = UnitOps(self.layout, self.data, self.sink, anchor, self.device, self.param_dtype, to_device,
+                                 self._trace)
+        ops = self._unit_ops
         for transform in self.layout.plan.ordered():
             ops = transform.wrap_ops(ops, self.mesh, self.layout.tensor_axes)
         return ops
@@ -182,8 +186,15 @@ class ParallelRuntime:
     def view(self, params: Flat, ops, parallel_aware: bool) -> PyTree:
         """What the loss sees: units in place for a parallel-aware loss, else plain tensors."""
         units = unit_params(self.layout, params)
+        self._unit_ops.bind(units)
         tree = model_view(self.layout, units) if parallel_aware else None
-        return tree if tree is not None else eager_params(_unit_ops(ops), units)
+        return tree if tree is not None else eager_params(self._unit_ops, units)
+
+    def close_ops(self) -> None:
+        """The end of a forward (and backward): prefetches nobody took are waited for."""
+        if self._unit_ops is not None:
+            self._unit_ops.close()
+            self._unit_ops = None
 
     def begin_step(self, reduce: bool, micro_batches: int) -> None:
         self.sink.begin_step(reduce, micro_batches)
@@ -192,6 +203,7 @@ class ParallelRuntime:
         self.sink.begin_micro(index)
 
     def end_micro(self) -> None:
+        self.close_ops()
         self.sink.end_micro()
 
     def finish(self) -> Flat:
@@ -329,13 +341,6 @@ class ParallelRuntime:
 
     def mean_over_data(self, value: float) -> float:
         return self.data.all_reduce_scalar(value) / self.n if self.n > 1 else value
-
-
-def _unit_ops(ops) -> UnitOps:
-    """The `UnitOps` under the transforms' wrappers."""
-    while not isinstance(ops, UnitOps):
-        ops = ops.inner
-    return ops
 
 
 def local_image(master: Flat, params: Flat) -> Optional[Flat]:
