@@ -198,7 +198,7 @@ def save_checkpoint(
 
 def _is_sharded(state: TrainState, mesh, what: str) -> bool:
     """Whether `state` lives on several ranks (then each rank keeps its own file)."""
-    if state.layout is None or math.prod(size for _, size in state.layout.mesh_sizes) == 1:
+    if math.prod(size for _, size in state.layout.mesh_sizes) == 1:
         return False
     if mesh is None:
         raise ValueError(f"{what}: this state is sharded (zero stage {state.layout.stage} on mesh "

@@ -7,6 +7,8 @@
     step         optimizer-step attempts, skipped ones included (DeepSpeed's global_steps)
     skipped_steps, samples
     rng_seed     dropout generators are derived from (rng_seed, step, micro-batch): exact resume
+    buffers      module state the forward updates in place (BatchNorm running statistics), a
+                 pytree ({} when the model has none)
     precision    the precision policy (static: pytree metadata, not a leaf)
 
 `layout` (static metadata) is the resolved parallel plan the state was built with, None without
@@ -26,7 +28,7 @@ from .optim.base import learning_rate
 from .precision import Precision, fp32
 from .pytree import register_node
 
-_FIELDS = ("params", "master", "opt_state", "loss_scale", "step", "skipped_steps", "samples", "rng_seed")
+_FIELDS = ("params", "master", "opt_state", "loss_scale", "step", "skipped_steps", "samples", "rng_seed", "buffers")
 _FIELD_SET = frozenset(_FIELDS)
 
 
@@ -49,10 +51,13 @@ class TrainState:
         skipped_steps: int = 0,
         samples: int = 0,
         rng_seed: int = 0,
+        buffers: Any = None,
         precision: Precision = fp32(),
         layout: Optional[Any] = None,
     ):
-        for name, value in zip(_FIELDS, (params, master, opt_state, loss_scale, step, skipped_steps, samples, rng_seed)):
+        buffers = {} if buffers is None else buffers
+        for name, value in zip(_FIELDS, (params, master, opt_state, loss_scale, step, skipped_steps, samples, rng_seed,
+                                         buffers)):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "precision", precision)
         object.__setattr__(self, "layout", layout)

@@ -37,7 +37,6 @@ from .flat import Flat
 from .loss_scale import update_loss_scale
 from .optim.base import GradientTransformation, chain, needs_full_allreduce, optimizer_step
 from .optim.clipping import clip_coefficient
-from .parallel.layout import resolve
 from .parallel.mesh import Mesh
 from .parallel.plan import Plan
 from .parallel.runtime import ParallelRuntime, check_optimizer
@@ -112,36 +111,33 @@ def make_train_step(
 
     def runtime_for(state: TrainState) -> ParallelRuntime:
         layout = state.layout
-        if layout is None:
-            if plan is not None:
-                raise ValueError("make_train_step was given a plan, but the state was built without one; "
-                                 "pass the same plan= and mesh= to init_train_state")
-            key = ("local", state.params.layout, state.params.dtype, state.params.device, state.precision)
-            _warn_if_distributed()
-        else:
-            if mesh is None:
+        if plan is None:
+            if not layout.is_local:
                 raise ValueError(f"this state was built with a plan ({layout.describe()}); pass plan= and mesh= to "
                                  "make_train_step too")
+            _warn_if_distributed()
+            step_mesh = Mesh.single()
+        else:
+            if layout.is_local and plan != layout.plan:
+                raise ValueError("make_train_step was given a plan, but the state was built without one; "
+                                 "pass the same plan= and mesh= to init_train_state")
             if plan != layout.plan or dict(mesh.sizes) != dict(layout.mesh_sizes):
                 raise ValueError(f"make_train_step's plan {plan!r} on mesh {mesh.sizes} does not match the state's "
                                  f"({layout.describe()})")
-            check_optimizer(optimizer, layout)
-            if layout.tensor_axes and not parallel_aware:
-                raise ValueError("tensor slicing needs a parallel-aware loss (one that accepts ops=, like the "
-                                 "reference GPT's); functionalize(nn.Module) models support ZeRO stages 0-3 only")
-            key = (layout, state.precision)
+            step_mesh = mesh
+        check_optimizer(optimizer, layout)
+        if layout.tensor_axes and not parallel_aware:
+            raise ValueError("tensor slicing needs a parallel-aware loss (one that accepts ops=, like the "
+                             "reference GPT's); functionalize(nn.Module) models support ZeRO stages 0-3 only")
+        key = (layout, state.precision)
         if key not in runtimes:
             runtimes.clear()
-            if layout is None:
-                local = resolve(Plan(), state.params.tree(), {"data": 1}, {"data": 0})
-                runtimes[key] = ParallelRuntime(local, Mesh.single(), state.precision, state.params)
-            else:
-                runtimes[key] = ParallelRuntime(layout, mesh, state.precision, state.params)
+            runtimes[key] = ParallelRuntime(layout, step_mesh, state.precision, state.params)
         return runtimes[key]
-    # Mutable module state (functionalize's BatchNorm statistics) must enter the transformed
-    # function as an input to be updated in place under torch.func.
-    buffers = getattr(loss_fn, "buffers", None)
-    extra = (lambda b: {"buffers": b}) if buffers is not None else (lambda b: {})
+    # Module state (functionalize's BatchNorm statistics) must enter the transformed function as an
+    # input to be updated in place under torch.func: the state's buffers, passed as an argument.
+    takes_buffers = _accepts_keyword(loss_fn, "buffers")
+    extra = (lambda b: {"buffers": b}) if takes_buffers else (lambda b: {})
 
     def micro_loss(anchor: torch.Tensor, params: Flat, micro_batch: PyTree, rng: torch.Generator,
                    multiplier: float, buffers, runtime: ParallelRuntime):
@@ -170,6 +166,8 @@ def make_train_step(
         multiplier = scaler.scale / (grad_accum * runtime.n)  # summed over data ranks = the mean
         micro_batches = split_micro_batches(batch, grad_accum)
         generator = torch.Generator(device=runtime.compute_device(params))
+        buffers = state.buffers
+        runtime.broadcast_buffers(buffers)  # every data rank starts from rank 0's, as DDP does
         # optimizers that communicate themselves (1-bit family) may take the local gradient instead
         allreduce = needs_full_allreduce(rest, state.opt_state[1:] if clip_norm is not None else state.opt_state)
         runtime.begin_step(allreduce, grad_accum)
@@ -195,7 +193,7 @@ def make_train_step(
         samples = state.samples + _rows(batch) * runtime.n
         state.donate()  # from here on the input's buffers are reused
         fields = {name: object.__getattribute__(state, name) for name in
-                  ("params", "master", "opt_state", "step", "skipped_steps", "rng_seed")}
+                  ("params", "master", "opt_state", "step", "skipped_steps", "rng_seed", "buffers")}
         metrics = dict(step=fields["step"] + 1, loss=mean_loss, lr=lr, loss_scale=scaler.scale, skipped=overflow)
 
         if overflow:
@@ -256,6 +254,7 @@ def _next_state(old: TrainState, fields: dict, scaler, samples: int, skipped: in
         skipped_steps=fields["skipped_steps"] + skipped,
         samples=samples,
         rng_seed=fields["rng_seed"],
+        buffers=fields["buffers"],
         precision=old.precision,
         layout=old.layout,
     )
@@ -272,17 +271,24 @@ def _accepts_keyword(fn: Callable, name: str) -> bool:
 def make_eval_step(loss_fn: LossFn, *, plan: Optional[Plan] = None, mesh=None) -> Callable[[TrainState, PyTree], float]:
     """`eval_step(state, batch) -> loss` without gradients or dropout (does not donate).
 
-    Under a plan (the state's), the forward runs with the plan's ops and the loss is averaged over
-    data ranks: every rank must call it.
+    A loss that takes `train=` (a functionalized module's) runs its module in eval mode: dropout
+    off, BatchNorm on its running statistics, which stay untouched. Under a plan (the state's),
+    the forward runs with the plan's ops and the loss is averaged over data ranks: every rank
+    must call it.
     """
     parallel_aware = _accepts_keyword(loss_fn, "ops")
+    options = {}
+    if _accepts_keyword(loss_fn, "train"):
+        options["train"] = False
+    takes_buffers = _accepts_keyword(loss_fn, "buffers")
     runtimes: dict = {}
 
     @torch.no_grad()
     def eval_step(state: TrainState, batch: PyTree) -> float:
         layout = state.layout
-        if layout is None:
-            return float(loss_fn(state.params.tree(), batch, rng=None))
+        kwargs = dict(options, buffers=state.buffers) if takes_buffers else dict(options)
+        if layout.is_local and plan is None:
+            return float(loss_fn(state.params.tree(), batch, rng=None, **kwargs))
         if mesh is None:
             raise ValueError("this state was built with a plan; pass plan= and mesh= to make_eval_step too")
         key = (layout, state.precision)
@@ -293,7 +299,8 @@ def make_eval_step(loss_fn: LossFn, *, plan: Optional[Plan] = None, mesh=None) -
         ops = runtime.ops(None)
         try:
             params = runtime.view(state.params, ops, parallel_aware)
-            loss = loss_fn(params, batch, rng=None, ops=ops) if parallel_aware else loss_fn(params, batch, rng=None)
+            loss = loss_fn(params, batch, rng=None, ops=ops, **kwargs) if parallel_aware else \
+                loss_fn(params, batch, rng=None, **kwargs)
         finally:
             runtime.close_ops()
         return runtime.mean_over_data(float(loss))

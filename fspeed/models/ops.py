@@ -53,6 +53,11 @@ class DenseOps:
         """Mean cross-entropy over all positions, computed in fp32."""
         return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
+    def call(self, p: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(params, *args, **kwargs)` with one unit's parameters (the unit of ZeRO-3 gathering,
+        recompute and gradient delivery under a plan)."""
+        return fn(self.param(p), *args, **kwargs)
+
     def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor,
              rng: Optional[torch.Generator] = None) -> torch.Tensor:
         """x = fn(blocks[i], x, rng) for each block in order (the unit of ZeRO-3 gathering)."""

@@ -236,6 +236,16 @@ class AxisComm:
         return self._start("reduce_scatter", _nbytes(out),
                            lambda: dist.reduce_scatter_single(out, full, group=self.group, async_op=True), keep=full)
 
+    def broadcast_(self, tensor: torch.Tensor, source: int = 0) -> torch.Tensor:
+        """In-place broadcast of a contiguous tensor from axis rank `source`."""
+        if self.size == 1:
+            return tensor
+        self._check("broadcast", tensor)
+        src = self.ranks[source]
+        self._start("broadcast", _nbytes(tensor),
+                    lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True)).wait()
+        return tensor
+
     def all_reduce_scalar(self, value: float, op: str = "sum") -> float:
         if self.size == 1:
             return float(value)

@@ -128,6 +128,14 @@ class Layout:
     def describe(self) -> str:
         return f"{self.plan!r} on mesh {dict(self.mesh_sizes)}"
 
+    @property
+    def is_local(self) -> bool:
+        """No plan on one process: what a state built without plan= and mesh= has."""
+        return not self.plan.transforms and all(size == 1 for _, size in self.mesh_sizes)
+
+
+LOCAL_MESH = {"pipe": 1, "data": 1, "model": 1}
+
 
 def default_unit(path: str) -> str:
     """The unit of a parameter: `blocks.3` for `blocks.3.attn.wqkv`, else the top-level entry."""
@@ -138,16 +146,24 @@ def default_unit(path: str) -> str:
 
 
 def resolve(plan: Plan, params: PyTree, mesh_sizes: Mapping[str, int], mesh_coords: Mapping[str, int],
-            logical_axes: Optional[Mapping[str, Sequence[Optional[str]]]] = None) -> Layout:
+            logical_axes: Optional[Mapping[str, Sequence[Optional[str]]]] = None,
+            units: Optional[Mapping[str, str]] = None) -> Layout:
     """Resolve `plan` for `params` (global shapes; meta tensors are fine) on a mesh with the given
-    sizes and coordinates. `logical_axes` (the model's) are needed for tensor slicing."""
-    return resolve_flat(plan, *tree_flatten_with_paths(params), mesh_sizes, mesh_coords, logical_axes)
+    sizes and coordinates. `logical_axes` (the model's) are needed for tensor slicing; `units`
+    (the model's: parameter path -> unit) default to `default_unit`."""
+    return resolve_flat(plan, *tree_flatten_with_paths(params), mesh_sizes, mesh_coords, logical_axes, units)
 
 
 def resolve_flat(plan: Plan, paths: Sequence[str], leaves: Sequence[torch.Tensor], treedef: optree.PyTreeSpec,
                  mesh_sizes: Mapping[str, int], mesh_coords: Mapping[str, int],
-                 logical_axes: Optional[Mapping[str, Sequence[Optional[str]]]] = None) -> Layout:
+                 logical_axes: Optional[Mapping[str, Sequence[Optional[str]]]] = None,
+                 units: Optional[Mapping[str, str]] = None) -> Layout:
     """`resolve` of a tree already flattened with paths (the one flattening a state's build needs)."""
+    if units is not None:
+        missing = [p for p in paths if p not in units]
+        if missing:
+            raise ValueError(f"the model's units name no unit for parameter(s) {missing[:5]}; every parameter "
+                             "needs one (Model.units)")
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"parameter {path!r} is {type(leaf).__name__}, not a tensor")
@@ -163,8 +179,9 @@ def resolve_flat(plan: Plan, paths: Sequence[str], leaves: Sequence[torch.Tensor
             raise ValueError(f"logical axes of {path!r} {axes} do not match its shape {list(shape)}")
         entries.append(ParamEntry(path, shape, axes))
     placements = plan.place(entries, sizes)
+    unit_of = units.__getitem__ if units is not None else default_unit
     infos = tuple(ParamInfo(e.path, e.shape, e.axes, pl, local_shape(e.shape, pl.compute, sizes, e.path),
-                            default_unit(e.path)) for e, pl in zip(entries, placements))
+                            unit_of(e.path)) for e, pl in zip(entries, placements))
     local = FlatLayout(treedef, tuple(paths), tuple(i.local_shape for i in infos))
     zero = plan.find("zero")
     zero_cfg = zero.config if zero is not None else ZeroConfig()

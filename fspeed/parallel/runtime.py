@@ -29,7 +29,7 @@ import torch
 
 from ..flat import Flat
 from ..precision import Precision
-from ..pytree import PyTree, tree_map, tree_unflatten
+from ..pytree import PyTree, tensor_leaves, tree_map, tree_unflatten
 from .comm import AxisComm
 from .grads import SINKS, GradSink, ShardGrads, partition_layout
 from .layout import Layout
@@ -342,6 +342,13 @@ class ParallelRuntime:
     def mean_over_data(self, value: float) -> float:
         return self.data.all_reduce_scalar(value) / self.n if self.n > 1 else value
 
+    def broadcast_buffers(self, buffers: PyTree) -> None:
+        """Module state (BatchNorm statistics) from data rank 0 to the others, in place (DDP's
+        broadcast_buffers): each data rank's forward updates its own copy with its own batch."""
+        if self.n > 1:
+            for t in tensor_leaves(buffers):
+                self.data.broadcast_(t, 0)
+
 
 def local_image(master: Flat, params: Flat) -> Optional[Flat]:
     """`params` when it is a separate, same-layout copy of `master` on the same device (then the
@@ -359,7 +366,7 @@ def gather_params(state, mesh) -> PyTree:
     """
     layout = state.layout
     source = state.master if state.master is not None else state.params
-    if layout is None:
+    if layout.is_local:
         return tree_map(lambda t: t.detach().clone(), source.tree())
     data, model = mesh.comm("data"), mesh.comm("model")
     if layout.stage in (1, 2):

@@ -1,0 +1,369 @@
+"""`functionalize(nn.Module)`: any torch module as a `Model`, with its layers, state and ties.
+
+    model = fs.functionalize(hf_gpt2, loss_fn=lambda out, batch: out.loss)
+    state = fs.init_train_state(model.init(), opt, plan=plan, mesh=mesh, model=model)
+    fs.to_module(fs.gather_params(state, mesh), hf_gpt2, state.buffers)   # trained weights back in
+
+What the module becomes:
+
+- **Parameters** are a nested dict that mirrors the module tree (`{"transformer": {"h": {"0":
+  ...}}}`); their paths are the state_dict names. A tied parameter (GPT-2's `lm_head.weight` is
+  `transformer.wte.weight`) is one value under its first name; every module that holds it uses it.
+- **Buffers** with state (BatchNorm's running statistics: the module's persistent buffers) are a
+  second nested dict, carried in the TrainState and its checkpoints and updated in place by the
+  forward. Non-persistent buffers (rotary tables) stay the module's own constants.
+- **Units**: each repeated block (the same class repeated in a ModuleList or Sequential:
+  `transformer.h.3`, `model.layers.0`) is a unit, or the modules matching `units=` patterns; every
+  other parameter belongs to the module that owns it (`transformer.wte`). Under a plan a unit is
+  what ZeRO-3 gathers, what `recompute_blocks` recomputes, and what hands its gradients on as its
+  backward ends: the module's forward is routed through `ops.call` (or, for a unit whose
+  parameters another module also uses, `ops.param`, taken once per micro-batch).
+- **Randomness**: dropout draws from torch's global generator, which the step's `rng` seeds for
+  the forward (and the recompute replays): same seed, same run; a resumed run is exact.
+- **Mode**: `train=False` runs the module in eval mode (dropout off, BatchNorm on its running
+  statistics, which it leaves untouched), as `make_eval_step` asks.
+- **Precision**: floating inputs are cast to the parameters' dtype; normalisation layers
+  (`fp32_modules`, BatchNorm/LayerNorm/GroupNorm by default, as FSDP's mixed-precision policy)
+  compute in fp32 with fp32 buffers, their output cast back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..pytree import PyTree, tree_flatten_with_paths
+from .model import LogicalAxes, Model
+from .ops import DENSE
+
+FP32_MODULES: tuple[type, ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
+Units = Union[str, Sequence[str], None]
+
+
+def nested(flat: dict[str, Any]) -> dict:
+    """`{"a.b.c": x}` as `{"a": {"b": {"c": x}}}` (the module tree's shape)."""
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def _flat(tree: PyTree) -> dict[str, Any]:
+    paths, leaves, _ = tree_flatten_with_paths(tree, is_leaf=_is_unit)
+    return dict(zip(paths, leaves))
+
+
+def _is_unit(x: Any) -> bool:
+    return hasattr(x, "unit") and hasattr(x, "resident")  # a UnitParams under a plan (models never import it)
+
+
+def repeated_blocks(module: nn.Module) -> list[str]:
+    """Paths of the elements of every ModuleList/Sequential whose elements share one class and
+    hold parameters (`transformer.h.0`, `model.layers.3`): FSDP's transformer auto-wrap, by shape."""
+    blocks = []
+    for path, child in module.named_modules():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 1:
+            kinds = {type(m) for m in child}
+            if len(kinds) == 1 and any(True for _ in child[0].parameters()):
+                blocks.extend(f"{path}.{name}" if path else name for name, _ in child.named_children())
+    return blocks
+
+
+def unit_of_parameters(module: nn.Module, units: Units = "auto") -> dict[str, str]:
+    """Each parameter's unit: the innermost block (or module matching a `units` pattern) that
+    contains it, else the module that owns it."""
+    modules = dict(module.named_modules())
+    if units == "auto" or units is None:
+        blocks = set(repeated_blocks(module))
+    else:
+        patterns = [units] if isinstance(units, str) else list(units)
+        blocks = {path for path in modules if path and any(fnmatch.fnmatchcase(path, p) for p in patterns)}
+        unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(path, p) for path in modules if path)]
+        if unmatched:
+            raise ValueError(f"functionalize: units pattern(s) {unmatched} match no submodule of "
+                             f"{type(module).__name__}; submodules are e.g. {[m for m in modules if m][:6]}")
+    out = {}
+    for name, _ in module.named_parameters():
+        owner = name.rpartition(".")[0]
+        parts, unit = owner.split(".") if owner else [], owner or name  # the root's own: a unit each
+        for k in range(len(parts), 0, -1):  # the outermost matching block wins over nested ones
+            prefix = ".".join(parts[:k])
+            if prefix in blocks:
+                unit = prefix
+        out[name] = unit
+    return out
+
+
+class ModuleLoss:
+    """`loss` (and, with `loss_fn=None`, `apply`) of a functionalized module (module docstring)."""
+
+    def __init__(self, module: nn.Module, loss_fn: Optional[Callable], units: dict[str, str],
+                 fp32_modules: tuple[type, ...], name: str):
+        self.module, self.loss_fn, self.units, self.name = module, loss_fn, units, name
+        self.fp32_modules = fp32_modules
+        self.state_names = set(module.state_dict().keys())
+        self.buffer_names = [n for n, _ in module.named_buffers() if n in self.state_names]
+        holders: dict[int, list[str]] = {}
+        for path, p in module.named_parameters(remove_duplicate=False):
+            holders.setdefault(id(p), []).append(path)
+        first = {id(p): n for n, p in module.named_parameters()}
+        # every name a parameter is held under, by its first (state_dict) name: ties
+        self.aliases = {first[i]: names for i, names in holders.items() if len(names) > 1}
+        self.devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+
+    def __call__(self, params, batch, *, rng: Optional[torch.Generator] = None, buffers=None, ops=DENSE,
+                 train: bool = True) -> torch.Tensor:
+        if self.loss_fn is None:
+            raise ValueError(f"functionalize({self.name}) was given no loss_fn; pass "
+                             "functionalize(module, loss_fn=lambda outputs, batch: ...)")
+        if isinstance(batch, dict):
+            inputs = {k: v for k, v in batch.items() if k != "targets"}
+        else:
+            inputs = batch[0]
+        return self.loss_fn(self.apply(params, inputs, rng=rng, buffers=buffers, ops=ops, train=train), batch)
+
+    def apply(self, params, inputs, *, rng: Optional[torch.Generator] = None, buffers=None, ops=DENSE,
+              train: bool = True) -> Any:
+        """The module's output for `inputs` (a tuple: positional arguments; a dict: keywords)."""
+        flat = _flat(params)
+        units = {path: u for path, u in flat.items() if _is_unit(u)}
+        tensors = {path: t for path, t in flat.items() if not _is_unit(t)}
+        dtype = _compute_dtype(tensors, units)
+        state = self._buffers(buffers)
+        inputs = _cast_floats(inputs, dtype)
+        with self._mode(train), self._seeded(rng), self._routed(units, ops, dtype):
+            given = dict(tensors)
+            for path, u in units.items():  # a unit's parameters are reached only through its route
+                for name in self._unit_parameter_names(path):
+                    given[name] = torch.empty(self._shape(name), dtype=dtype, device="meta")
+            call_args = inputs if isinstance(inputs, tuple) else (() if isinstance(inputs, dict) else (inputs,))
+            call_kwargs = inputs if isinstance(inputs, dict) else {}
+            return torch.func.functional_call(self.module, (given, state), call_args, call_kwargs)
+
+    # -- pieces ---------------------------------------------------------------------------------
+
+    def _buffers(self, buffers) -> dict[str, torch.Tensor]:
+        if buffers is None:
+            return {}  # the module's own (a direct call outside train_step)
+        flat = _flat(buffers)
+        missing = [n for n in self.buffer_names if n not in flat]
+        if missing:
+            raise ValueError(f"{self.name} has state buffers ({missing[0]!r}, ...) that the state does not carry; "
+                             "build it with fs.init_train_state(..., model=model) (or buffers=model.init_buffers())")
+        return flat
+
+    @contextlib.contextmanager
+    def _mode(self, train: bool) -> Iterator[None]:
+        modes = {m: m.training for m in self.module.modules()}
+        self.module.train(train)
+        try:
+            yield
+        finally:
+            for m, mode in modes.items():
+                m.training = mode
+
+    @contextlib.contextmanager
+    def _seeded(self, rng: Optional[torch.Generator]) -> Iterator[None]:
+        if rng is None:
+            yield
+            return
+        with torch.random.fork_rng(devices=self.devices):
+            torch.manual_seed(rng.initial_seed())
+            yield
+
+    def _unit_parameter_names(self, unit: str) -> list[str]:
+        return [name for name, u in self.units.items() if u == unit]
+
+    def _shape(self, name: str) -> torch.Size:
+        return self.module.get_parameter(name).shape
+
+    @contextlib.contextmanager
+    def _routed(self, units: dict, ops, dtype: torch.dtype) -> Iterator[None]:
+        """Route every unit's module (and every module sharing one of its parameters) through ops,
+        and normalisation layers through fp32, for the duration of one forward."""
+        overrides: dict[nn.Module, Callable] = {}
+        modules = dict(self.module.named_modules())
+        for path, u in units.items():
+            names = self._unit_parameter_names(path)
+            shared = [a for n in names for a in self.aliases.get(n, [n]) if not _within(a, path)]
+            if not shared and path and path in modules:
+                overrides[modules[path]] = self._call_route(path, u, ops)
+            else:
+                for holder in {_owner(a) for n in names for a in self.aliases.get(n, [n])}:
+                    overrides[self.module.get_submodule(holder)] = self._take_route(holder, path, u, ops, names)
+        if dtype != torch.float32:
+            for m in self.module.modules():
+                if isinstance(m, self.fp32_modules) and m not in overrides:
+                    overrides[m] = _fp32_route(m)
+        for m, forward in overrides.items():
+            m.forward = forward
+        try:
+            yield
+        finally:
+            for m in overrides:
+                del m.forward
+
+    def _call_route(self, path: str, u, ops) -> Callable:
+        """The unit's module computes through `ops.call`: gathered for this call (ZeRO-3), recomputed
+        (recompute_blocks), its gradients handed on as its backward ends."""
+        module, fp32 = self.module.get_submodule(path), self.fp32_modules
+
+        def run(tree, *args, **kwargs):
+            params = _flat(tree)  # names relative to the unit's module
+            with _original_forward(module):
+                if isinstance(module, fp32):
+                    return _in_fp32(module, params, args, kwargs)
+                return torch.func.functional_call(module, params, args, kwargs, strict=False, tie_weights=False)
+
+        def forward(*args, **kwargs):
+            return ops.call(u, run, *args, **kwargs)
+        return forward
+
+    def _take_route(self, holder: str, path: str, u, ops, names: list[str]) -> Callable:
+        """A module holding parameters of a unit another module also uses: the unit is taken once
+        per micro-batch (`ops.param`) and its tensors swapped in for this forward."""
+        module = self.module.get_submodule(holder)
+
+        def forward(*args, **kwargs):
+            tree = ops.param(u)
+            by_name = {f"{path}.{rel}" if rel else path: t for rel, t in _flat(tree).items()} \
+                if isinstance(tree, dict) else {names[0]: tree}
+            params = {}
+            for name in names:
+                for alias in self.aliases.get(name, [name]):
+                    if _within(alias, holder):
+                        params[alias[len(holder) + 1:] if holder else alias] = by_name[name]
+            with _original_forward(module):
+                if isinstance(module, self.fp32_modules):
+                    return _in_fp32(module, params, args, kwargs)
+                return torch.func.functional_call(module, params, args, kwargs, strict=False, tie_weights=False)
+        return forward
+
+
+def _within(name: str, path: str) -> bool:
+    return not path or name == path or name.startswith(path + ".")
+
+
+def _owner(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+@contextlib.contextmanager
+def _original_forward(module: nn.Module) -> Iterator[None]:
+    """The class's forward for one call (the instance's routed forward set aside)."""
+    routed = module.__dict__.pop("forward", None)
+    try:
+        yield
+    finally:
+        if routed is not None:
+            module.forward = routed
+
+
+def _in_fp32(module: nn.Module, params: dict, args: tuple, kwargs: dict) -> Any:
+    """The module in fp32 (parameters, inputs), its floating outputs cast back to the inputs' dtype."""
+    dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), torch.float32)
+    params = {k: v.float() for k, v in params.items()}
+    out = torch.func.functional_call(module, params, _cast_floats(args, torch.float32),
+                                     _cast_floats(kwargs, torch.float32), strict=False, tie_weights=False)
+    return _cast_floats(out, dtype)
+
+
+def _fp32_route(module: nn.Module) -> Callable:
+    def forward(*args, **kwargs):
+        params = {name: p for name, p in module.named_parameters(recurse=False)}
+        with _original_forward(module):
+            return _in_fp32(module, params, args, kwargs)
+    return forward
+
+
+def _cast_floats(x: Any, dtype: Optional[torch.dtype]) -> Any:
+    """`x` with every floating tensor (in tuples, lists, dicts) cast to `dtype`."""
+    if dtype is None:
+        return x
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_cast_floats(v, dtype) for v in x)
+    if isinstance(x, list):
+        return [_cast_floats(v, dtype) for v in x]
+    if isinstance(x, dict) and type(x) is dict:
+        return {k: _cast_floats(v, dtype) for k, v in x.items()}
+    return x
+
+
+def _compute_dtype(tensors: dict, units: dict) -> Optional[torch.dtype]:
+    for t in tensors.values():
+        if t.is_floating_point():
+            return t.dtype
+    for u in units.values():
+        for t in (u.shard, *u.resident):
+            if t is not None and t.is_floating_point():
+                return t.dtype
+    return None
+
+
+def functionalize(
+    module: nn.Module,
+    loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+    *,
+    logical_axes: Optional[LogicalAxes] = None,
+    units: Units = "auto",
+    fp32_modules: tuple[type, ...] = FP32_MODULES,
+) -> Model:
+    """A Model backed by `module` (see the module docstring).
+
+    `init()` returns detached copies of the module's current parameters (its own initialization
+    already ran), nested as the module tree; `init_buffers()` its state buffers. `apply(params,
+    inputs)` calls the module with `inputs` (a tuple is unpacked into positional arguments, a dict
+    into keyword arguments). `loss(params, batch)` needs `loss_fn(outputs, batch)`; the module is
+    called on `batch[0]`, or on a dict batch minus its "targets" key. `units`: "auto" (repeated
+    blocks), or submodule path patterns (`"model.layers.*"`).
+    """
+    if not any(True for _ in module.parameters()):
+        raise ValueError(f"functionalize: {type(module).__name__} has no parameters")
+    unit_map = unit_of_parameters(module, units)
+    name = type(module).__name__
+    core = ModuleLoss(module, loss_fn, unit_map, tuple(fp32_modules), name)
+
+    def init(generator: Optional[torch.Generator] = None) -> dict:
+        return nested({n: p.detach().clone() for n, p in module.named_parameters()})
+
+    def init_buffers() -> dict:
+        return nested({n: b.detach().clone() for n, b in module.named_buffers() if n in core.state_names})
+
+    return Model(init, core.apply, core, dict(logical_axes or {}), name=name, units=unit_map,
+                 init_buffers=init_buffers)
+
+
+def to_module(params: PyTree, module: nn.Module, buffers: Optional[PyTree] = None) -> nn.Module:
+    """Copy trained parameters (full, e.g. `fs.gather_params(state, mesh)`) and state buffers
+    into `module`, by path; a tied parameter is one tensor, written once. Returns the module."""
+    values = _flat(params)
+    own = dict(module.named_parameters())
+    missing = sorted(set(own) - set(values))
+    unknown = sorted(set(values) - set(own))
+    if missing or unknown:
+        raise ValueError(f"to_module: parameters do not match {type(module).__name__}: missing {missing[:5]}, "
+                         f"unknown {unknown[:5]}")
+    with torch.no_grad():
+        for name, p in own.items():
+            p.copy_(values[name].reshape(p.shape))
+        if buffers is not None:
+            own_buffers = dict(module.named_buffers())
+            for name, b in _flat(buffers).items():
+                if name not in own_buffers:
+                    raise ValueError(f"to_module: {type(module).__name__} has no buffer {name!r}")
+                own_buffers[name].copy_(b)
+    return module
+
+
+__all__ = ["FP32_MODULES", "ModuleLoss", "functionalize", "nested", "repeated_blocks", "to_module",
+           "unit_of_parameters"]
