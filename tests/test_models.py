@@ -72,19 +72,20 @@ def test_functionalize_matches_module_outputs_and_grads():
     module = SmallNet()
     model = fs.functionalize(module, mse)
     params = model.init(torch.Generator())
-    assert set(params) == {n for n, _ in module.named_parameters()}
+    assert set(fs.tree_paths(params)) == {n for n, _ in module.named_parameters()}
     x, y = torch.randn(8, 6), torch.randn(8, 3)
     module.eval()
-    torch.testing.assert_close(model.apply(params, x), module(x))
+    torch.testing.assert_close(model.apply(params, x, train=False), module(x))
     module.train()
+    buffers = model.init_buffers()
     loss = mse(module(x), (x, y))
     loss.backward()
-    stats = module.net[1].running_mean.clone()
-    # mutable buffers enter the transformed function as an input (as train_step does)
-    grads = torch.func.grad(lambda p, b: model.loss(p, (x, y), buffers=b))(params, model.loss.buffers)
+    # module state enters the transformed function as an input (as train_step passes the state's)
+    grads = torch.func.grad(lambda p, b: model.loss(p, (x, y), buffers=b))(params, buffers)
+    grads = dict(zip(fs.tree_paths(grads), fs.pytree.tree_leaves(grads)))
     for name, p in module.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)
-    assert not torch.equal(module.net[1].running_mean, stats)  # buffers keep updating in place
+    torch.testing.assert_close(buffers["net"]["1"]["running_mean"], module.net[1].running_mean)  # updated in place
 
 
 def test_functionalized_batchnorm_statistics_update_through_train_step():
@@ -92,11 +93,11 @@ def test_functionalized_batchnorm_statistics_update_through_train_step():
     module = SmallNet().train()
     model = fs.functionalize(module, mse)
     opt = fs.optim.sgd(0.1)
-    state = fs.init_train_state(model.init(torch.Generator()), opt)
-    bn = module.net[1]
-    before = bn.running_mean.clone()
+    state = fs.init_train_state(model.init(torch.Generator()), opt, model=model)
+    before = module.net[1].running_mean.clone()
     state, _ = fs.make_train_step(model.loss, opt, grad_accum=2)(state, (torch.randn(8, 6), torch.randn(8, 3)))
-    assert int(bn.num_batches_tracked) == 2 and not torch.equal(bn.running_mean, before)
+    bn = state.buffers["net"]["1"]
+    assert int(bn["num_batches_tracked"]) == 2 and not torch.equal(bn["running_mean"], before)
 
 
 def test_functionalized_module_trains_like_a_plain_torch_loop():

@@ -146,7 +146,16 @@ class ModuleLoss:
                     given[name] = torch.empty(self._shape(name), dtype=dtype, device="meta")
             call_args = inputs if isinstance(inputs, tuple) else (() if isinstance(inputs, dict) else (inputs,))
             call_kwargs = inputs if isinstance(inputs, dict) else {}
-            return torch.func.functional_call(self.module, (given, state), call_args, call_kwargs)
+            try:
+                return torch.func.functional_call(self.module, (given, state), call_args, call_kwargs)
+            except (RuntimeError, NotImplementedError) as err:
+                if units and "meta" in str(err):
+                    raise RuntimeError(
+                        f"{self.name}: a module read a parameter of another unit directly (its value there is a "
+                        "placeholder on the 'meta' device: fspeed hands each unit's parameters to the module that "
+                        "owns them, as it runs). Make one unit hold both, e.g. functionalize(..., units=[...]) with "
+                        f"the reading module's path. ({err})") from err
+                raise
 
     # -- pieces ---------------------------------------------------------------------------------
 

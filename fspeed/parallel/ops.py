@@ -70,7 +70,8 @@ class _UnitCall:
     def __init__(self, ops: "UnitOps", fn: Callable, unit: UnitInfo, args: tuple, kwargs: dict):
         self.ops, self.fn, self.unit = ops, fn, unit
         leaves, self.in_spec = tree_flatten((args, kwargs))
-        self.is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+        # floating tensors are the differentiable inputs; anything else (ids, masks) is carried as is
+        self.is_tensor = [isinstance(x, torch.Tensor) and x.is_floating_point() for x in leaves]
         self.static = [None if t else x for x, t in zip(leaves, self.is_tensor)]
         self.tensors = [x for x, t in zip(leaves, self.is_tensor) if t]
         # explicit generators (the reference GPT's dropout) and the global generators (nn.Module dropout)
