@@ -43,11 +43,11 @@ from cpu_adam import interleaved_medians  # noqa: E402  (the shared timing helpe
 import fspeed as fs  # noqa: E402
 from fspeed.flat import Flat  # noqa: E402
 from fspeed.optim.base import optimizer_step  # noqa: E402
-from fspeed.parallel.zero import partition_layout  # noqa: E402
+from fspeed.parallel.layout import labelled_layout  # noqa: E402
 
 
 def update_variants(n: int) -> dict[str, callable]:
-    layout = partition_layout(n)
+    layout = labelled_layout(["partition"], [(n,)])  # one rank's ZeRO slice, as one piece
     g_device = torch.randn(n).to(torch.bfloat16)  # the reduced gradient partition, on the "device"
     params_slice = torch.zeros(n, dtype=torch.bfloat16)  # this rank's slice of the compute params
     host_grads = torch.empty(n, dtype=torch.bfloat16)

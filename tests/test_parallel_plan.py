@@ -133,3 +133,20 @@ def test_a_third_transform_composes_without_touching_the_others():
         plan | ShardOptimizerOfEmbeddings()
     with pytest.raises(TypeError, match="composes parallel transforms"):
         Plan(("zero",))
+
+
+def test_slices_and_shards_are_named_pieces_of_parameters():
+    """A rank's ZeRO slice (stages 1-2) and shards (stage 3) list the 1-D pieces of the parameters
+    in them under the parameters' paths, so optimizers and checkpoints see parameter names."""
+    params = {"a": torch.zeros(5), "b": torch.zeros(4, 2), "c": torch.zeros(3)}  # 16 elements
+    for rank, expected in enumerate([[("a", 5), ("b", 1)], [("b", 6)], [("b", 1), ("c", 3), ("zero.pad", 2)]]):
+        layout = resolve(fs.zero(2), params, {"data": 3}, {"data": rank})
+        assert list(zip(layout.partition.paths, layout.partition.sizes)) == expected
+        assert layout.partition.numel == layout.partition_numel == 6
+    layout = resolve(fs.zero(3, param_persistence_threshold=3), params, {"data": 3}, {"data": 2})
+    assert [u.name for u in layout.sharded_units] == ["a", "b"]  # "c" (3 elements) stays whole
+    a, b = layout.sharded_units
+    assert (a.shard_numel, b.shard_numel) == (2, 3)
+    assert list(zip(layout.storage.paths, layout.storage.sizes)) == [("a", 1), ("a.pad", 1), ("b", 2), ("b.pad", 1),
+                                                                    ("c", 3)]
+    assert layout.shard_starts == (0, 2, -1)

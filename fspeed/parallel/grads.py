@@ -33,9 +33,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..flat import Flat, FlatLayout
+from ..flat import Flat
 from .comm import AxisComm, Pending
-from .layout import Layout, labelled_layout
+from .layout import Layout
 from ..torch_internals import below_functorch, unwrapped
 
 
@@ -63,11 +63,6 @@ def deliver_on_backward(anchor: torch.Tensor, sink: "GradSink", unit: int,
     if not tensors:
         return ()
     return _DeliverGrads.apply(anchor, sink, unit, *tensors)
-
-
-def partition_layout(numel: int) -> FlatLayout:
-    """The one-leaf layout of a ZeRO-1/2 slice (`partition`: [numel])."""
-    return labelled_layout(["partition"], [(numel,)])
 
 
 class GradSink:
@@ -268,7 +263,7 @@ class AccumulatedGrads(GradSink):
             self.buckets.flush()
         if self.stage1:
             rank = self.comm.rank
-            return Flat(self.acc[rank * self.part:(rank + 1) * self.part], partition_layout(self.part))
+            return Flat(self.acc[rank * self.part:(rank + 1) * self.part], self.layout.partition)
         return Flat(self.acc, self.layout.local)
 
     def held_bytes(self) -> dict[str, int]:
@@ -388,7 +383,7 @@ class PartitionGrads(GradSink):
 
     def finish(self) -> Flat:
         self.buckets.drain()
-        return Flat(self.acc, partition_layout(self.part))
+        return Flat(self.acc, self.layout.partition)
 
     def held_bytes(self) -> dict[str, int]:
         return _by_place([self.acc, *self.buckets.buffers])
@@ -407,9 +402,11 @@ class ShardGrads(GradSink):
         self.on_host = on_host  # the accumulator is offloaded (offload_param)
         storage = layout.storage
         self.acc = torch.zeros(storage.numel, dtype=dtype, device=device)
+        self.shard_seg = {u.index: self.acc[start:start + u.shard_numel]
+                          for u, start in zip(layout.units, layout.shard_starts) if u.sharded}
+        resident = {p for u in layout.units for p in u.resident_params}
         segments = dict(zip(storage.paths, storage.segments(self.acc)))
-        self.shard_seg = {u.index: segments[f"{u.name}.shard"] for u in layout.units if u.sharded}
-        self.param_seg = {i: segments[p.path] for i, p in enumerate(layout.params) if p.path in segments}
+        self.param_seg = {i: segments[layout.params[i].path] for i in resident}
         self.in_flight: deque = deque()
         size = max(1, min(self.bucket, sum(s.numel() for s in self.param_seg.values())))
         self.buckets = _PackedBuckets(size, dtype, self.comm_device, self.overlap,
@@ -474,5 +471,4 @@ class ShardGrads(GradSink):
 SINKS = {0: AccumulatedGrads, 1: AccumulatedGrads, 2: PartitionGrads, 3: ShardGrads}
 
 
-__all__ = ["AccumulatedGrads", "GradSink", "PartitionGrads", "SINKS", "ShardGrads", "deliver_on_backward",
-           "partition_layout"]
+__all__ = ["AccumulatedGrads", "GradSink", "PartitionGrads", "SINKS", "ShardGrads", "deliver_on_backward"]

@@ -12,8 +12,14 @@ elements each, DeepSpeed's rule, within `model_persistence_threshold` in total) 
 
 Storage (what a rank keeps in its flat buffers):
 
-    stages 0-2   the tensor-parallel local tree, whole (ZeRO 1-2 slice it further in the runtime)
-    stage 3      per unit: `<unit>.shard` (its 1/N flat shard) then its persistent parameters
+    stages 0-2   the tensor-parallel local tree, whole; ZeRO 1-2's masters, optimizer state and
+                 reduced gradients are the rank's slice of it (`partition`)
+    stage 3      per unit: its 1/N flat shard, then its persistent parameters
+
+A slice or shard is listed as the 1-D pieces of the parameters that fall in it, each under its
+parameter's path (a parameter cut at a boundary is a piece on two ranks), and a zero `.pad` piece
+where the padded buffer runs past the last parameter: optimizers see parameter paths (masks,
+groups) and checkpoints name real parameters.
 """
 
 from __future__ import annotations
@@ -94,6 +100,8 @@ class Layout:
     local: FlatLayout  # the TP-local parameter tree
     units: tuple[UnitInfo, ...]
     storage: FlatLayout  # what a rank stores (module docstring)
+    partition: FlatLayout  # stages 1-2: this rank's slice of `local`, as pieces (module docstring)
+    shard_starts: tuple[int, ...]  # stage 3: where each unit's shard starts in `storage` (-1: none)
     tensor_axes: tuple[str, ...] = ()  # logical axes sliced over `model`
 
     @property
@@ -185,11 +193,18 @@ def resolve_flat(plan: Plan, paths: Sequence[str], leaves: Sequence[torch.Tensor
     local = FlatLayout(treedef, tuple(paths), tuple(i.local_shape for i in infos))
     zero = plan.find("zero")
     zero_cfg = zero.config if zero is not None else ZeroConfig()
-    units = _units(infos, treedef, sizes.get("data", 1))
-    storage = _storage(infos, units) if zero_cfg.stage == 3 else local
+    n, rank = sizes.get("data", 1), int(mesh_coords.get("data", 0))
+    units = _units(infos, treedef, n)
+    part = ceil_div(local.numel, n)
+    partition = labelled_layout(*_slice_pieces(local.paths, local.offsets, local.sizes, rank * part,
+                                               (rank + 1) * part, "zero.pad"))
+    if zero_cfg.stage == 3:
+        storage, starts = _storage(infos, units, rank)
+    else:
+        storage, starts = local, tuple(-1 for _ in units)
     tensor_axes = tensor.sliced_axes(sizes) if tensor is not None else ()
     return Layout(plan, zero_cfg, tuple(sorted(sizes.items())), tuple(sorted(mesh_coords.items())), infos, local,
-                  units, storage, tensor_axes)
+                  units, storage, partition, starts, tensor_axes)
 
 
 def _units(infos: Sequence[ParamInfo], treedef: optree.PyTreeSpec, data_size: int) -> tuple[UnitInfo, ...]:
@@ -225,17 +240,43 @@ def subtree(tree: PyTree, path: str) -> PyTree:
     return tree
 
 
-def _storage(infos: Sequence[ParamInfo], units: Sequence[UnitInfo]) -> FlatLayout:
-    """Stage 3's stored tree: per unit its flat shard, then its persistent parameters."""
-    paths, shapes = [], []
+def _slice_pieces(paths: Sequence[str], offsets: Sequence[int], sizes: Sequence[int], lo: int, hi: int,
+                  pad: str) -> tuple[list[str], list[tuple[int, ...]]]:
+    """The 1-D pieces of the parameters at (`paths`, `offsets`, `sizes`) within [lo, hi), in order,
+    and a `pad` piece for the part past the last parameter."""
+    names, shapes = [], []
+    for path, off, size in zip(paths, offsets, sizes):
+        a, b = max(off, lo), min(off + size, hi)
+        if a < b:
+            names.append(path)
+            shapes.append((b - a,))
+    end = max((o + s for o, s in zip(offsets, sizes)), default=0)
+    if hi > max(end, lo):
+        names.append(pad)
+        shapes.append((hi - max(end, lo),))
+    return names, shapes
+
+
+def _storage(infos: Sequence[ParamInfo], units: Sequence[UnitInfo], rank: int) -> tuple[FlatLayout, tuple[int, ...]]:
+    """Stage 3's stored tree: per unit the pieces of its flat shard, then its persistent
+    parameters; and where each unit's shard starts."""
+    paths: list[str] = []
+    shapes: list[tuple[int, ...]] = []
+    starts, at = [], 0
     for unit in units:
+        starts.append(at if unit.sharded else -1)
         if unit.sharded:
-            paths.append(f"{unit.name}.shard")
-            shapes.append((unit.shard_numel,))
+            lo = rank * unit.shard_numel
+            names, pieces = _slice_pieces(unit.shard_layout.paths, unit.shard_layout.offsets, unit.shard_layout.sizes,
+                                          lo, lo + unit.shard_numel, f"{unit.name}.pad")
+            paths += names
+            shapes += pieces
+            at += unit.shard_numel
         for i in unit.resident_params:
             paths.append(infos[i].path)
             shapes.append(infos[i].local_shape)
-    return labelled_layout(paths, shapes)
+            at += infos[i].local_numel
+    return labelled_layout(paths, shapes), tuple(starts)
 
 
 def labelled_layout(paths: Sequence[str], shapes: Sequence[tuple[int, ...]]) -> FlatLayout:

@@ -373,8 +373,8 @@ def unit_params(layout: Layout, params_flat) -> list[UnitParams]:
     """Every unit's `UnitParams` over the rank's compute buffer (views, no copies)."""
     views = dict(params_flat.items())
     out = []
-    for unit in layout.units:
-        shard = views[f"{unit.name}.shard"].view(-1) if unit.sharded else None
+    for unit, start in zip(layout.units, layout.shard_starts):
+        shard = params_flat.buffer[start:start + unit.shard_numel] if unit.sharded else None
         resident = [views[layout.params[i].path] for i in unit.resident_params]
         out.append(UnitParams(unit, shard, resident))
     return out

@@ -31,7 +31,7 @@ from ..flat import Flat
 from ..precision import Precision
 from ..pytree import PyTree, tensor_leaves, tree_map, tree_unflatten
 from .comm import AxisComm
-from .grads import SINKS, GradSink, ShardGrads, partition_layout
+from .grads import SINKS, GradSink, ShardGrads
 from .layout import Layout
 from .offload import (
     HostDeviceCopies, check_optimizer_for_offload, compute_device, copy_to, host_buffer, offloads_optimizer,
@@ -99,11 +99,12 @@ def build_param_state(leaves: list[torch.Tensor], layout: Layout, precision: Pre
     if layout.stage == 3:
         storage = Flat(torch.empty(layout.storage.numel, dtype=torch.float32), layout.storage)
         views = dict(storage.items())
-        for unit in layout.units:
+        for unit, start in zip(layout.units, layout.shard_starts):
             if unit.sharded:
                 flat = torch.cat([local[i].reshape(-1).float() for i in unit.sharded_params])
                 flat = torch.cat([flat, flat.new_zeros(unit.shard_numel * n - flat.numel())])
-                views[f"{unit.name}.shard"].copy_(flat[rank * unit.shard_numel:(rank + 1) * unit.shard_numel])
+                storage.buffer[start:start + unit.shard_numel].copy_(
+                    flat[rank * unit.shard_numel:(rank + 1) * unit.shard_numel])
             for i in unit.resident_params:
                 views[layout.params[i].path].copy_(local[i])
         if device is not None:
@@ -131,7 +132,7 @@ def build_param_state(leaves: list[torch.Tensor], layout: Layout, precision: Pre
         return compute, (full if precision.has_master else None), full
     p = layout.partition_numel
     piece = full.buffer[rank * p:(rank + 1) * p]
-    part = Flat(to_host(piece, offload.pin_memory) if offload.enabled else piece.clone(), partition_layout(p))
+    part = Flat(to_host(piece, offload.pin_memory) if offload.enabled else piece.clone(), layout.partition)
     return compute, part, part
 
 
@@ -254,38 +255,20 @@ class ParallelRuntime:
         return self._pieces_for[key]
 
     def _classify(self, grads: Flat) -> NormPieces:
-        layout, buf = self.layout, grads.buffer
-        pieces = NormPieces([], [], [], [])
-
-        def add(view, partitioned: bool, sliced: bool):
+        """Each piece of the gradient by whether it is partitioned over data (a ZeRO slice or
+        shard) and sliced over model (tensor slicing); padding pieces are left out (zeros)."""
+        layout, pieces = self.layout, NormPieces([], [], [], [])
+        info = layout.info
+        sharded = {layout.params[i].path for u in layout.units for i in u.sharded_params}
+        partitioned_stage = layout.stage in (1, 2) and self.n > 1
+        for path, seg in zip(grads.layout.paths, grads.segments()):
+            if path not in info or not seg.numel():
+                continue  # padding
+            partitioned = partitioned_stage or path in sharded
+            sliced = info[path].tp_sharded
             group = pieces.data_model if partitioned and sliced else pieces.data_only if partitioned \
                 else pieces.model_only if sliced else pieces.local
-            if view.numel():
-                group.append(view)
-
-        if layout.stage in (1, 2):
-            p = layout.partition_numel
-            lo = self.rank * p
-            for info, off, size in zip(layout.params, layout.local.offsets, layout.local.sizes):
-                a, b = max(off, lo), min(off + size, lo + p)
-                if a < b:
-                    add(buf[a - lo: b - lo], self.n > 1, info.tp_sharded)
-            return pieces
-        if layout.stage in (0,):
-            for info, seg in zip(layout.params, grads.segments()):
-                add(seg, False, info.tp_sharded)
-            return pieces
-        segments = dict(zip(grads.layout.paths, grads.segments()))
-        for unit in layout.units:
-            for i in unit.resident_params:
-                add(segments[layout.params[i].path], False, layout.params[i].tp_sharded)
-            if not unit.sharded:
-                continue
-            seg, lo = segments[f"{unit.name}.shard"], self.rank * unit.shard_numel
-            for i, off, size in zip(unit.sharded_params, unit.shard_layout.offsets, unit.shard_layout.sizes):
-                a, b = max(off, lo), min(off + size, lo + unit.shard_numel)
-                if a < b:
-                    add(seg[a - lo: b - lo], True, layout.params[i].tp_sharded)
+            group.append(seg)
         return pieces
 
     def compute_device(self, params: Flat) -> torch.device:
@@ -377,9 +360,9 @@ def gather_params(state, mesh) -> PyTree:
     elif layout.stage == 3:
         views = dict(source.items())
         leaves = [None] * len(layout.params)
-        for unit in layout.units:
+        for unit, start in zip(layout.units, layout.shard_starts):
             if unit.sharded:
-                gathered = data.gathered(views[f"{unit.name}.shard"].detach().reshape(-1))
+                gathered = data.gathered(source.buffer[start:start + unit.shard_numel].detach())
                 for i, t in zip(unit.sharded_params, unit.shard_layout.unflatten(gathered)):
                     leaves[i] = t
             for i in unit.resident_params:
