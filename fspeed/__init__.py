@@ -20,7 +20,7 @@ from .parallel import (
     tensor_slicing, zero,
 )
 from .loss_scale import LossScaleAtMinimumError, LossScaleState
-from .models import Model, functionalize, to_module
+from .models import Model, functionalize, to_module, tp_plan_from
 from .pytree import tree_flatten_with_paths, tree_map, tree_paths
 from .train_init import init_train_state
 from .train_state import DonatedStateError, TrainState
@@ -35,5 +35,5 @@ __all__ = [
     "CheckpointError", "checkpoint", "data", "load_checkpoint", "save_checkpoint", "sparse",
     "DonatedStateError", "Flat", "FlatLayout", "LossScaleAtMinimumError", "LossScaleState", "Model",
     "TrainState", "functionalize", "init_train_state", "make_eval_step", "make_train_step", "models",
-    "optim", "precision", "to_module", "tree_flatten_with_paths", "tree_map", "tree_paths",
+    "optim", "precision", "to_module", "tp_plan_from", "tree_flatten_with_paths", "tree_map", "tree_paths",
 ]

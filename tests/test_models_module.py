@@ -245,3 +245,63 @@ def test_bf16_under_zero3_follows_the_fp32_run_on_2_ranks(world2, name):
     for (half, _, _), (full, _, _) in zip(world2.run(zero_case, name, 3, 2, "bf16"), world2.run(zero_case, name, 3, 2)):
         for path, value in full.items():
             torch.testing.assert_close(half[path], value, rtol=0, atol=3e-2, msg=path)
+
+
+# ------------------------------------------------------------------------- tensor slicing
+
+
+def test_a_tp_plan_sets_logical_axes_and_refuses_what_it_cannot_slice():
+    llama = hf_llama()
+    plan = fs.tp_plan_from(llama)
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise" and plan["lm_head"] == "colwise_gather_output"
+    model = fs.functionalize(llama, lm_loss, tp_plan="auto")
+    assert model.logical_axes["model.layers.0.self_attn.q_proj.weight"] == ("tp_out", None)
+    assert model.logical_axes["model.layers.1.mlp.down_proj.weight"] == (None, "tp_in")
+    assert model.logical_axes["model.embed_tokens.weight"] == ("vocab", None)
+    gpt2 = hf_gpt2()
+    conv = fs.functionalize(gpt2, lm_loss, tp_plan={"transformer.h.*.mlp.c_fc": "colwise",
+                                                    "transformer.h.*.mlp.c_proj": "rowwise"})
+    assert conv.logical_axes["transformer.h.0.mlp.c_fc.weight"] == (None, "tp_out")  # Conv1D is [in, out]
+    assert conv.logical_axes["transformer.h.0.mlp.c_proj.weight"] == ("tp_in", None)
+    with pytest.raises(ValueError, match="declares no tensor-parallel plan"):
+        fs.functionalize(gpt2, lm_loss, tp_plan="auto")
+    with pytest.raises(ValueError, match="style 'diagonal'.*allowed: colwise"):
+        fs.functionalize(llama, lm_loss, tp_plan={"lm_head": "diagonal"})
+    with pytest.raises(ValueError, match="'model.nope' matches no submodule"):
+        fs.functionalize(llama, lm_loss, tp_plan={"model.nope": "colwise"})
+    with pytest.raises(ValueError, match="RMSNorm; style 'colwise' needs nn.Linear or Conv1D"):
+        fs.functionalize(llama, lm_loss, tp_plan={"model.norm": "colwise"})
+
+
+def tp_case(data, tensor, stage):
+    """Llama with its own tp_plan on `tensor` ranks (x `data`), this rank's share of every batch."""
+    mesh = fs.Mesh(data=data, model=tensor)
+    model = fs.functionalize(hf_llama(), lm_loss, tp_plan="auto")
+    opt = fs.optim.chain(fs.optim.clip_by_global_norm(1.0), fs.optim.adamw(1e-3, weight_decay=0.0))
+    plan = fs.zero(stage, param_persistence_threshold=0) | fs.tensor_slicing(fs.models.module_tp_rules)
+    state = fs.init_train_state(model.init(), opt, plan=plan, mesh=mesh, model=model)
+    step = fs.make_train_step(model.loss, opt, grad_accum=2, plan=plan, mesh=mesh)
+    for seed in range(3):
+        state, _ = step(state, split(lm_batch(8, seed), data, mesh.coordinate("data")))
+    params = fs.gather_params(state, mesh)
+    return dict(zip(fs.tree_paths(params), fs.pytree.tree_leaves(params)))
+
+
+def llama_reference():
+    reference = torch_loop(hf_llama(), lm_loss, [lm_batch(8, seed) for seed in range(3)], grad_accum=2, clip=1.0)
+    return {n: p.detach() for n, p in reference.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_llama_with_its_tp_plan_on_2_tensor_ranks_equals_one_process(world2, stage):
+    expected = llama_reference()
+    for params in world2.run(tp_case, 1, 2, stage):
+        for path, value in params.items():
+            torch.testing.assert_close(value, expected[path], rtol=1e-5, atol=1e-5, msg=path)
+
+
+def test_llama_on_2_data_by_2_tensor_ranks_equals_one_process(world4):
+    expected = llama_reference()
+    for params in world4.run(tp_case, 2, 2, 1):
+        for path, value in params.items():
+            torch.testing.assert_close(value, expected[path], rtol=1e-5, atol=1e-5, msg=path)

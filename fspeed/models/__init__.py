@@ -3,11 +3,14 @@
 from .gpt import GPT_RULES, GPTConfig, gpt, gpt_logical_axes, pad_vocab
 from .model import LogicalAxes, Model, count_params
 from .module import functionalize, to_module
+from .module_tp import MODULE_TP_RULES, tp_plan_from
 from .ops import DENSE, DenseOps
 
 gpt_rules = GPT_RULES  # the name used in plans: fs.tensor_slicing(fs.models.gpt_rules)
+module_tp_rules = MODULE_TP_RULES  # a functionalized module's tp_plan: fs.tensor_slicing(fs.models.module_tp_rules)
 
 __all__ = [
     "DENSE", "DenseOps", "GPT_RULES", "GPTConfig", "LogicalAxes", "Model", "count_params", "functionalize",
-    "gpt", "gpt_logical_axes", "gpt_rules", "pad_vocab", "to_module",
+    "MODULE_TP_RULES", "gpt", "gpt_logical_axes", "gpt_rules", "module_tp_rules", "pad_vocab", "to_module",
+    "tp_plan_from",
 ]

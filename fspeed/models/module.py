@@ -38,7 +38,10 @@ from torch import nn
 
 from ..pytree import PyTree, tree_flatten_with_paths
 from .model import LogicalAxes, Model
+from .module_tp import MODULE_TP_RULES, explain_failure, logical_axes_of, styles_of, tp_forward, tp_plan_from
 from .ops import DENSE
+
+TP_AXES = {axis for axis, _ in MODULE_TP_RULES}
 
 FP32_MODULES: tuple[type, ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
 Units = Union[str, Sequence[str], None]
@@ -106,8 +109,9 @@ class ModuleLoss:
     """`loss` (and, with `loss_fn=None`, `apply`) of a functionalized module (module docstring)."""
 
     def __init__(self, module: nn.Module, loss_fn: Optional[Callable], units: dict[str, str],
-                 fp32_modules: tuple[type, ...], name: str):
+                 fp32_modules: tuple[type, ...], name: str, tp_styles: Optional[dict[str, str]] = None):
         self.module, self.loss_fn, self.units, self.name = module, loss_fn, units, name
+        self.tp_styles = dict(tp_styles or {})
         self.fp32_modules = fp32_modules
         self.state_names = set(module.state_dict().keys())
         self.buffer_names = [n for n, _ in module.named_buffers() if n in self.state_names]
@@ -196,47 +200,69 @@ class ModuleLoss:
 
     @contextlib.contextmanager
     def _routed(self, units: dict, ops, dtype: torch.dtype) -> Iterator[None]:
-        """Route every unit's module (and every module sharing one of its parameters) through ops,
-        and normalisation layers through fp32, for the duration of one forward."""
-        overrides: dict[nn.Module, Callable] = {}
+        """For one forward: every unit's module (and every module sharing one of its parameters)
+        computes through ops; tensor-sliced modules (when the ops slice) and normalisation layers
+        (when computing below fp32) compute their own way (`_compute`)."""
+        sliced = bool(self.tp_styles) and bool(set(ops.tensor_axes) & TP_AXES)
+        computes = {}
+        for path, m in self.module.named_modules():
+            fn = self._compute(path, m, ops, sliced, dtype)
+            if fn is not None:
+                computes[m] = fn
+        overrides: dict[nn.Module, Callable] = dict(computes)
         modules = dict(self.module.named_modules())
         for path, u in units.items():
             names = self._unit_parameter_names(path)
             shared = [a for n in names for a in self.aliases.get(n, [n]) if not _within(a, path)]
             if not shared and path and path in modules:
-                overrides[modules[path]] = self._call_route(path, u, ops)
+                overrides[modules[path]] = self._call_route(path, u, ops, computes.get(modules[path]))
             else:
                 for holder in {_owner(a) for n in names for a in self.aliases.get(n, [n])}:
-                    overrides[self.module.get_submodule(holder)] = self._take_route(holder, path, u, ops, names)
-        if dtype != torch.float32:
-            for m in self.module.modules():
-                if isinstance(m, self.fp32_modules) and m not in overrides:
-                    overrides[m] = _fp32_route(m)
+                    m = self.module.get_submodule(holder)
+                    overrides[m] = self._take_route(holder, path, u, ops, names, computes.get(m))
         for m, forward in overrides.items():
             m.forward = forward
         try:
             yield
+        except (RuntimeError, ValueError, TypeError) as err:
+            if sliced and type(err) in (RuntimeError, ValueError, TypeError):  # not fspeed's own errors
+                raise explain_failure(err) from err
+            raise
         finally:
             for m in overrides:
-                del m.forward
+                m.__dict__.pop("forward", None)
 
-    def _call_route(self, path: str, u, ops) -> Callable:
+    def _compute(self, path: str, module: nn.Module, ops, sliced: bool, dtype) -> Optional[Callable]:
+        """How `module` computes when not as its class says: tensor-sliced, or in fp32."""
+        if sliced and path in self.tp_styles:
+            return tp_forward(module, self.tp_styles[path], ops, path)
+        if dtype is not None and dtype != torch.float32 and isinstance(module, self.fp32_modules):
+            def in_fp32(*args, **kwargs):
+                params = {name: p.float() for name, p in module.named_parameters(recurse=False)}
+                out_dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()),
+                                 torch.float32)
+                with _forward_as(module, None):
+                    out = torch.func.functional_call(module, params, _cast_floats(args, torch.float32),
+                                                     _cast_floats(kwargs, torch.float32), strict=False,
+                                                     tie_weights=False)
+                return _cast_floats(out, out_dtype)
+            return in_fp32
+        return None
+
+    def _call_route(self, path: str, u, ops, compute: Optional[Callable]) -> Callable:
         """The unit's module computes through `ops.call`: gathered for this call (ZeRO-3), recomputed
         (recompute_blocks), its gradients handed on as its backward ends."""
-        module, fp32 = self.module.get_submodule(path), self.fp32_modules
+        module = self.module.get_submodule(path)
 
         def run(tree, *args, **kwargs):
-            params = _flat(tree)  # names relative to the unit's module
-            with _original_forward(module):
-                if isinstance(module, fp32):
-                    return _in_fp32(module, params, args, kwargs)
-                return torch.func.functional_call(module, params, args, kwargs, strict=False, tie_weights=False)
+            with _forward_as(module, compute):  # names in `tree` are relative to the unit's module
+                return torch.func.functional_call(module, _flat(tree), args, kwargs, strict=False, tie_weights=False)
 
         def forward(*args, **kwargs):
             return ops.call(u, run, *args, **kwargs)
         return forward
 
-    def _take_route(self, holder: str, path: str, u, ops, names: list[str]) -> Callable:
+    def _take_route(self, holder: str, path: str, u, ops, names: list[str], compute: Optional[Callable]) -> Callable:
         """A module holding parameters of a unit another module also uses: the unit is taken once
         per micro-batch (`ops.param`) and its tensors swapped in for this forward."""
         module = self.module.get_submodule(holder)
@@ -250,9 +276,7 @@ class ModuleLoss:
                 for alias in self.aliases.get(name, [name]):
                     if _within(alias, holder):
                         params[alias[len(holder) + 1:] if holder else alias] = by_name[name]
-            with _original_forward(module):
-                if isinstance(module, self.fp32_modules):
-                    return _in_fp32(module, params, args, kwargs)
+            with _forward_as(module, compute):
                 return torch.func.functional_call(module, params, args, kwargs, strict=False, tie_weights=False)
         return forward
 
@@ -266,31 +290,17 @@ def _owner(name: str) -> str:
 
 
 @contextlib.contextmanager
-def _original_forward(module: nn.Module) -> Iterator[None]:
-    """The class's forward for one call (the instance's routed forward set aside)."""
+def _forward_as(module: nn.Module, forward: Optional[Callable]) -> Iterator[None]:
+    """For one call, the module's forward is `forward` (None: its class's), whatever route is set."""
     routed = module.__dict__.pop("forward", None)
+    if forward is not None:
+        module.forward = forward
     try:
         yield
     finally:
+        module.__dict__.pop("forward", None)
         if routed is not None:
             module.forward = routed
-
-
-def _in_fp32(module: nn.Module, params: dict, args: tuple, kwargs: dict) -> Any:
-    """The module in fp32 (parameters, inputs), its floating outputs cast back to the inputs' dtype."""
-    dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), torch.float32)
-    params = {k: v.float() for k, v in params.items()}
-    out = torch.func.functional_call(module, params, _cast_floats(args, torch.float32),
-                                     _cast_floats(kwargs, torch.float32), strict=False, tie_weights=False)
-    return _cast_floats(out, dtype)
-
-
-def _fp32_route(module: nn.Module) -> Callable:
-    def forward(*args, **kwargs):
-        params = {name: p for name, p in module.named_parameters(recurse=False)}
-        with _original_forward(module):
-            return _in_fp32(module, params, args, kwargs)
-    return forward
 
 
 def _cast_floats(x: Any, dtype: Optional[torch.dtype]) -> Any:
@@ -326,6 +336,7 @@ def functionalize(
     logical_axes: Optional[LogicalAxes] = None,
     units: Units = "auto",
     fp32_modules: tuple[type, ...] = FP32_MODULES,
+    tp_plan: Union[str, dict, None] = None,
 ) -> Model:
     """A Model backed by `module` (see the module docstring).
 
@@ -334,13 +345,22 @@ def functionalize(
     inputs)` calls the module with `inputs` (a tuple is unpacked into positional arguments, a dict
     into keyword arguments). `loss(params, batch)` needs `loss_fn(outputs, batch)`; the module is
     called on `batch[0]`, or on a dict batch minus its "targets" key. `units`: "auto" (repeated
-    blocks), or submodule path patterns (`"model.layers.*"`).
+    blocks), or submodule path patterns (`"model.layers.*"`). `tp_plan`: submodule patterns ->
+    tensor-slicing styles (`fspeed.models.module_tp`), or "auto" for a transformers model's own plan;
+    it sets the logical axes that `fs.tensor_slicing(fs.models.module_tp_rules)` slices.
     """
     if not any(True for _ in module.parameters()):
         raise ValueError(f"functionalize: {type(module).__name__} has no parameters")
     unit_map = unit_of_parameters(module, units)
     name = type(module).__name__
-    core = ModuleLoss(module, loss_fn, unit_map, tuple(fp32_modules), name)
+    if tp_plan == "auto":
+        tp_plan = tp_plan_from(module)
+        if not tp_plan:
+            raise ValueError(f"functionalize: tp_plan='auto' but {name} declares no tensor-parallel plan; pass one "
+                             "({submodule pattern: style}, see fspeed.models.module_tp)")
+    styles = styles_of(module, tp_plan) if tp_plan else {}
+    axes = {**logical_axes_of(module, styles), **dict(logical_axes or {})}
+    core = ModuleLoss(module, loss_fn, unit_map, tuple(fp32_modules), name, styles)
 
     def init(generator: Optional[torch.Generator] = None) -> dict:
         return nested({n: p.detach().clone() for n, p in module.named_parameters()})
@@ -348,8 +368,7 @@ def functionalize(
     def init_buffers() -> dict:
         return nested({n: b.detach().clone() for n, b in module.named_buffers() if n in core.state_names})
 
-    return Model(init, core.apply, core, dict(logical_axes or {}), name=name, units=unit_map,
-                 init_buffers=init_buffers)
+    return Model(init, core.apply, core, axes, name=name, units=unit_map, init_buffers=init_buffers)
 
 
 def to_module(params: PyTree, module: nn.Module, buffers: Optional[PyTree] = None) -> nn.Module:

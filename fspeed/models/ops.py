@@ -33,6 +33,8 @@ def flat_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = No
 class DenseOps:
     """Single-device ops: the reference semantics of every parallel implementation."""
 
+    tensor_axes: frozenset = frozenset()  # the logical axes these ops slice (none: nothing is sliced)
+
     def param(self, p: Any) -> Any:
         """A parameter (or a subtree of them) ready to use."""
         return p
@@ -41,8 +43,13 @@ class DenseOps:
                out_axis: Optional[str] = None, in_axis: Optional[str] = None) -> torch.Tensor:
         return flat_linear(x, w, b)
 
-    def embedding(self, ids: torch.Tensor, w: torch.Tensor, *, vocab_axis: Optional[str] = None) -> torch.Tensor:
-        return F.embedding(ids, w)
+    def embedding(self, ids: torch.Tensor, w: torch.Tensor, *, vocab_axis: Optional[str] = None,
+                  padding_idx: Optional[int] = None) -> torch.Tensor:
+        return F.embedding(ids, w, padding_idx)
+
+    def gather(self, x: torch.Tensor, *, axis: Optional[str] = None) -> torch.Tensor:
+        """`x` whole along its last dim (sliced over `axis` under tensor slicing)."""
+        return x
 
     def local(self, size: int, axis: str) -> int:
         """How many of `size` items along logical `axis` this rank holds (e.g. attention heads)."""

@@ -7,8 +7,9 @@ functions are `torch.autograd.Function`s with a separate `setup_context` that ca
 collectives in forward and backward; only those compose with `torch.func.grad` (plain c10d
 calls give silently local gradients there, and torch's own autograd collectives raise):
 
-    copy_to_group   forward identity,           backward all-reduce     (Megatron's f)
-    reduce_in_group forward all-reduce,         backward identity       (Megatron's g)
+    copy_to_group     forward identity,         backward all-reduce     (Megatron's f)
+    reduce_in_group   forward all-reduce,       backward identity       (Megatron's g)
+    gather_from_group forward all-gather (last dim), backward this rank's slice
 
 Every call is recorded in the mesh's `CommLog` (DeepSpeed's comms_logger: op, message size,
 count, latency, algbw, busbw, and a timeline of issue and wait times), and a failure or timeout
@@ -421,6 +422,21 @@ class _AllReduceMax(torch.autograd.Function):
         return None, None
 
 
+class _GatherFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(x, comm):
+        gathered = comm.gathered(x.movedim(-1, 0).contiguous())
+        return gathered.movedim(0, -1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.comm = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.comm.size, dim=-1)[ctx.comm.rank].contiguous(), None
+
+
 class _ReduceInGroup(torch.autograd.Function):
     @staticmethod
     def forward(x, comm):
@@ -438,6 +454,12 @@ class _ReduceInGroup(torch.autograd.Function):
 def copy_to_group(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     """Identity whose gradient is summed over the group (input of a column-parallel layer)."""
     return x if comm.size == 1 else _CopyToGroup.apply(x, comm)
+
+
+def gather_from_group(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
+    """Every rank's `x` concatenated along the last dim; the gradient keeps this rank's part
+    (Megatron's gather: a column-parallel layer's output made whole)."""
+    return x if comm.size == 1 else _GatherFromGroup.apply(x, comm)
 
 
 def reduce_in_group(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
@@ -475,5 +497,5 @@ def ceil_div(a: int, b: int) -> int:
 
 __all__ = [
     "AxisComm", "CommError", "CommEvent", "CommLog", "Pending", "all_gather_objects", "all_reduce_max",
-    "bus_bandwidth", "ceil_div", "copy_to_group", "reduce_in_group", "unwrapped",
+    "bus_bandwidth", "ceil_div", "copy_to_group", "gather_from_group", "reduce_in_group", "unwrapped",
 ]

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.ops import flat_linear
-from .comm import AxisComm, all_reduce_max, copy_to_group, reduce_in_group
+from .comm import AxisComm, all_reduce_max, copy_to_group, gather_from_group, reduce_in_group
 from .plan import COMPUTE, ParamEntry, Placement, Plan
 from .specs import AxisEntry, Rules, _rule_items, local_shape, logical_to_spec
 
@@ -94,14 +94,21 @@ class TensorSlicedOps:
             return y if b is None else y + b
         return flat_linear(x, w, b)
 
-    def embedding(self, ids: torch.Tensor, w: torch.Tensor, *, vocab_axis: Optional[str] = None) -> torch.Tensor:
+    def embedding(self, ids: torch.Tensor, w: torch.Tensor, *, vocab_axis: Optional[str] = None,
+                  padding_idx: Optional[int] = None) -> torch.Tensor:
         if vocab_axis not in self.tensor_axes:
-            return F.embedding(ids, w)
+            return F.embedding(ids, w, padding_idx)
         rows = w.shape[0]
         lo = self.model.rank * rows
         inside = (ids >= lo) & (ids < lo + rows)
-        local = F.embedding((ids - lo).clamp(0, rows - 1), w) * inside.unsqueeze(-1).to(w.dtype)
+        local_pad = padding_idx - lo if padding_idx is not None and lo <= padding_idx < lo + rows else None
+        local = F.embedding((ids - lo).clamp(0, rows - 1), w, local_pad) * inside.unsqueeze(-1).to(w.dtype)
         return reduce_in_group(local, self.model)
+
+    def gather(self, x: torch.Tensor, *, axis: Optional[str] = None) -> torch.Tensor:
+        """`x` whole along its last dim when that dim is the sliced logical `axis` (a
+        column-parallel output made whole, e.g. the logits a Hugging Face head computes its loss from)."""
+        return gather_from_group(x, self.model) if axis in self.tensor_axes else x
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, *,
                       vocab_axis: Optional[str] = None) -> torch.Tensor:
