@@ -85,7 +85,7 @@ def _split_leading_clip(optimizer: GradientTransformation) -> tuple[float | None
 def make_train_step(
     loss_fn: LossFn, optimizer: GradientTransformation, *, grad_accum: int = 1,
     plan: Optional[Plan] = None, mesh=None,
-) -> Callable[[TrainState, PyTree], tuple[TrainState, dict[str, Any]]]:
+) -> "TrainStep":
     """Build `train_step(state, batch) -> (state, metrics)`; see the module docstring.
 
     `loss_fn(params, micro_batch, *, rng)` returns a scalar loss; `params` is the structured tree of
@@ -159,28 +159,40 @@ def make_train_step(
         held = [r.held_grad_bytes() for r in runtimes.values()]
         return sum(h["device"] + h["host"] if where == "all" else h[where] for h in held)
 
-    def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
-        precision, params = state.precision, state.params
-        scaler = state.loss_scale
+    def begin(state: TrainState) -> _Step:
+        """A step's start: its runtime, whether its gradient is all-reduced, the shared buffers."""
         runtime = runtime_for(state)
-        multiplier = scaler.scale / (grad_accum * runtime.n)  # summed over data ranks = the mean
-        micro_batches = split_micro_batches(batch, grad_accum)
-        generator = torch.Generator(device=runtime.compute_device(params))
-        buffers = state.buffers
-        runtime.broadcast_buffers(buffers)  # every data rank starts from rank 0's, as DDP does
+        runtime.broadcast_buffers(state.buffers)  # every data rank starts from rank 0's, as DDP does
         # optimizers that communicate themselves (1-bit family) may take the local gradient instead
         allreduce = needs_full_allreduce(rest, state.opt_state[1:] if clip_norm is not None else state.opt_state)
         runtime.begin_step(allreduce, grad_accum)
-        losses = []
-        anchor = torch.zeros((), device=runtime.compute_device(params))
-        for i, micro_batch in enumerate(micro_batches):
-            generator.manual_seed(dropout_seed(state.rng_seed, state.step, i))
-            runtime.begin_micro(i)
-            _, (_, loss) = grad_and_loss(anchor, params, micro_batch, generator, multiplier, buffers, runtime)
-            runtime.end_micro()
-            losses.append(loss)
+        device = runtime.compute_device(state.params)
+        return _Step(runtime, allreduce, torch.Generator(device=device), torch.zeros((), device=device))
+
+    def micro(step: _Step, state: TrainState, micro_batch: PyTree) -> torch.Tensor:
+        """One micro-batch's forward and backward; its gradient goes to the runtime's sink."""
+        i = len(step.losses)
+        if i >= grad_accum:
+            raise RuntimeError(f"this step already has its {grad_accum} micro-batches (grad_accum); finish it first")
+        runtime = step.runtime
+        multiplier = state.loss_scale.scale / (grad_accum * runtime.n)  # summed over data ranks = the mean
+        step.generator.manual_seed(dropout_seed(state.rng_seed, state.step, i))
+        runtime.begin_micro(i)
+        _, (_, loss) = grad_and_loss(step.anchor, state.params, micro_batch, step.generator, multiplier,
+                                     state.buffers, runtime)
+        runtime.end_micro()
+        step.losses.append(loss)
+        step.rows += _rows(micro_batch)
+        return loss
+
+    def boundary(step: _Step, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
+        """The end of a step (module docstring): overflow check, clipping, the update."""
+        if len(step.losses) != grad_accum:
+            raise RuntimeError(f"a step needs {grad_accum} micro-batches (grad_accum), got {len(step.losses)}")
+        runtime, allreduce = step.runtime, step.allreduce
+        precision, scaler = state.precision, state.loss_scale
         grads = runtime.finish()
-        mean_loss = runtime.mean_over_data(float(torch.stack(losses).mean()))
+        mean_loss = runtime.mean_over_data(float(torch.stack(step.losses).mean()))
 
         scaled_norm = runtime.grad_norm(grads)
         overflow = precision.check_overflow and not math.isfinite(scaled_norm)
@@ -190,7 +202,7 @@ def make_train_step(
             overflow = runtime.data.all_reduce_scalar(float(overflow), "max") > 0
         new_scaler = update_loss_scale(precision.loss_scale, scaler, overflow)  # may raise at min scale
         lr = state.lr
-        samples = state.samples + _rows(batch) * runtime.n
+        samples = state.samples + step.rows * runtime.n
         state.donate()  # from here on the input's buffers are reused
         fields = {name: object.__getattribute__(state, name) for name in
                   ("params", "master", "opt_state", "step", "skipped_steps", "rng_seed", "buffers")}
@@ -225,9 +237,41 @@ def make_train_step(
         metrics["grad_norm"] = grad_norm
         return _next_state(state, fields, new_scaler, samples, skipped=0), metrics
 
-    train_step.persistent_grad_bytes = persistent_grad_bytes
-    train_step.runtime_for = runtime_for
-    return train_step
+    return TrainStep(begin, micro, boundary, grad_accum, runtime_for, persistent_grad_bytes)
+
+
+class _Step:
+    """One step in progress: its runtime, the micro-batch losses so far, the rows seen."""
+
+    __slots__ = ("runtime", "allreduce", "generator", "anchor", "losses", "rows")
+
+    def __init__(self, runtime: ParallelRuntime, allreduce: bool, generator: torch.Generator, anchor: torch.Tensor):
+        self.runtime, self.allreduce, self.generator, self.anchor = runtime, allreduce, generator, anchor
+        self.losses: list[torch.Tensor] = []
+        self.rows = 0
+
+
+class TrainStep:
+    """`train_step(state, batch) -> (state, metrics)` (what `make_train_step` returns).
+
+    Its phases are public for engines that drive a step micro-batch by micro-batch (a
+    DeepSpeed-style `engine(batch); engine.backward(loss); engine.step()` loop, `fs.initialize`):
+    `begin(state)`, `micro(step, state, micro_batch) -> loss` `grad_accum` times, then
+    `boundary(step, state) -> (state, metrics)`, which donates `state`.
+    """
+
+    def __init__(self, begin, micro, boundary, grad_accum: int, runtime_for, persistent_grad_bytes):
+        self.begin, self.micro, self.boundary = begin, micro, boundary
+        self.grad_accum = grad_accum
+        self.runtime_for = runtime_for
+        self.persistent_grad_bytes = persistent_grad_bytes
+
+    def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
+        micro_batches = split_micro_batches(batch, self.grad_accum)
+        step = self.begin(state)
+        for micro_batch in micro_batches:
+            self.micro(step, state, micro_batch)
+        return self.boundary(step, state)
 
 
 def _warn_if_distributed() -> None:
