@@ -22,6 +22,7 @@ from .parallel import (
 from .loss_scale import LossScaleAtMinimumError, LossScaleState
 from .models import Model, functionalize, to_module, tp_plan_from
 from .pytree import tree_flatten_with_paths, tree_map, tree_paths
+from .engine import Engine, initialize
 from .train_init import init_train_state
 from .train_state import DonatedStateError, TrainState
 from .train_step import make_eval_step, make_train_step
@@ -34,6 +35,6 @@ __all__ = [
     "MemoryEstimate", "OffloadOptimizerConfig", "OffloadParamConfig", "estimate_memory",
     "CheckpointError", "checkpoint", "data", "load_checkpoint", "save_checkpoint", "sparse",
     "DonatedStateError", "Flat", "FlatLayout", "LossScaleAtMinimumError", "LossScaleState", "Model",
-    "TrainState", "functionalize", "init_train_state", "make_eval_step", "make_train_step", "models",
+    "Engine", "TrainState", "functionalize", "initialize", "init_train_state", "make_eval_step", "make_train_step", "models",
     "optim", "precision", "to_module", "tp_plan_from", "tree_flatten_with_paths", "tree_map", "tree_paths",
 ]

@@ -1,0 +1,252 @@
+"""`fs.initialize`: DeepSpeed's entry point for any `nn.Module` (or fspeed Model) and a ds_config.
+
+    engine, optimizer, loader, schedule = fs.initialize(model=my_module, config="ds_config.json",
+                                                        loss_fn=lambda out, batch: out.loss,
+                                                        training_data=my_dataset)
+    for batch in loader:
+        loss = engine(batch)          # a DeepSpeed user's loop runs unchanged
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint("ck")
+
+Every key of the config is applied through the same path fspeed-train takes (translation,
+Hydra's composition, validation): the batch triad and gradient accumulation, precision, the ZeRO
+plan and mesh, tensor slicing (`tensor_parallel.autotp_size`, for modules with a tp_plan),
+clipping, the optimizer and its lr schedule, the comm log. The `Engine` is a thin stateful shell
+over the functional core: `engine.state` is the TrainState, `engine.train_step` the step;
+`engine(batch)` runs one micro-batch's forward and backward (its gradient goes where the plan
+reduces it) and returns its loss, `backward` checks the loop's order, `step` applies the update
+at the accumulation boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from . import checkpoint
+from .models import Model, functionalize, to_module
+from .models.module import ModuleLoss
+from .optim.base import GradientTransformation
+from .parallel import CommLog, Mesh, Plan, gather_params, init_distributed, tensor_slicing, zero
+from .pytree import PyTree
+from .train_init import init_train_state
+from .train_state import TrainState
+from .train_step import TrainStep, make_eval_step, make_train_step
+
+log = logging.getLogger("fspeed")
+
+
+class Engine:
+    """DeepSpeed's engine methods over a TrainState and a TrainStep (module docstring)."""
+
+    def __init__(self, model: Model, module: Optional[nn.Module], state: TrainState, train_step: TrainStep,
+                 plan: Optional[Plan], mesh: Optional[Mesh], run, schedule):
+        self.model, self._module, self.state, self.train_step = model, module, state, train_step
+        self.plan, self.mesh, self.config = plan, mesh, run
+        self.lr_schedule = schedule
+        self.eval_step = make_eval_step(model.loss, plan=plan, mesh=mesh)
+        self._step = None  # the step in progress
+        self._pending_loss: Optional[torch.Tensor] = None
+        self.metrics: dict[str, Any] = {}
+
+    # -- DeepSpeed's loop ------------------------------------------------------------------
+
+    def __call__(self, batch: PyTree) -> torch.Tensor:
+        """One micro-batch's forward and backward; returns its loss (a 0-d tensor)."""
+        if self._pending_loss is not None:
+            raise RuntimeError("engine(batch) was called twice without engine.backward(loss) in between "
+                               "(DeepSpeed's loop: loss = engine(batch); engine.backward(loss); engine.step())")
+        if self._step is None:
+            self._step = self.train_step.begin(self.state)
+        self._pending_loss = self.train_step.micro(self._step, self.state, batch)
+        return self._pending_loss
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """DeepSpeed's backward: the gradient was computed with the forward (torch.func takes both
+        at once); this checks that `loss` is the one `engine(batch)` returned."""
+        if self._pending_loss is None or loss is not self._pending_loss:
+            raise RuntimeError("engine.backward(loss) takes the loss the last engine(batch) returned, once")
+        self._pending_loss = None
+
+    def step(self) -> None:
+        """At the gradient-accumulation boundary, apply the update (a no-op before it, as DeepSpeed's)."""
+        if self._pending_loss is not None:
+            raise RuntimeError("engine.step() before engine.backward(loss)")
+        if self.is_gradient_accumulation_boundary():
+            self.state, self.metrics = self.train_step.boundary(self._step, self.state)
+            self._step = None
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the micro-batches of this step are all in (the next `step()` applies them)."""
+        return self._step is not None and len(self._step.losses) == self.train_step.grad_accum
+
+    def train_batch(self, data_iter: Optional[Iterator] = None, batch: Optional[PyTree] = None) -> float:
+        """One whole step: `gradient_accumulation_steps` micro-batches from `data_iter`, or a
+        stacked `batch` of them; returns the mean loss (DeepSpeed's pipeline-engine call)."""
+        if (data_iter is None) == (batch is None):
+            raise ValueError("train_batch: pass data_iter= or batch= (one of them)")
+        if batch is not None:
+            self.state, self.metrics = self.train_step(self.state, batch)
+        else:
+            for _ in range(self.train_step.grad_accum):
+                self.backward(self(next(data_iter)))
+            self.step()
+        return self.metrics["loss"]
+
+    def eval_batch(self, batch: PyTree) -> float:
+        """The loss of `batch` without gradients, in eval mode (a collective under a plan)."""
+        return self.eval_step(self.state, batch)
+
+    # -- state -------------------------------------------------------------------------------
+
+    def get_lr(self) -> list[float]:
+        return [self.state.lr]
+
+    @property
+    def global_steps(self) -> int:
+        return self.state.step
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.train_step.grad_accum
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.batch.micro_batch_size
+
+    def train_batch_size(self) -> int:
+        return self.config.batch.train_batch_size
+
+    def zero_optimization_stage(self) -> int:
+        return self.state.layout.stage
+
+    @property
+    def module(self) -> nn.Module:
+        """The `nn.Module` holding the current weights and buffers (gathered: a collective)."""
+        if self._module is None:
+            raise AttributeError("this engine trains an fspeed Model, not an nn.Module; use engine.state")
+        params = gather_params(self.state, self.mesh) if self.mesh is not None else self.state.master_params.tree()
+        return to_module(params, self._module, self.state.buffers)
+
+    def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None):
+        """DeepSpeed's save_checkpoint (every rank calls it under a plan); returns the path."""
+        if self._step is not None:
+            raise RuntimeError("save_checkpoint in the middle of a step (between micro-batches); call it after "
+                               "engine.step() at the accumulation boundary")
+        return checkpoint.save_checkpoint(save_dir, self.state, tag=tag, client_state=client_state or {},
+                                          mesh=self.mesh if self.plan is not None else None)
+
+    def load_checkpoint(self, load_dir, tag: Optional[str] = None, load_optimizer_states: bool = True):
+        """DeepSpeed's load_checkpoint: (path, client_state)."""
+        self.state, client = checkpoint.load_checkpoint(load_dir, self.state, tag=tag,
+                                                        load_optimizer_states=load_optimizer_states,
+                                                        mesh=self.mesh if self.plan is not None else None)
+        tag = tag or checkpoint.latest_tag(load_dir)
+        return f"{load_dir}/{tag}", client
+
+
+def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: Optional[Callable] = None,
+               model_parameters: Optional[Sequence] = None, optimizer: Optional[GradientTransformation] = None,
+               lr_scheduler: Any = None, training_data: Any = None, collate_fn: Optional[Callable] = None,
+               overrides: Sequence[str] = (), tp_plan: Union[str, dict, None] = None,
+               mesh: Optional[Mesh] = None) -> tuple[Engine, GradientTransformation, Any, Any]:
+    """DeepSpeed's `initialize` (module docstring): returns (engine, optimizer, training data
+    loader or None, lr schedule). `config` is a ds_config (a dict or a JSON path) or None (fspeed's
+    defaults); `overrides` are fspeed's Hydra keys on top. `loss_fn(outputs, batch)` (an
+    `nn.Module`'s; a Model has its own). `model_parameters`: DeepSpeed/torch parameter groups are not
+    supported yet (a clear error); `lr_scheduler`: the config's scheduler is used."""
+    from .config.build import build_lr_schedule, build_optimizer, build_precision, build_zero_config  # noqa: PLC0415
+    from .config.compose import compose_run_config  # noqa: PLC0415
+
+    if model_parameters is not None and not _all_parameters(model, model_parameters):
+        raise ValueError("initialize: model_parameters with parameter groups are not supported yet; pass "
+                         "model.parameters() (or nothing) and set weight decay in the config")
+    if lr_scheduler is not None:
+        raise ValueError("initialize: lr_scheduler objects are not taken; set the scheduler block of the config "
+                         "(fspeed's schedules are functions of the step inside the optimizer)")
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else _env_world()
+    if world > 1 and not torch.distributed.is_initialized():
+        init_distributed()
+    probe, _ = compose_run_config(config, overrides, dp_world_size=1)
+    tensor = probe.parallel.tensor
+    data = probe.parallel.data if probe.parallel.data > 0 else max(1, world // tensor)
+    run, _ = compose_run_config(config, overrides, dp_world_size=data)
+    module = model if isinstance(model, nn.Module) else None
+    if module is not None:
+        if loss_fn is None:
+            raise ValueError("initialize: an nn.Module needs loss_fn=lambda outputs, batch: ... (DeepSpeed users "
+                             "compute it in their loop; fspeed differentiates it with the forward)")
+        model = functionalize(module, loss_fn, tp_plan=tp_plan if tp_plan is not None else
+                              ("auto" if tensor > 1 else None))
+    elif loss_fn is not None:
+        raise ValueError("initialize: loss_fn is for nn.Modules; an fspeed Model brings its own loss")
+    precision = build_precision(run)
+    schedule = build_lr_schedule(run) if optimizer is None else None
+    optimizer = optimizer if optimizer is not None else build_optimizer(run)
+    plan = None
+    if world > 1 or run.zero.stage > 0 or tensor > 1:
+        mesh = mesh or Mesh(data=run.parallel.data, model=tensor,
+                            log=CommLog(enabled=run.comms_logger.enabled, verbose=run.comms_logger.verbose))
+        plan = zero(build_zero_config(run))
+        if tensor > 1:
+            plan = plan | tensor_slicing(fs_rules(model))
+    params = model.init(torch.Generator().manual_seed(run.train.seed))
+    state = init_train_state(params, optimizer, precision=precision, seed=run.train.seed, plan=plan,
+                             mesh=mesh if plan is not None else None, model=model)
+    step = make_train_step(model.loss, optimizer, grad_accum=run.batch.grad_accum, plan=plan,
+                           mesh=mesh if plan is not None else None)
+    engine = Engine(model, module, state, step, plan, mesh if plan is not None else None, run, schedule)
+    loader = _loader(training_data, collate_fn, run, mesh if plan is not None else None)
+    log.info("initialize: %s, %s, batch %s, optimizer %s, precision %s", model.name,
+             f"{plan!r} on {mesh!r}" if plan is not None else "one process", run.batch.derivation, optimizer,
+             precision.name)
+    return engine, optimizer, loader, engine.lr_schedule
+
+
+def fs_rules(model: Model):
+    """The tensor-slicing rules that fit `model`: a functionalized module's tp_plan, or the GPT's."""
+    from .models import GPT_RULES, MODULE_TP_RULES  # noqa: PLC0415
+
+    if isinstance(model.loss, ModuleLoss):
+        if not model.loss.tp_styles:
+            raise ValueError("initialize: tensor slicing needs a tp_plan for this module (a transformers model's "
+                             "own, or tp_plan={submodule pattern: style})")
+        return MODULE_TP_RULES
+    return GPT_RULES
+
+
+def _all_parameters(model, model_parameters) -> bool:
+    """Whether `model_parameters` is just every parameter of the module (DeepSpeed's common call)."""
+    if not isinstance(model, nn.Module):
+        return False
+    given = list(model_parameters)
+    if any(isinstance(g, dict) for g in given):
+        return False
+    return {id(p) for p in given} == {id(p) for p in model.parameters()}
+
+
+def _env_world() -> int:
+    import os  # noqa: PLC0415
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _loader(dataset, collate_fn, run, mesh: Optional[Mesh]):
+    """DeepSpeed's training_data loader: micro-batches of this data rank's shard, shuffled by the
+    run's seed and epoch (`loader.sampler.set_epoch(e)`), the last partial batch dropped."""
+    if dataset is None:
+        return None
+    from torch.utils.data import DataLoader, DistributedSampler  # noqa: PLC0415
+
+    data, rank = (mesh.size("data"), mesh.coordinate("data")) if mesh is not None else (1, 0)
+    sampler = DistributedSampler(dataset, num_replicas=data, rank=rank, shuffle=True, seed=run.train.seed,
+                                 drop_last=True)
+    return DataLoader(dataset, batch_size=run.batch.micro_batch_size, sampler=sampler, collate_fn=collate_fn,
+                      drop_last=True)
+
+
+__all__ = ["Engine", "initialize"]

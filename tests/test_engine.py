@@ -1,0 +1,119 @@
+"""fspeed.engine: `fs.initialize` and a DeepSpeed-style loop over any nn.Module and a ds_config,
+against the same config run through the functional API."""
+
+import json
+
+import pytest
+import torch
+
+import fspeed as fs
+from tests.hf_models import cnn_batch, cnn_loss, hf_gpt2, lm_batch, lm_loss, small_cnn, split
+
+
+def ds_config(stage, micro=2, accum=2):
+    return {
+        "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                     "warmup_num_steps": 3, "warmup_type": "linear"}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 1000},
+    }
+
+
+def engine_case(stage, steps=3):
+    """The DeepSpeed-style loop and the functional API on the same config, model and data; both
+    gathered parameter sets, and the losses."""
+    from fspeed.config.build import build_optimizer, build_precision, build_zero_config
+    from fspeed.config.compose import compose_run_config
+
+    config = ds_config(stage)
+    engine, optimizer, _, schedule = fs.initialize(model=hf_gpt2(), config=config, loss_fn=lm_loss)
+    mesh = engine.mesh
+    data, rank = mesh.size("data"), mesh.coordinate("data")
+    losses = []
+    for s in range(steps):
+        share = split(lm_batch(8, s), data, rank)
+        for i in range(2):
+            loss = engine(split(share, 2, i))
+            engine.backward(loss)
+            engine.step()
+        losses.append(engine.metrics["loss"])
+    lr = engine.get_lr()
+    # the functional API with the same config
+    run, _ = compose_run_config(config, dp_world_size=data)
+    model = fs.functionalize(hf_gpt2(), lm_loss)
+    plan = fs.zero(build_zero_config(run))
+    opt = build_optimizer(run)
+    state = fs.init_train_state(model.init(), opt, precision=build_precision(run), seed=run.train.seed, plan=plan,
+                                mesh=mesh, model=model)
+    step = fs.make_train_step(model.loss, opt, grad_accum=2, plan=plan, mesh=mesh)
+    reference = []
+    for s in range(steps):
+        state, metrics = step(state, split(lm_batch(8, s), data, rank))
+        reference.append(metrics["loss"])
+    a, b = fs.gather_params(engine.state, mesh), fs.gather_params(state, mesh)
+    module = engine.module  # the module with the trained weights (a collective)
+    with torch.no_grad():
+        in_module = float(module.transformer.wte.weight.sum())
+    return fs.Flat.from_tree(a).buffer, fs.Flat.from_tree(b).buffer, losses, reference, lr, schedule(steps), \
+        in_module, float(fs.Flat.from_tree(a)["transformer.wte.weight"].sum())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_deepspeed_style_loop_equals_the_functional_api_on_2_ranks(world2, stage):
+    for engine_params, functional_params, losses, reference, lr, scheduled, in_module, in_state in \
+            world2.run(engine_case, stage):
+        assert torch.equal(engine_params, functional_params)
+        assert losses == reference
+        assert lr == [pytest.approx(scheduled)] and 0 < scheduled < 1e-3  # the config's WarmupLR, still warming up
+        assert in_module == pytest.approx(in_state)
+
+
+def test_initialize_on_one_process_with_a_dataset_and_a_checkpoint(tmp_path):
+    from torch.utils.data import TensorDataset
+
+    x, y = cnn_batch(32, 0)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.05}}}
+    engine, _, loader, _ = fs.initialize(model=small_cnn(), config=config, loss_fn=cnn_loss,
+                                         training_data=TensorDataset(x, y))
+    batches = list(loader)
+    assert len(batches) == 8 and batches[0][0].shape == (4, 3, 6, 6)
+    for i, batch in enumerate(batches[:4]):
+        engine.backward(engine(tuple(batch)))
+        engine.step()
+        assert engine.is_gradient_accumulation_boundary() is False
+    assert engine.global_steps == 2 and engine.gradient_accumulation_steps() == 2
+    path = engine.save_checkpoint(tmp_path, client_state={"epoch": 0})
+    assert path.name == "global_step2"
+    # buffers (BatchNorm statistics) travel with the checkpoint
+    again, _, _, _ = fs.initialize(model=small_cnn(), config=config, loss_fn=cnn_loss)
+    _, client = again.load_checkpoint(tmp_path)
+    assert client == {"epoch": 0} and again.global_steps == 2
+    stats = "blocks.0.bn.running_mean"
+    assert torch.equal(dict(again.module.named_buffers())[stats], dict(engine.module.named_buffers())[stats])
+    assert engine.eval_batch(tuple(batches[5])) == pytest.approx(again.eval_batch(tuple(batches[5])))
+
+
+def test_the_loop_order_and_unsupported_arguments_are_clear_errors(tmp_path):
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.05}}}
+    module = small_cnn()
+    engine, _, _, _ = fs.initialize(model=module, config=config, loss_fn=cnn_loss)
+    batch = cnn_batch(2, 0)
+    loss = engine(batch)
+    with pytest.raises(RuntimeError, match="twice without engine.backward"):
+        engine(batch)
+    with pytest.raises(RuntimeError, match="the loss the last engine"):
+        engine.backward(loss.clone())
+    engine.backward(loss)
+    engine.step()
+    with pytest.raises(ValueError, match="needs loss_fn"):
+        fs.initialize(model=module, config=config)
+    with pytest.raises(ValueError, match="parameter groups are not supported yet"):
+        fs.initialize(model=module, config=config, loss_fn=cnn_loss,
+                      model_parameters=[{"params": list(module.parameters()), "weight_decay": 0.0}])
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    engine, *_ = fs.initialize(model=module, config=str(path), loss_fn=cnn_loss, model_parameters=module.parameters())
+    assert engine.train_micro_batch_size_per_gpu() == 2
