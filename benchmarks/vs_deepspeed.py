@@ -202,18 +202,13 @@ def print_breakdown(stage: int, breakdown: dict) -> None:
 
 
 def fspeed_run_config(config_path: Path, dp_world_size: int, steps: int):
-    """fspeed's validated RunConfig for `deepspeed_config=<config_path>`, composed as fspeed-train does."""
-    from hydra import compose, initialize_config_module
+    """fspeed's validated RunConfig for the ds_config at `config_path`, composed as fspeed-train does."""
+    from fspeed.config.compose import compose_run_config
 
-    from fspeed.config import prepare_overrides, to_run_config
-
-    overrides, translation = prepare_overrides([
-        f"deepspeed_config={config_path}", *MODEL_OVERRIDES, f"train.steps={steps}",
-        f"checkpoint.dir={config_path.parent / 'checkpoints'}", "monitor.csv=false", "monitor.progress_bar=false",
-    ])
-    with initialize_config_module("fspeed.conf", version_base=None):
-        cfg = compose("train", overrides=overrides)
-    return to_run_config(cfg, dp_world_size=dp_world_size), translation
+    return compose_run_config(config_path, [
+        *MODEL_OVERRIDES, f"train.steps={steps}", f"checkpoint.dir={config_path.parent / 'checkpoints'}",
+        "monitor.csv=false", "monitor.progress_bar=false",
+    ], dp_world_size=dp_world_size)
 
 
 def worker(args: argparse.Namespace) -> None:
