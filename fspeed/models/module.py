@@ -211,6 +211,7 @@ class ModuleLoss:
                 computes[m] = fn
         overrides: dict[nn.Module, Callable] = dict(computes)
         modules = dict(self.module.named_modules())
+        taken: dict[str, list[tuple[str, Any, list[str]]]] = {}  # holder module -> the units it takes
         for path, u in units.items():
             names = self._unit_parameter_names(path)
             shared = [a for n in names for a in self.aliases.get(n, [n]) if not _within(a, path)]
@@ -218,8 +219,10 @@ class ModuleLoss:
                 overrides[modules[path]] = self._call_route(path, u, ops, computes.get(modules[path]))
             else:
                 for holder in {_owner(a) for n in names for a in self.aliases.get(n, [n])}:
-                    m = self.module.get_submodule(holder)
-                    overrides[m] = self._take_route(holder, path, u, ops, names, computes.get(m))
+                    taken.setdefault(holder, []).append((path, u, names))
+        for holder, units_taken in taken.items():
+            m = modules[holder]
+            overrides[m] = self._take_route(holder, units_taken, ops, computes.get(m))
         for m, forward in overrides.items():
             m.forward = forward
         try:
@@ -262,20 +265,22 @@ class ModuleLoss:
             return ops.call(u, run, *args, **kwargs)
         return forward
 
-    def _take_route(self, holder: str, path: str, u, ops, names: list[str], compute: Optional[Callable]) -> Callable:
-        """A module holding parameters of a unit another module also uses: the unit is taken once
-        per micro-batch (`ops.param`) and its tensors swapped in for this forward."""
+    def _take_route(self, holder: str, units_taken: list, ops, compute: Optional[Callable]) -> Callable:
+        """A module holding parameters of units other modules also use (ties), or its own parameters
+        as units (the root's): the units are taken once per micro-batch (`ops.param`) and their
+        tensors swapped in for this forward."""
         module = self.module.get_submodule(holder)
 
         def forward(*args, **kwargs):
-            tree = ops.param(u)
-            by_name = {f"{path}.{rel}" if rel else path: t for rel, t in _flat(tree).items()} \
-                if isinstance(tree, dict) else {names[0]: tree}
             params = {}
-            for name in names:
-                for alias in self.aliases.get(name, [name]):
-                    if _within(alias, holder):
-                        params[alias[len(holder) + 1:] if holder else alias] = by_name[name]
+            for path, u, names in units_taken:
+                tree = ops.param(u)
+                by_name = {f"{path}.{rel}" if rel else path: t for rel, t in _flat(tree).items()} \
+                    if isinstance(tree, dict) else {names[0]: tree}
+                for name in names:
+                    for alias in self.aliases.get(name, [name]):
+                        if _within(alias, holder):
+                            params[alias[len(holder) + 1:] if holder else alias] = by_name[name]
             with _forward_as(module, compute):
                 return torch.func.functional_call(module, params, args, kwargs, strict=False, tie_weights=False)
         return forward
