@@ -122,6 +122,10 @@ class ModuleLoss:
         # every name a parameter is held under, by its first (state_dict) name: ties
         self.aliases = {first[i]: names for i, names in holders.items() if len(names) > 1}
         self.devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        self.members: dict[str, list[str]] = {}
+        for name, unit in units.items():
+            self.members.setdefault(unit, []).append(name)
+        self.shapes = {n: p.shape for n, p in module.named_parameters()}
 
     def __call__(self, params, batch, *, rng: Optional[torch.Generator] = None, buffers=None, ops=DENSE,
                  train: bool = True) -> torch.Tensor:
@@ -147,7 +151,7 @@ class ModuleLoss:
             given = dict(tensors)
             for path, u in units.items():  # a unit's parameters are reached only through its route
                 for name in self._unit_parameter_names(path):
-                    given[name] = torch.empty(self._shape(name), dtype=dtype, device="meta")
+                    given[name] = torch.empty(self.shapes[name], dtype=dtype, device="meta")
             call_args = inputs if isinstance(inputs, tuple) else (() if isinstance(inputs, dict) else (inputs,))
             call_kwargs = inputs if isinstance(inputs, dict) else {}
             try:
@@ -193,10 +197,7 @@ class ModuleLoss:
             yield
 
     def _unit_parameter_names(self, unit: str) -> list[str]:
-        return [name for name, u in self.units.items() if u == unit]
-
-    def _shape(self, name: str) -> torch.Size:
-        return self.module.get_parameter(name).shape
+        return self.members.get(unit, [])
 
     @contextlib.contextmanager
     def _routed(self, units: dict, ops, dtype: torch.dtype) -> Iterator[None]:

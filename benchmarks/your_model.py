@@ -1,0 +1,257 @@
+"""A Hugging Face GPT-2 (random init, no download) trained by fspeed and by the PyTorch alternatives.
+
+Two gloo ranks (torchrun), the same model, data and AdamW, engines alternating step by step in the
+same two processes (a barrier before each, the slowest rank's time), so the shared machine's load
+hits every engine alike:
+
+    fspeed ZeRO-3      fs.functionalize(model) under fs.zero(3) (layer-by-layer gathering)
+    FSDP2              torch.distributed.fsdp.fully_shard on every block and the root, AdamW fused
+    fspeed ZeRO-1      fs.zero(1)
+    DDP                DistributedDataParallel, AdamW fused
+    DeepSpeed ZeRO-3   deepspeed.initialize (the [bench] extra; skipped when not installed)
+
+and, on one process first, fspeed without a plan against an eager loop with fused AdamW, with where
+fspeed's step time goes: `grad_and_value` of the loss (forward + backward through
+functional_call), the gradient delivery, the optimizer step.
+
+    python benchmarks/your_model.py [--steps 8] [--warmup 2] [--layers 6] [--width 384] [--threads 1]
+
+Last lines: hf_zero3_step_time_vs_fsdp2, hf_zero1_step_time_vs_ddp, hf_step_time_vs_deepspeed,
+hf_step_time_vs_eager (each fspeed's median step time over the other's; lower is better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+VOCAB, SEQ, MICRO = 8192, 128, 4
+
+
+def build_gpt2(layers: int, width: int):
+    import transformers
+
+    import transformers.utils as utils
+    import transformers.utils.import_utils as import_utils
+
+    for owner in (utils, import_utils):  # this repository's kernels/ folder is not Hugging Face's package
+        owner.is_kernels_available = lambda *a, **k: False
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64, vocab_size=VOCAB, n_positions=SEQ,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def lm_loss(outputs, batch):
+    return outputs.loss
+
+
+def batch_for(step: int, rows: int, rank: int = 0) -> dict:
+    x = torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(1000 * step + rank))
+    return {"input_ids": x, "labels": x}
+
+
+# ------------------------------------------------------------------------------ one process
+
+
+def one_process(args) -> dict:
+    """fspeed (no plan) against an eager loop with fused AdamW, alternating; and fspeed's phases."""
+    import fspeed as fs
+
+    torch.set_num_threads(args.threads)
+    module = build_gpt2(args.layers, args.width)
+    eager = copy.deepcopy(module)
+    opt = torch.optim.AdamW(eager.parameters(), lr=1e-4, fused=True)
+    model = fs.functionalize(module, lm_loss)
+    fs_opt = fs.optim.adamw(1e-4)
+    state = fs.init_train_state(model.init(), fs_opt, model=model)
+    step = fs.make_train_step(model.loss, fs_opt)
+    phases = {"grad_and_value (forward + backward + delivery)": [], "boundary (norm, AdamW, write-back)": []}
+    times = {"fspeed": [], "eager": []}
+    for i in range(args.steps):
+        batch = batch_for(i, MICRO)
+        for name in (("fspeed", "eager") if i % 2 == 0 else ("eager", "fspeed")):
+            t0 = time.perf_counter()
+            if name == "eager":
+                opt.zero_grad(set_to_none=True)
+                eager(**batch).loss.backward()
+                opt.step()
+            else:
+                s = step.begin(state)
+                step.micro(s, state, batch)
+                t1 = time.perf_counter()
+                state, _ = step.boundary(s, state)
+                if i >= args.warmup:
+                    phases["grad_and_value (forward + backward + delivery)"].append(t1 - t0)
+                    phases["boundary (norm, AdamW, write-back)"].append(time.perf_counter() - t1)
+            times[name].append(time.perf_counter() - t0)
+    eager_fwd_bwd = []
+    for i in range(args.warmup, args.steps):
+        t0 = time.perf_counter()
+        eager(**batch_for(i, MICRO)).loss.backward()
+        eager_fwd_bwd.append(time.perf_counter() - t0)
+        eager.zero_grad(set_to_none=True)
+    med = {k: statistics.median(v[args.warmup:]) for k, v in times.items()}
+    return {"times": med, "phases": {k: statistics.median(v) for k, v in phases.items()},
+            "eager_forward_backward": statistics.median(eager_fwd_bwd),
+            "params": sum(p.numel() for p in module.parameters())}
+
+
+# ---------------------------------------------------------------------------------- 2 ranks
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import fspeed as fs
+
+    torch.set_num_threads(args.threads)
+    fs.init_distributed(backend="gloo")
+    rank = dist.get_rank()
+    mesh = fs.Mesh(data=-1)
+    base = build_gpt2(args.layers, args.width)
+    engines = {}
+
+    def fspeed_engine(stage):
+        model = fs.functionalize(copy.deepcopy(base), lm_loss)
+        opt = fs.optim.adamw(1e-4)
+        plan = fs.zero(stage, param_persistence_threshold=0 if stage == 3 else 100_000,
+                       reduce_bucket_size=2_000_000, overlap_comm=True)
+        box = {"state": fs.init_train_state(model.init(), opt, plan=plan, mesh=mesh, model=model)}
+        step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)
+
+        def run(batch):
+            box["state"], _ = step(box["state"], batch)
+        return run
+
+    def torch_engine(wrap):
+        module = wrap(copy.deepcopy(base))
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
+
+        def run(batch):
+            opt.zero_grad(set_to_none=True)
+            module(**batch).loss.backward()
+            opt.step()
+        return run
+
+    def fsdp2(module):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        device_mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in module.transformer.h:
+            fully_shard(block, mesh=device_mesh)
+        fully_shard(module, mesh=device_mesh)
+        return module
+
+    engines["fspeed ZeRO-3"] = fspeed_engine(3)
+    engines["FSDP2"] = torch_engine(fsdp2)
+    engines["fspeed ZeRO-1"] = fspeed_engine(1)
+    engines["DDP"] = torch_engine(lambda m: DistributedDataParallel(m))
+    try:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        ds_config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+                     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                           "overlap_comm": True, "reduce_bucket_size": 2_000_000}}
+        ds_engine, *_ = deepspeed.initialize(model=copy.deepcopy(base), config=ds_config)
+
+        def deepspeed_run(batch):
+            loss = ds_engine(**batch).loss
+            ds_engine.backward(loss)
+            ds_engine.step()
+        engines["DeepSpeed ZeRO-3"] = deepspeed_run
+    except ImportError:
+        pass
+    times = {name: [] for name in engines}
+    names = list(engines)
+    for i in range(args.steps):
+        batch = batch_for(i, MICRO, rank)
+        order = names[i % len(names):] + names[:i % len(names)]
+        for name in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            engines[name](batch)
+            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[name].append(float(elapsed))
+    if rank == 0:
+        Path(args.result).write_text(json.dumps({k: statistics.median(v[args.warmup:]) for k, v in times.items()}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={port}", __file__, "--worker", "--result", str(result), "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--layers", str(args.layers), "--width", str(args.width),
+               "--threads", str(args.threads)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "NUMBA_NUM_THREADS": str(args.threads),
+               "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0 or not result.exists():
+            sys.stderr.write((proc.stdout + proc.stderr)[-8000:])
+            raise SystemExit(f"the 2-rank launch failed (exit {proc.returncode})")
+        return json.loads(result.read_text())
+
+
+def main(args) -> None:
+    single = one_process(args)
+    ranks = launch(args)
+    ms = 1e3
+    print(f"\nHugging Face GPT-2, {single['params'] / 1e6:.1f}M parameters ({args.layers} layers, width {args.width}), "
+          f"seq {SEQ}, micro-batch {MICRO}, AdamW; median step time after {args.warmup} warmup steps")
+    print("\none process, alternating:")
+    print(f"  {'fspeed (functionalize, no plan)':<38}{single['times']['fspeed'] * ms:>9.1f} ms")
+    print(f"  {'eager loop, AdamW fused':<38}{single['times']['eager'] * ms:>9.1f} ms")
+    for phase, t in single["phases"].items():
+        print(f"    fspeed {phase:<48}{t * ms:>9.1f} ms")
+    print(f"    eager forward + backward alone{'':<26}{single['eager_forward_backward'] * ms:>9.1f} ms")
+    print(f"\n2 gloo ranks x {args.threads} thread, engines alternating, slowest rank:")
+    for name, t in ranks.items():
+        print(f"  {name:<38}{t * ms:>9.1f} ms")
+    print()
+    print(f"hf_zero3_step_time_vs_fsdp2={ranks['fspeed ZeRO-3'] / ranks['FSDP2']:.3f}")
+    print(f"hf_zero1_step_time_vs_ddp={ranks['fspeed ZeRO-1'] / ranks['DDP']:.3f}")
+    if "DeepSpeed ZeRO-3" in ranks:
+        print(f"hf_step_time_vs_deepspeed={ranks['fspeed ZeRO-3'] / ranks['DeepSpeed ZeRO-3']:.3f}")
+    else:
+        print("hf_step_time_vs_deepspeed=nan  (DeepSpeed not installed: pip install -e '.[bench]')")
+    print(f"hf_step_time_vs_eager={single['times']['fspeed'] / single['times']['eager']:.3f}")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--width", type=int, default=384)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    worker(arguments) if arguments.worker else main(arguments)
