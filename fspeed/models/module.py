@@ -378,8 +378,14 @@ def functionalize(
 
 
 def to_module(params: PyTree, module: nn.Module, buffers: Optional[PyTree] = None) -> nn.Module:
-    """Copy trained parameters (full, e.g. `fs.gather_params(state, mesh)`) and state buffers
-    into `module`, by path; a tied parameter is one tensor, written once. Returns the module."""
+    """Copy trained parameters and state buffers into `module`, by path; a tied parameter is one
+    tensor, written once. `params` is a parameter tree (full: `fs.gather_params(state, mesh)` for a
+    sharded state) or a one-process TrainState (its fp32 weights and its buffers). Returns the module."""
+    if hasattr(params, "master_params") and hasattr(params, "layout"):  # a TrainState (models never import it)
+        if not params.layout.is_local:
+            raise ValueError("to_module: this state is sharded over ranks; pass fs.gather_params(state, mesh) and "
+                             "state.buffers instead")
+        params, buffers = params.master_params.tree(), params.buffers if buffers is None else buffers
     values = _flat(params)
     own = dict(module.named_parameters())
     missing = sorted(set(own) - set(values))
