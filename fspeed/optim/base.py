@@ -47,11 +47,16 @@ ScalarOrSchedule = Union[float, Schedule]
 
 
 class TransformInfo(NamedTuple):
-    """What a transform is, for printing and for `train_step`'s fusions."""
+    """What a transform is, for printing and for `train_step`'s fusions.
+
+    `factory(**hparams)` rebuilds the transform (None: it cannot be rebuilt); parameter groups
+    use it to make the same optimizer with other hyperparameters (`fspeed.optim.groups`).
+    """
 
     name: str
     hparams: dict
     children: tuple = ()
+    factory: Optional[Callable[..., "GradientTransformation"]] = None
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={_show(v)}" for k, v in self.hparams.items())
