@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 import torch
 
 from ..flat import Flat, FlatLayout
-from ..pytree import PyTree, tree_flatten, tree_flatten_with_paths, tree_unflatten
+from ..pytree import PyTree, tree_flatten, tree_flatten_with_paths, tree_leaves, tree_unflatten
 from .base import Capabilities, GradientTransformation, TransformInfo, optimizer_step, resolve
 
 PAD_SUFFIX = ".pad"
@@ -123,7 +123,7 @@ def param_groups(optimizer: GradientTransformation, groups: Sequence[Mapping[str
     if not isinstance(optimizer, GradientTransformation):
         raise TypeError(f"param_groups: optimizer must be a GradientTransformation, got {type(optimizer).__name__}")
     if optimizer.capabilities.communicates or optimizer.gradient_allreduce is not None:
-        raise ValueError(f"param_groups: {optimizer.info.name if optimizer.info else optimizer!r} does its own "
+        raise ValueError(f"param_groups: {optimizer.info.name if optimizer.info else repr(optimizer)} does its own "
                          "compressed communication of whole buffers and cannot be split into groups; "
                          "allowed: adam, adamw, sgd, lamb, from_torch(...)")
     names = hyperparameter_names(optimizer)
@@ -383,7 +383,13 @@ def _dtype(update: Any) -> torch.dtype:
 
 
 def _check_state(state: Any, runs: Sequence[_Run]) -> None:
-    if not isinstance(state, ParamGroupsState) or len(state.runs) != len(runs):
+    """The state must come from this optimizer's init for params of this layout: one inner state per
+    run, whose flat buffers have the run's layout."""
+    matches = isinstance(state, ParamGroupsState) and len(state.runs) == len(runs) and all(
+        leaf.layout == run.layout
+        for run, s in zip(runs, state.runs) if run.layout is not None
+        for leaf in tree_leaves(s, is_leaf=lambda x: isinstance(x, Flat)) if isinstance(leaf, Flat))
+    if not matches:
         got = f"{len(state.runs)} runs" if isinstance(state, ParamGroupsState) else type(state).__name__
         raise ValueError(f"param_groups: the state ({got}) was not made by this optimizer's init for params of this "
                          f"layout ({len(runs)} runs of segments); pass the state its init/update returned")
