@@ -68,7 +68,7 @@ class _Group(NamedTuple):
 
 
 class _Run(NamedTuple):
-    setting: int  # index of the run's transform
+    setting: int  # index of the run's transform (-1: padding, no transform)
     first: int  # segments [first, stop)
     stop: int
     start: int  # elements [start, end) of a Flat's buffer
@@ -147,8 +147,8 @@ def param_groups(optimizer: GradientTransformation, groups: Sequence[Mapping[str
                              "DeepSpeed's rule) every parameter must be in exactly one group")
         return found[0].setting if found else 0
 
-    def plan_for(tree: PyTree) -> tuple[tuple[_Run, ...], Any]:
-        """(runs, treedef or None) of `tree`; cached per layout."""
+    def plan_for(tree: PyTree) -> tuple[tuple[_Run, ...], tuple[_Run, ...], Any]:
+        """(runs, padding spans, treedef or None) of `tree`; cached per layout."""
         if isinstance(tree, Flat):
             key, paths, shapes, treedef = tree.layout, tree.layout.paths, tree.layout.shapes, None
         else:
@@ -159,16 +159,16 @@ def param_groups(optimizer: GradientTransformation, groups: Sequence[Mapping[str
         if key not in plans:
             if len(plans) > 8:
                 plans.clear()
-            plans[key] = (_plan_runs(paths, shapes, setting_of, isinstance(tree, Flat)), treedef)
+            plans[key] = (*_plan_runs(paths, shapes, setting_of, isinstance(tree, Flat)), treedef)
         return plans[key]
 
     def init(params):
-        runs, _ = plan_for(params)
+        runs, _, _ = plan_for(params)
         parts = _parts(params)
         return ParamGroupsState(0, resolve(base_lr, 0), tuple(transforms[r.setting].init(_view(parts, r)) for r in runs))
 
     def update(grads, state: ParamGroupsState, params=None):
-        runs, treedef = plan_for(grads)
+        runs, _, treedef = plan_for(grads)
         _check_state(state, runs)
         g = _parts(grads)
         p = _parts(params, grads) if params is not None else None
@@ -180,7 +180,7 @@ def param_groups(optimizer: GradientTransformation, groups: Sequence[Mapping[str
         return _assemble(grads, g, runs, outs, treedef), _next(state, new_runs)
 
     def apply(grads, state: ParamGroupsState, params, *, cast_to=None):
-        runs, _ = plan_for(params)
+        runs, padding, _ = plan_for(params)
         _check_state(state, runs)
         p, g = _parts(params), _parts(grads, params)
         c = _parts(cast_to, params) if cast_to is not None else None
@@ -189,6 +189,8 @@ def param_groups(optimizer: GradientTransformation, groups: Sequence[Mapping[str
             _, s = optimizer_step(transforms[run.setting], _view(g, run), s, _view(p, run),
                                   cast_to=_view(c, run) if c is not None else None)
             new_runs.append(s)
+        if c is not None:
+            _copy_padding(c, p, padding)
         return params, _next(state, new_runs)
 
     def _next(state: ParamGroupsState, new_runs: list) -> ParamGroupsState:
@@ -324,13 +326,12 @@ def _selector(spec: PathSelector, group: str) -> Callable[[str], bool]:
 
 
 def _plan_runs(paths: Sequence[str], shapes: Sequence[tuple[int, ...]], setting_of: Callable[[str], int],
-               flat: bool) -> tuple[_Run, ...]:
-    """Maximal runs of consecutive segments with the same setting; padding pieces belong to none."""
+               flat: bool) -> tuple[tuple[_Run, ...], tuple[_Run, ...]]:
+    """Maximal runs of consecutive segments with the same setting, and the spans of padding
+    pieces (setting -1), which belong to no run."""
     spans: list[list[int]] = []  # [setting, first, stop]
     for i, path in enumerate(paths):
-        if is_padding(path):
-            continue
-        setting = setting_of(path)
+        setting = -1 if is_padding(path) else setting_of(path)
         if spans and spans[-1][0] == setting and spans[-1][2] == i:
             spans[-1][2] = i + 1
         else:
@@ -338,10 +339,9 @@ def _plan_runs(paths: Sequence[str], shapes: Sequence[tuple[int, ...]], setting_
     offsets = [0]
     for shape in shapes:
         offsets.append(offsets[-1] + math.prod(shape))
-    return tuple(
-        _Run(s, a, b, offsets[a], offsets[b], _run_layout(paths[a:b], shapes[a:b]) if flat else None)
-        for s, a, b in spans
-    )
+    every = [_Run(s, a, b, offsets[a], offsets[b], _run_layout(paths[a:b], shapes[a:b]) if flat and s >= 0 else None)
+             for s, a, b in spans]
+    return tuple(r for r in every if r.setting >= 0), tuple(r for r in every if r.setting < 0)
 
 
 def _run_layout(paths: Sequence[str], shapes: Sequence[tuple[int, ...]]) -> FlatLayout:
@@ -364,6 +364,19 @@ def _view(parts: Union[Flat, list], run: _Run) -> Union[Flat, list]:
     return parts[run.first:run.stop]
 
 
+def _copy_padding(cast_to: Union[Flat, list], params: Union[Flat, list], padding: Sequence[_Run]) -> None:
+    """Cast what no run updates (padding pieces, a buffer's tail) too: `cast_to` stays the image of params."""
+    if isinstance(params, Flat):
+        for span in padding:
+            cast_to.buffer[span.start:span.end].copy_(params.buffer[span.start:span.end])
+        n, end = params.layout.numel, min(params.buffer.numel(), cast_to.buffer.numel())
+        cast_to.buffer[n:end].copy_(params.buffer[n:end])
+        return
+    for span in padding:
+        for i in range(span.first, span.stop):
+            cast_to[i].copy_(params[i])
+
+
 def _assemble(grads: PyTree, g: Union[Flat, list], runs: Sequence[_Run], outs: list, treedef) -> PyTree:
     """The updates of every run put in place; zeros where no run is (padding)."""
     dtype = _dtype(outs[0]) if outs else None
@@ -384,11 +397,12 @@ def _dtype(update: Any) -> torch.dtype:
 
 def _check_state(state: Any, runs: Sequence[_Run]) -> None:
     """The state must come from this optimizer's init for params of this layout: one inner state per
-    run, whose flat buffers have the run's layout."""
+    run, whose flat buffers have the run's layout (a nested param_groups' state checks its own)."""
+    own = lambda x: isinstance(x, (Flat, ParamGroupsState))  # noqa: E731 - nested groups check their own
     matches = isinstance(state, ParamGroupsState) and len(state.runs) == len(runs) and all(
         leaf.layout == run.layout
         for run, s in zip(runs, state.runs) if run.layout is not None
-        for leaf in tree_leaves(s, is_leaf=lambda x: isinstance(x, Flat)) if isinstance(leaf, Flat))
+        for leaf in tree_leaves(s, is_leaf=own) if isinstance(leaf, Flat))
     if not matches:
         got = f"{len(state.runs)} runs" if isinstance(state, ParamGroupsState) else type(state).__name__
         raise ValueError(f"param_groups: the state ({got}) was not made by this optimizer's init for params of this "
