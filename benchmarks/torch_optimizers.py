@@ -12,8 +12,9 @@ same numbers:
                                  an eager loop
     torch loop AdamW foreach     torch.optim.AdamW(foreach=True) likewise
     fspeed adamw + mask          adamw(mask=no_decay(...)): biases and norms exempt, one kernel call
-                                 per run of segments with the same settings
-    from_torch fused + mask      the same mask over from_torch's AdamW
+                                 per run of segments with the same settings (42 runs)
+    from_torch fused + mask      the same mask over from_torch's AdamW (one step() per setting, one
+                                 fused launch over the list of its runs)
 
 And the adapter's constant cost per step: from_torch(AdamW, fused) against fspeed's adamw
 (backend="torch") on a 1,000-element buffer, where both launch the same kernel once.
@@ -90,7 +91,7 @@ def main() -> None:
         "from_torch fused + mask": fspeed_step(from_torch(torch.optim.AdamW, **HP, fused=True, mask=EXEMPT),
                                                params, grads),
     }
-    runs = len(adamw(**HP, mask=EXEMPT).init(params).runs)
+    runs = sum(len(inner.mu) for inner in adamw(**HP, mask=EXEMPT).init(params).groups)
     times = interleaved_medians(variants, args.reps)
 
     tiny = fs.Flat.from_tree({"w": torch.randn(1000)})

@@ -237,7 +237,8 @@ def test_groups_by_glob_pattern_with_lr_scale_and_betas():
     ])
     flat = Flat.from_tree(params)
     state = opt.init(flat)
-    assert len(state.runs) == 5  # attn | mlp | attn | mlp | head
+    assert len(state.groups) == 3  # attn, the rest, head: one state each, over their runs
+    assert [len(inner.mu) for inner in state.groups] == [2, 2, 1]  # runs: attn | mlp | attn | mlp | head
     grads = [Flat.from_tree(fs.pytree.tree_map(torch.randn_like, params)) for _ in range(3)]
     for g in grads:
         flat, state = opt.apply(g, state, flat)
@@ -283,7 +284,7 @@ def test_groups_of_a_torch_optimizer_take_torch_names():
     assert opt.info.hparams["groups"][0]["betas"] == (0.5, 0.6)
     params = {"a": torch.randn(3), "b": torch.randn(3)}
     state = opt.init(Flat.from_tree(params))
-    assert "max_exp_avg_sq" in state.runs[1].elementwise and "max_exp_avg_sq" not in state.runs[0].elementwise
+    assert "max_exp_avg_sq" in state.groups[1].elementwise and "max_exp_avg_sq" not in state.groups[0].elementwise
 
 
 def gpt_setup():

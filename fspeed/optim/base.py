@@ -165,7 +165,8 @@ def cast_params_into(cast_to: Params, params: Params) -> Params:
 
 def cast_targets(cast_to: Params, params: Params | list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensor leaves of `cast_to`, checked against those of `params` (count and sizes)."""
-    sources = params if isinstance(params, list) else tensor_leaves(params)
+    sources = params if isinstance(params, list) and all(isinstance(x, torch.Tensor) for x in params) \
+        else tensor_leaves(params)
     targets = tensor_leaves(cast_to)
     if len(targets) != len(sources):
         raise ValueError(
