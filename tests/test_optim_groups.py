@@ -50,10 +50,12 @@ def from_torch_adagrad(**h):
 KINDS = {
     "adamw": (adamw, dict(lr=1e-2, weight_decay=0.1),
               dict(weight_decay=[0.0, 0.3], lr_scale=[0.0, 0.5, 3.0], betas=[(0.8, 0.9)], eps=[1e-4]), False),
-    "adam": (adam, dict(lr=1e-2, weight_decay=0.05), dict(weight_decay=[0.0], lr=[3e-3], bias_correction=[False]), False),
+    "adam": (adam, dict(lr=1e-2, weight_decay=0.05),
+             dict(weight_decay=[0.0], lr=[3e-3], bias_correction=[False]), False),
     "sgd": (sgd, dict(lr=0.1, momentum=0.9, weight_decay=0.01),
             dict(weight_decay=[0.0, 0.1], lr_scale=[0.5], momentum=[0.0, 0.5]), False),
-    "adagrad": (from_torch_adagrad, dict(lr=0.05), dict(weight_decay=[0.0, 0.1], lr_scale=[2.0], lr_decay=[0.1]), False),
+    "adagrad": (from_torch_adagrad, dict(lr=0.05),
+                dict(weight_decay=[0.0, 0.1], lr_scale=[2.0], lr_decay=[0.1]), False),
     "lamb": (lamb, dict(lr=1e-2, weight_decay=0.01), dict(weight_decay=[0.0], lr_scale=[0.5], max_coeff=[1.0]), True),
 }
 

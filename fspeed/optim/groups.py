@@ -105,7 +105,9 @@ def with_hparams(optimizer: GradientTransformation, **overrides: Any) -> Gradien
                         "optimizer from fspeed.optim (adam, adamw, sgd, lamb, from_torch) or param_groups of one")
     inner = info.hparams.get("optimizer")
     if isinstance(inner, GradientTransformation):
-        return info.factory(**{**info.hparams, "optimizer": with_hparams(inner, **overrides)}) if overrides else optimizer
+        if not overrides:
+            return optimizer
+        return info.factory(**{**info.hparams, "optimizer": with_hparams(inner, **overrides)})
     unknown = sorted(set(overrides) - set(info.hparams))
     if unknown:
         raise ValueError(f"{info.name} has no hyperparameter {', '.join(map(repr, unknown))}; "
@@ -173,7 +175,7 @@ def param_groups(optimizer: GradientTransformation, groups: Sequence[Mapping[str
                 raise TypeError("param_groups: params must be a Flat, a list of Flats or a pytree of tensors")
             key, parts = (treedef, tuple(paths)), [(paths, [tuple(x.shape) for x in leaves])]
         if key not in plans:
-            if len(plans) > 8:
+            if len(plans) > 8:  # a few layouts per optimizer at most; bounded, not a leak
                 plans.clear()
             plans[key] = _plan(parts, setting_of, isinstance(tree, Flat), treedef)
         return plans[key]

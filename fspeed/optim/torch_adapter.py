@@ -114,7 +114,8 @@ def from_torch(optimizer_class: type, *, elementwise: Optional[bool] = None, mas
         constructed = optimizer_class(leaves, lr=resolve(lr, 0), **fixed).state if spec.constructed else {}
         per_leaf = [constructed.get(p, {}) for p in leaves]
         elementwise_state = {
-            key: tree_unflatten(treedef, [s[key] if key in s else torch.zeros_like(p) for p, s in zip(leaves, per_leaf)])
+            key: tree_unflatten(treedef, [s[key] if key in s else torch.zeros_like(p)
+                                          for p, s in zip(leaves, per_leaf)])
             for key in spec.elementwise
         }
         scalars = {key: tuple(s[key] if key in s else torch.zeros((), dtype=dtype, device=device) for s in per_leaf)
