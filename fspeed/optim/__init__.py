@@ -18,7 +18,17 @@ from .base import (
     per_tensor_norms,
 )
 from .clipping import clip_by_global_norm
+from .groups import (
+    PAD_SUFFIX,
+    ParamGroupsState,
+    check_param_groups,
+    hyperparameter_names,
+    is_padding,
+    param_groups,
+    with_hparams,
+)
 from .lamb import LambState, lamb
+from .masks import DEFAULT_NO_DECAY, Mask, masked_weight_decay, no_decay
 from .onebit import OneBitAdamState, ZeroOneAdamState, onebit_adam, zero_one_adam
 from .onebit_lamb import OneBitLambState, onebit_lamb
 from .schedules import (
@@ -33,6 +43,7 @@ from .schedules import (
     warmup_decay,
 )
 from .sgd import SGDState, sgd
+from .torch_adapter import ELEMENTWISE_OPTIMIZERS, REFUSED_OPTIMIZERS, TorchOptimizerState, from_torch
 
 __all__ = [
     "AdamState", "Capabilities", "ELEMENTWISE", "EmptyState", "GradientTransformation", "LambState", "ONE_CYCLE_BETA2", "OneBitAdamState",
@@ -42,4 +53,7 @@ __all__ = [
     "chain", "clip_by_global_norm", "constant", "global_norm", "lamb", "learning_rate", "lr_range_test",
     "one_cycle", "one_cycle_momentum", "optimizer_step", "per_tensor_norms", "sgd", "warmup",
     "warmup_cosine", "warmup_decay",
+    "DEFAULT_NO_DECAY", "Mask", "PAD_SUFFIX", "ParamGroupsState", "check_param_groups", "hyperparameter_names",
+    "is_padding", "masked_weight_decay", "no_decay", "param_groups", "with_hparams",
+    "ELEMENTWISE_OPTIMIZERS", "REFUSED_OPTIMIZERS", "TorchOptimizerState", "from_torch",
 ]

@@ -23,8 +23,9 @@ the backend.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -39,6 +40,7 @@ from .base import (
     numba_kernel,
     resolve,
 )
+from .masks import Mask, masked_weight_decay
 
 
 class AdamState(NamedTuple):
@@ -84,9 +86,11 @@ def adam(
     bias_correction: bool = True,
     adam_w_mode: bool = False,
     backend: str = "auto",
+    mask: Optional[Mask] = None,
 ) -> GradientTransformation:
     """Adam; `adam_w_mode=True` makes weight decay decoupled (AdamW). `backend`: "auto", "numba"
-    or "torch" (see the module docstring).
+    or "torch" (see the module docstring). `mask(path)`: which parameters get weight decay
+    (`fspeed.optim.masks`; e.g. `no_decay("bias", "norm")`).
 
     DeepSpeed gotcha: its config type "Adam" defaults to adam_w_mode=True (AdamW). fspeed's `adam`
     defaults to classic L2 Adam; the DeepSpeed-config translator applies DeepSpeed's default.
@@ -94,6 +98,10 @@ def adam(
     name = "adamw" if adam_w_mode else "adam"
     check_hparams(name, lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     check_backend(name, backend)
+    if mask is not None:
+        unmasked = adam(lr, b1, b2, eps, weight_decay, bias_correction=bias_correction, adam_w_mode=adam_w_mode,
+                        backend=backend)
+        return masked_weight_decay(unmasked, mask)
 
     def init(params):
         return AdamState(0, resolve(lr, 0), tree_zeros_like(params), tree_zeros_like(params))
@@ -150,6 +158,7 @@ def adam(
         name,
         dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
              backend=backend),
+        factory=functools.partial(adam, adam_w_mode=adam_w_mode),
     )
     return GradientTransformation(init, update, apply, info, capabilities=ELEMENTWISE)
 
@@ -163,9 +172,11 @@ def adamw(
     *,
     bias_correction: bool = True,
     backend: str = "auto",
+    mask: Optional[Mask] = None,
 ) -> GradientTransformation:
-    """AdamW: Adam with decoupled weight decay (DeepSpeed's adam_w_mode=True)."""
-    return adam(lr, b1, b2, eps, weight_decay, bias_correction=bias_correction, adam_w_mode=True, backend=backend)
+    """AdamW: Adam with decoupled weight decay (DeepSpeed's adam_w_mode=True); `mask` as in `adam`."""
+    return adam(lr, b1, b2, eps, weight_decay, bias_correction=bias_correction, adam_w_mode=True, backend=backend,
+                mask=mask)
 
 
 def _torch_adam(p, g, m, v, cast, t, lr, b1, b2, eps, wd, decoupled, bias_correction, bc1, bc2) -> None:

@@ -47,11 +47,16 @@ ScalarOrSchedule = Union[float, Schedule]
 
 
 class TransformInfo(NamedTuple):
-    """What a transform is, for printing and for `train_step`'s fusions."""
+    """What a transform is, for printing and for `train_step`'s fusions.
+
+    `factory(**hparams)` rebuilds the transform (None: it cannot be rebuilt); parameter groups
+    use it to make the same optimizer with other hyperparameters (`fspeed.optim.groups`).
+    """
 
     name: str
     hparams: dict
     children: tuple = ()
+    factory: Optional[Callable[..., "GradientTransformation"]] = None
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={_show(v)}" for k, v in self.hparams.items())
@@ -160,7 +165,8 @@ def cast_params_into(cast_to: Params, params: Params) -> Params:
 
 def cast_targets(cast_to: Params, params: Params | list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensor leaves of `cast_to`, checked against those of `params` (count and sizes)."""
-    sources = params if isinstance(params, list) else tensor_leaves(params)
+    sources = params if isinstance(params, list) and all(isinstance(x, torch.Tensor) for x in params) \
+        else tensor_leaves(params)
     targets = tensor_leaves(cast_to)
     if len(targets) != len(sources):
         raise ValueError(

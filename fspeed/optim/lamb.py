@@ -21,7 +21,7 @@ numba-cuda is installed and the torch ops below elsewhere; "numba" demands the C
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -39,6 +39,7 @@ from .base import (
     per_tensor_norms,
     resolve,
 )
+from .masks import Mask, masked_weight_decay
 
 _KERNELS = {"cuda": "cuda_lamb"}
 
@@ -63,13 +64,19 @@ def lamb(
     max_coeff: float = 10.0,
     min_coeff: float = 0.01,
     backend: str = "auto",
+    mask: Optional[Mask] = None,
 ) -> GradientTransformation:
     """LAMB (FusedLamb): Adam-style direction scaled per tensor by a clamped trust ratio.
-    `backend`: "auto", "numba" or "torch" (see the module docstring)."""
+    `backend`: "auto", "numba" or "torch" (see the module docstring). `mask(path)`: which
+    parameters get weight decay (`fspeed.optim.masks`)."""
     check_hparams("lamb", lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     check_backend("lamb", backend)
     if not 0 < min_coeff <= max_coeff:
         raise ValueError(f"lamb: need 0 < min_coeff <= max_coeff, got min_coeff={min_coeff}, max_coeff={max_coeff}")
+    if mask is not None:
+        unmasked = lamb(lr, b1, b2, eps, weight_decay, bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt,
+                        max_coeff=max_coeff, min_coeff=min_coeff, backend=backend)
+        return masked_weight_decay(unmasked, mask)
 
     def init(params):
         n = len(segments(params))
@@ -134,6 +141,7 @@ def lamb(
         "lamb",
         dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
              eps_inside_sqrt=eps_inside_sqrt, max_coeff=max_coeff, min_coeff=min_coeff, backend=backend),
+        factory=lamb,
     )
     return GradientTransformation(init, update, apply, info, capabilities=Capabilities(whole_tensors=True))
 

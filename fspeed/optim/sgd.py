@@ -8,11 +8,12 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 from ..pytree import tree_map, tree_zeros_like
 from .adam import check_hparams
 from .base import ELEMENTWISE, GradientTransformation, ScalarOrSchedule, TransformInfo, cast_params_into, resolve
+from .masks import Mask, masked_weight_decay
 
 
 class SGDState(NamedTuple):
@@ -28,14 +29,19 @@ def sgd(
     dampening: float = 0.0,
     weight_decay: float = 0.0,
     nesterov: bool = False,
+    mask: Optional[Mask] = None,
 ) -> GradientTransformation:
-    """Stochastic gradient descent; `lr` and `momentum` may be schedules."""
+    """Stochastic gradient descent; `lr` and `momentum` may be schedules. `mask(path)`: which
+    parameters get weight decay (`fspeed.optim.masks`)."""
     check_hparams("sgd", lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay)
     uses_momentum = callable(momentum) or momentum != 0.0
     if nesterov and (not uses_momentum or dampening != 0.0):
         raise ValueError(
             f"sgd: nesterov needs momentum > 0 and dampening == 0 (got momentum={momentum}, dampening={dampening})"
         )
+    if mask is not None:
+        unmasked = sgd(lr, momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
+        return masked_weight_decay(unmasked, mask)
 
     def init(params):
         return SGDState(0, resolve(lr, 0), tree_zeros_like(params) if uses_momentum else None)
@@ -70,6 +76,7 @@ def sgd(
         return params, new_state
 
     info = TransformInfo(
-        "sgd", dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
+        "sgd", dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov),
+        factory=sgd,
     )
     return GradientTransformation(init, update, apply, info, capabilities=ELEMENTWISE)
