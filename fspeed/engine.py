@@ -162,9 +162,6 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
     from .config.build import build_lr_schedule, build_optimizer, build_precision, build_zero_config  # noqa: PLC0415
     from .config.compose import compose_run_config  # noqa: PLC0415
 
-    if model_parameters is not None and not _all_parameters(model, model_parameters):
-        raise ValueError("initialize: model_parameters with parameter groups are not supported yet; pass "
-                         "model.parameters() (or nothing) and set weight decay in the config")
     if lr_scheduler is not None:
         raise ValueError("initialize: lr_scheduler objects are not taken; set the scheduler block of the config "
                          "(fspeed's schedules are functions of the step inside the optimizer)")
@@ -187,6 +184,10 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
     precision = build_precision(run)
     schedule = build_lr_schedule(run) if optimizer is None else None
     optimizer = optimizer if optimizer is not None else build_optimizer(run)
+    if model_parameters is not None:
+        groups = deepspeed_groups(module, model_parameters, run)
+        if groups is not None:
+            optimizer = _grouped(optimizer, groups)
     plan = None
     if world > 1 or run.zero.stage > 0 or tensor > 1:
         mesh = mesh or Mesh(data=run.parallel.data, model=tensor,
@@ -219,14 +220,59 @@ def fs_rules(model: Model):
     return GPT_RULES
 
 
-def _all_parameters(model, model_parameters) -> bool:
-    """Whether `model_parameters` is just every parameter of the module (DeepSpeed's common call)."""
-    if not isinstance(model, nn.Module):
-        return False
+def deepspeed_groups(module: Optional[nn.Module], model_parameters, run) -> Optional[list[dict]]:
+    """DeepSpeed's `model_parameters` as fspeed parameter groups by path (None: every parameter in
+    one group, DeepSpeed's common `model.parameters()`).
+
+    Each group's tensors become their parameter paths (tied parameters under their first name).
+    A group's "lr" follows DeepSpeed's schedulers: WarmupLR, WarmupDecayLR, OneCycle and
+    LRRangeTest set every group's lr themselves (a group's own lr is not used, as in DeepSpeed);
+    WarmupCosineLR scales each group's own lr (an `lr_scale` against the optimizer's lr); without
+    a scheduler the group's lr is its lr."""
+    if module is None:
+        raise ValueError("initialize: model_parameters (parameter groups) name nn.Module parameters; a Model's "
+                         "optimizer takes fs.optim.param_groups(...) by path")
     given = list(model_parameters)
-    if any(isinstance(g, dict) for g in given):
-        return False
-    return {id(p) for p in given} == {id(p) for p in model.parameters()}
+    names = {id(p): n for n, p in module.named_parameters()}
+    if not any(isinstance(g, dict) for g in given):
+        if {id(p) for p in given} == set(names):
+            return None
+        given = [{"params": given}]
+    groups = []
+    sched = run.scheduler.name
+    for i, group in enumerate(given):
+        if not isinstance(group, dict) or "params" not in group:
+            raise ValueError(f"initialize: model_parameters[{i}] must be a dict with 'params' (torch's groups), "
+                             f"got {type(group).__name__}")
+        paths = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(f"initialize: model_parameters[{i}] holds a tensor of shape {list(p.shape)} that is "
+                                 "not a parameter of the model")
+            paths.append(names[id(p)])
+        settings = {k: v for k, v in group.items() if k != "params"}
+        if "lr" in settings:
+            lr = settings.pop("lr")
+            if sched == "warmup_cosine":
+                settings["lr_scale"] = lr / run.optimizer.lr
+            elif sched == "constant":
+                settings["lr"] = lr
+            else:
+                log.info("initialize: parameter group %d's lr=%g is not used: DeepSpeed's %s scheduler sets every "
+                         "group's lr", i, lr, sched)
+        groups.append({"params": paths, "name": str(group.get("name", i)), **settings})
+    return groups
+
+
+def _grouped(optimizer: GradientTransformation, groups: list[dict]) -> GradientTransformation:
+    """`optimizer` with `groups` on its update (behind a leading clip, which stays global)."""
+    from .optim import chain, param_groups  # noqa: PLC0415
+
+    children = optimizer.children
+    if children and children[0].capabilities.clip_norm is not None:
+        return chain(children[0], param_groups(chain(*children[1:]) if len(children) > 2 else children[1], groups,
+                                               complete=True))
+    return param_groups(optimizer, groups, complete=True)
 
 
 def _env_world() -> int:

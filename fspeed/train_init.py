@@ -12,6 +12,7 @@ import torch
 
 from .loss_scale import init_loss_scale
 from .optim.base import GradientTransformation, init_state
+from .optim.groups import check_param_groups
 from .parallel.layout import LOCAL_MESH, resolve_flat
 from .parallel.plan import Plan
 from .parallel.runtime import build_param_state, check_optimizer
@@ -56,6 +57,7 @@ def init_train_state(
                        buffers if buffers is not None else {})
     local = plan is None
     paths, leaves, treedef = tree_flatten_with_paths(params)  # the one flattening of the tree
+    check_param_groups(optimizer, paths)  # against every path: a ZeRO rank's slice may hold none of a group
     layout = resolve_flat(Plan() if local else plan, paths, leaves, treedef, LOCAL_MESH if local else mesh.sizes,
                           {a: 0 for a in LOCAL_MESH} if local else mesh.coords, logical_axes,
                           model.units if model is not None else None)

@@ -110,10 +110,42 @@ def test_the_loop_order_and_unsupported_arguments_are_clear_errors(tmp_path):
     engine.step()
     with pytest.raises(ValueError, match="needs loss_fn"):
         fs.initialize(model=module, config=config)
-    with pytest.raises(ValueError, match="parameter groups are not supported yet"):
+    with pytest.raises(ValueError, match=r"model_parameters\[0\] holds a tensor of shape \[3\] that is not a parameter"):
+        fs.initialize(model=module, config=config, loss_fn=cnn_loss, model_parameters=[{"params": [torch.zeros(3)]}])
+    with pytest.raises(ValueError, match="is in no param group"):
         fs.initialize(model=module, config=config, loss_fn=cnn_loss,
-                      model_parameters=[{"params": list(module.parameters()), "weight_decay": 0.0}])
+                      model_parameters=[{"params": [module.head.weight]}])
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
     engine, *_ = fs.initialize(model=module, config=str(path), loss_fn=cnn_loss, model_parameters=module.parameters())
     assert engine.train_micro_batch_size_per_gpu() == 2
+
+
+def test_deepspeed_parameter_groups_equal_torch_groups():
+    """DeepSpeed users pass torch-style groups as model_parameters: no decay for biases and norms,
+    a lower lr for the head (no scheduler: the group's lr is its lr)."""
+    import copy
+
+    module = small_cnn()
+    decay = [p for n, p in module.named_parameters() if n.endswith("weight") and ".bn." not in n and n != "head.weight"]
+    no_decay = [p for n, p in module.named_parameters() if n.endswith("bias") or ".bn." in n]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0},
+              {"params": [module.head.weight], "weight_decay": 0.1, "lr": 1e-4}]
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
+    reference = copy.deepcopy(module)
+    engine, *_ = fs.initialize(model=module, config=config, loss_fn=cnn_loss, model_parameters=groups)
+    ref_params = dict(reference.named_parameters())
+    names = {id(p): n for n, p in module.named_parameters()}
+    torch_opt = torch.optim.AdamW([{**g, "params": [ref_params[names[id(p)]] for p in g["params"]]} for g in groups],
+                                  lr=1e-3, foreach=False)
+    for seed in range(3):
+        batch = cnn_batch(4, seed)
+        engine.backward(engine(batch))
+        engine.step()
+        torch_opt.zero_grad()
+        cnn_loss(reference(batch[0]), batch).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)  # DeepSpeed's default gradient_clipping
+        torch_opt.step()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(engine.state.master_params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)

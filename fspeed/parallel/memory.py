@@ -170,11 +170,12 @@ def layout_memory(layout: Layout, policy: Precision, optimizer_state_bytes: int 
     return MemoryEstimate(repr(layout.plan), policy.name, psi, n, device, cpu, peak, paper_device, paper_cpu)
 
 
-def state_bytes_per_parameter(optimizer) -> int:
+def state_bytes_per_parameter(optimizer, path: str = "probe") -> int:
     """Bytes of optimizer state per parameter `optimizer` keeps (8 for Adam, 4 for SGD with
-    momentum, 0 without), measured on a probe tensor by the optimizer's own `init`."""
+    momentum, 0 without), measured on a probe tensor named `path` by the optimizer's own `init`
+    (pass a real parameter path for parameter groups that must cover every parameter)."""
     probe = 64
-    state = optimizer.init({"probe": torch.zeros(probe)})
+    state = optimizer.init({path: torch.zeros(probe)})
     leaves = [t for t in tensor_leaves(state) if isinstance(t, torch.Tensor) and t.numel() == probe]
     return sum(t.element_size() for t in leaves)
 
