@@ -7,6 +7,7 @@ hits every engine alike:
     fspeed ZeRO-3      fs.functionalize(model) under fs.zero(3) (layer-by-layer gathering)
     FSDP2              torch.distributed.fsdp.fully_shard on every block and the root, AdamW fused
     fspeed ZeRO-1      fs.zero(1)
+    fspeed ZeRO-0      fs.zero(0) (all-reduce, as DDP)
     DDP                DistributedDataParallel, AdamW fused
     DeepSpeed ZeRO-3   deepspeed.initialize (the [bench] extra; skipped when not installed)
 
@@ -160,6 +161,7 @@ def worker(args) -> None:
     engines["fspeed ZeRO-3"] = fspeed_engine(3)
     engines["FSDP2"] = torch_engine(fsdp2)
     engines["fspeed ZeRO-1"] = fspeed_engine(1)
+    engines["fspeed ZeRO-0"] = fspeed_engine(0)
     engines["DDP"] = torch_engine(lambda m: DistributedDataParallel(m))
     try:
         import deepspeed
@@ -233,6 +235,7 @@ def main(args) -> None:
     print()
     print(f"hf_zero3_step_time_vs_fsdp2={ranks['fspeed ZeRO-3'] / ranks['FSDP2']:.3f}")
     print(f"hf_zero1_step_time_vs_ddp={ranks['fspeed ZeRO-1'] / ranks['DDP']:.3f}")
+    print(f"hf_zero0_step_time_vs_ddp={ranks['fspeed ZeRO-0'] / ranks['DDP']:.3f}")
     if "DeepSpeed ZeRO-3" in ranks:
         print(f"hf_step_time_vs_deepspeed={ranks['fspeed ZeRO-3'] / ranks['DeepSpeed ZeRO-3']:.3f}")
     else:
