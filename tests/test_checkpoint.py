@@ -12,6 +12,7 @@ import torch
 
 import fspeed as fs
 from fspeed.checkpoint import CheckpointError, latest_tag, load_checkpoint, save_checkpoint
+from fspeed.checkpoint.meta import write_meta
 
 # A tiny but complete training setup shared by this process and the subprocesses below.
 SETUP = textwrap.dedent("""
@@ -73,23 +74,24 @@ def test_resume_in_a_new_process_is_bit_exact(tmp_path):
 @pytest.mark.parametrize("where", ["writing tensors", "before rename", "before latest"])
 def test_a_process_killed_during_save_leaves_the_last_checkpoint(tmp_path, where):
     code = """
-        import os, signal, fspeed.checkpoint as ck
+        import os, signal
+        import fspeed.checkpoint.directory as directory, fspeed.checkpoint.state_io as state_io
         state = run(fresh(), 0, 2)
         save_checkpoint(sys.argv[1], state, tag="good")
         state = run(state, 2, 3)
         die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
         where = sys.argv[2]
         if where == "writing tensors":
-            real_write = ck._write_safetensors
-            def half_write(path, tensors):
+            real_write = state_io.write_tensor_file
+            def half_write(path, tensors, file_format):
                 items = list(tensors.items())
-                real_write(path, dict(items[: len(items) // 2]))
+                real_write(path, dict(items[: len(items) // 2]), file_format)
                 die()
-            ck._write_safetensors = half_write
+            state_io.write_tensor_file = half_write
         elif where == "before rename":
-            ck._fsync_dir = die
+            directory.fsync_dir = die
         else:
-            ck._write_latest = die
+            state_io.write_latest = die
         save_checkpoint(sys.argv[1], state, tag="good" if where == "before rename" else "next")
     """
     proc = python(code, str(tmp_path), where, check=False)
@@ -139,9 +141,9 @@ def test_unreadable_safetensors_header_names_the_file(tmp_path):
     tensors = path / "tensors.safetensors"
     garbage = b"\xff" * tensors.stat().st_size
     tensors.write_bytes(garbage)
-    meta = json.loads((path / "meta.json").read_text())
-    meta["files"]["tensors.safetensors"]["sha256"] = fs.checkpoint._sha256(tensors)  # pass the checksum
-    (path / "meta.json").write_text(json.dumps(meta))
+    meta = fs.checkpoint.read_meta(tmp_path)
+    meta["files"]["tensors.safetensors"]["sha256"] = fs.checkpoint.tensor_file.sha256_of(tensors)  # pass the checksum
+    write_meta(path, meta)
     with pytest.raises(CheckpointError, match="cannot be read as safetensors"):
         load_checkpoint(tmp_path, fresh())
 

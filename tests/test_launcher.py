@@ -226,7 +226,7 @@ def test_one_local_node():
     assert not node.remote and argv[:4] == ["/py", "-u", "-m", "fspeed.launcher.agent"]
     assert _flag(argv, "--nnodes") == "1" and _flag(argv, "--nproc-per-node") == "2"
     assert not any(a.startswith("--master-port") for a in argv)           # torchrun picks a free port
-    assert argv[-4:] == ["train.py", "--lr", "1e-3", "a b"]
+    assert argv[-7:] == ["--module", "fspeed.launcher.tether", "script", "train.py", "--lr", "1e-3", "a b"]
     assert "CUDA_VISIBLE_DEVICES" not in node.env and list(node.ranks) == [0, 1]
     [gpu_node] = build_node_commands({"localhost": (2, 3)}, SPEC, local_has_cuda=True)
     assert gpu_node.env["CUDA_VISIBLE_DEVICES"] == "2,3"
@@ -250,7 +250,8 @@ def test_two_remote_nodes_with_uneven_slots():
         assert env["MSG"] == "hello world" and env["NCCL_DEBUG"] == "INFO"
         assert env["PYTHONPATH"] == os.pathsep.join(["/work/dir", "/lib"])
         assert "HOME" not in env and "TORCHELASTIC_RUN_ID" not in env
-        assert argv[-4:] == ["train.py", "--lr", "1e-3", "a b"]
+        assert env["FSPEED_AGENT_TETHER"] == "stdin"  # the remote agent stops when ssh's channel closes
+        assert argv[-7:] == ["--module", "fspeed.launcher.tether", "script", "train.py", "--lr", "1e-3", "a b"]
     assert commands[0].world_size == 3
 
 
@@ -270,7 +271,7 @@ def test_rendezvous_logs_and_script_modes():
     node0, node1 = build_node_commands({"localhost": (0,), "127.0.0.1": (0,)}, spec)
     assert _flag(node1.argv, "--rdzv-endpoint") == "127.0.0.1:1234" and _flag(node1.argv, "--rdzv-backend") == "c10d"
     assert _flag(node1.argv, "--log-dir") == "/logs/node1" and "--redirects=3" in node1.argv
-    assert node1.argv[-3:] == ("--module", "pkg.train", "--local_rank=${local_rank}")
+    assert node1.argv[-5:] == ("--module", "fspeed.launcher.tether", "module", "pkg.train", "--local_rank=${local_rank}")
     with pytest.raises(LaunchConfigError, match="rdzv_backend 'etcd'"):
         LaunchSpec(script="x", rdzv_backend="etcd")
 
