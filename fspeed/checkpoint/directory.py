@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from .errors import CheckpointError, os_error_text
+from .errors import CheckpointError, os_error_text, os_reason
 from .meta import META_FILE
 
 log = logging.getLogger("fspeed")
@@ -47,8 +47,8 @@ def ensure_directory(directory: Path) -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise CheckpointError(f"cannot create the checkpoint directory {str(directory)!r}: "
-                              f"{os_error_text(e, directory)}") from None
+        where = "" if e.filename in (None, str(directory)) else f" ({e.filename!r})"
+        raise CheckpointError(f"cannot create the checkpoint directory {str(directory)!r}: {os_reason(e)}{where}") from None
 
 
 def unique_name(directory: Path, prefix: str) -> Path:

@@ -25,6 +25,11 @@ def os_error_text(error: OSError, path: str | os.PathLike) -> str:
     `path` is used when the error carries no file name (a failed write() names none).
     """
     where = error.filename if error.filename is not None else path
+    return f"{str(where)!r}: {os_reason(error)}"
+
+
+def os_reason(error: OSError) -> str:
+    """What went wrong, without the path: `No space left on device (ENOSPC)`."""
     code = errno.errorcode.get(error.errno or 0)
     reason = error.strerror or str(error) or type(error).__name__
-    return f"{str(where)!r}: {reason}" + (f" ({code})" if code else "")
+    return reason + (f" ({code})" if code else "")

@@ -78,9 +78,9 @@ class CorpusError(ValueError):
     `path` is the corpus as the user named it, `reason` what is wrong with it.
     """
 
-    def __init__(self, path: str, reason: str):
+    def __init__(self, path: str, reason: str, hint: str | None = None):
         self.path, self.reason = path, reason
-        super().__init__(f"corpus {path!r}: {reason}")
+        super().__init__(f"corpus {path!r}: {reason}" + (f"; {hint}" if hint else ""))
 
 
 class CorpusDecodeError(CorpusError):
@@ -89,7 +89,7 @@ class CorpusDecodeError(CorpusError):
     def __init__(self, path: str, offset: int, byte: int, where: str = ""):
         self.offset = offset
         super().__init__(path, f"is not valid UTF-8: the first bad byte is 0x{byte:02x} at byte offset {offset}{where} "
-                               "(a binary file?); read it as bytes (the byte tokenizer) or decode invalid bytes as "
+                               "(a binary file?)", "read it as bytes (the byte tokenizer) or decode invalid bytes as "
                                "U+FFFD (errors='replace')")
 
 
