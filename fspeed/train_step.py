@@ -227,14 +227,16 @@ def make_train_step(
                   ("params", "master", "opt_state", "step", "skipped_steps", "rng_seed")}
         metrics = dict(step=fields["step"] + 1, loss=mean_loss, lr=lr, loss_scale=scaler.scale, skipped=overflow)
 
-        if overflow and guarded:
-            log.warning("step %d: the loss is %g and the gradient norm %g (%s); step skipped (on_nonfinite='skip')",
-                        fields["step"] + 1, mean_loss, scaled_norm * local_scale / scaler.scale, precision.name)
-        elif overflow:
-            log.warning(
-                "step %d: %s gradient overflow (inf/NaN); step skipped, loss scale %g -> %g",
-                fields["step"] + 1, precision.name, scaler.scale, new_scaler.scale,
-            )
+        if overflow:
+            if guarded:
+                log.warning("step %d: the loss is %g and the gradient norm %g (%s); step skipped "
+                            "(on_nonfinite='skip')", fields["step"] + 1, mean_loss,
+                            scaled_norm * local_scale / scaler.scale, precision.name)
+            else:
+                log.warning(
+                    "step %d: %s gradient overflow (inf/NaN); step skipped, loss scale %g -> %g",
+                    fields["step"] + 1, precision.name, scaler.scale, new_scaler.scale,
+                )
             metrics["grad_norm"] = scaled_norm
             return _next_state(state, fields, new_scaler, samples, skipped=1), metrics
 

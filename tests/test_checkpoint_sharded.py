@@ -87,3 +87,30 @@ def test_a_save_failing_on_one_rank_keeps_the_last_checkpoint(world2, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left
 
 
+
+
+def preflight_case(directory):
+    """Rank 1's filesystem is too full for the checkpoint: every rank stops with the same message."""
+    import shutil
+
+    import fspeed.checkpoint.preflight_checks as checks
+    mesh = fs.Mesh(data=-1)
+    _, model, params = gpt_setup(0)
+    opt = make_opt("adamw")
+    state = fs.init_train_state(params, opt, plan=zero(3, param_persistence_threshold=0), mesh=mesh,
+                                logical_axes=model.logical_axes)
+    fs.checkpoint.preflight(directory, state, mesh=mesh)
+    if mesh.rank == 1:
+        checks.shutil.disk_usage = lambda p: shutil._ntuple_diskusage(total=100, used=99, free=1)
+    try:
+        fs.checkpoint.preflight(directory, state, mesh=mesh)
+    except fs.CheckpointError as e:
+        return str(e), e.on_every_rank
+    finally:
+        checks.shutil.disk_usage = shutil.disk_usage
+
+
+def test_preflight_of_a_sharded_state_is_collective(world2, tmp_path):
+    for message, on_every_rank in world2.run(preflight_case, str(tmp_path)):
+        assert message.startswith(f"rank 1: checkpoint directory '{tmp_path}' has 1 B free; one checkpoint")
+        assert "(all ranks' files together)" in message and on_every_rank

@@ -8,13 +8,13 @@ with errors that name the file.
 
 Modules: `state_io` (save/load a TrainState, sharded or not), `directory` (tags, `latest`,
 atomic publishing, cleanup of crashed saves, retention), `meta` (meta.json), `tensor_file`
-(safetensors files), `preflight` (can this run write checkpoints, and is there room).
+(safetensors files), `preflight_checks` (can this run write checkpoints, and is there room).
 """
 
 from .directory import LATEST_FILE, latest_tag
 from .errors import CheckpointError
 from .meta import FORMAT, META_FILE
-from .preflight import checkpoint_bytes, preflight, probe_directory
+from .preflight_checks import checkpoint_bytes, preflight, probe_directory
 from .state_io import (
     TENSORS_FILE, layout_signature, load_checkpoint, read_meta, save_checkpoint, state_entries,
 )
