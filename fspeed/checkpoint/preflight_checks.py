@@ -19,7 +19,8 @@ from .errors import CheckpointError, os_error_text
 from .state_io import is_sharded, state_entries
 from .tensor_file import tensor_bytes
 
-METADATA_ALLOWANCE = 1 << 20  # meta.json and safetensors headers, generously
+METADATA_BYTES = 64 << 10      # meta.json (scalars, client_state), generously
+HEADER_BYTES_PER_TENSOR = 256  # a safetensors header entry (key, dtype, shape, offsets)
 
 
 def probe_directory(directory: str | os.PathLike) -> Path:
@@ -63,9 +64,9 @@ def _human(n: int) -> str:
 
 
 def checkpoint_bytes(state) -> int:
-    """The bytes one checkpoint of this rank's part of `state` takes on disk (metadata allowance included)."""
+    """The bytes one checkpoint of this rank's part of `state` takes on disk (headers and meta.json included)."""
     tensors, _ = state_entries(state)
-    return tensor_bytes(tensors) + METADATA_ALLOWANCE
+    return tensor_bytes(tensors) + HEADER_BYTES_PER_TENSOR * len(tensors) + METADATA_BYTES
 
 
 def preflight(directory: str | os.PathLike, state, *, mesh=None) -> None:
