@@ -23,6 +23,7 @@ from fspeed.launcher import (
 )
 from fspeed.launcher.environment import REPORT_ENV
 from fspeed.launcher.run import _child_pids
+from fspeed.launcher import tether
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).resolve().parent / "_launch_worker.py")
@@ -274,6 +275,23 @@ def test_rendezvous_logs_and_script_modes():
     assert node1.argv[-5:] == ("--module", "fspeed.launcher.tether", "module", "pkg.train", "--local_rank=${local_rank}")
     with pytest.raises(LaunchConfigError, match="rdzv_backend 'etcd'"):
         LaunchSpec(script="x", rdzv_backend="etcd")
+
+
+def test_the_tether_execs_torchruns_three_modes_and_runs_by_path():
+    assert tether.worker_argv("script", "t.py", ["-a"], python="/py") == ["/py", "-u", "t.py", "-a"]
+    assert tether.worker_argv("module", "pkg.t", [], python="/py") == ["/py", "-u", "-m", "pkg.t"]
+    assert tether.worker_argv("exec", "/bin/t", ["x"]) == ["/bin/t", "x"]
+    args = ["--nnodes=1", "--module", "fspeed.launcher.tether", "script", "t.py", "--module", "fspeed.launcher.tether"]
+    assert tether.run_tether_by_path(args) == ["--nnodes=1", tether.__file__, *args[3:]]  # the first only
+
+
+def test_a_worker_whose_agent_is_gone_does_not_start(tmp_path):
+    marker = tmp_path / "ran"
+    proc = subprocess.run([sys.executable, tether.__file__, "exec", "touch", str(marker)], capture_output=True,
+                          text=True, env={**os.environ, tether.AGENT_PID_ENV: "1"}, timeout=60)
+    assert proc.returncode == 1 and "its torchrun agent (pid 1) is gone" in proc.stderr and not marker.exists()
+    proc = subprocess.run([sys.executable, tether.__file__, "exec", "touch", str(marker)], timeout=60)
+    assert proc.returncode == 0 and marker.exists()  # no agent to check: it just execs
 
 
 # ---------------------------------------------------------------------------------------------
