@@ -293,12 +293,18 @@ def test_crashed_saves_are_cleaned_up_and_keep_last_retains_the_newest(tmp_path,
     (tmp_path / ".latest.tmp-dead").write_text("global_step9")
     os.mkdir(tmp_path / ".best.old-crash")  # an overwrite of `best` interrupted between its two renames
     os.rename(tmp_path / "best", tmp_path / ".best.old-crash" / "best")
+    (tmp_path / ".global_step8.tmp-live").mkdir()  # a save in progress in another process: it holds the lock
+    live = fs.checkpoint.directory.lock(tmp_path / ".global_step8.tmp-live")
     state = fresh()
     with caplog.at_level(logging.INFO, logger="fspeed"):
         for i in range(4):
             state = run(state, i, i + 1)
             save_checkpoint(tmp_path, state, keep_last=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "global_step3", "global_step4", "latest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".global_step8.tmp-live", "best", "global_step3", "global_step4", "latest"]
+    fs.checkpoint.directory.unlock(live)  # that process died: its leftover goes at the next load
+    load_checkpoint(tmp_path, fresh())
+    assert not (tmp_path / ".global_step8.tmp-live").exists()
     assert "restored its previous copy from .best.old-crash" in caplog.text
     assert "removed .global_step9.tmp-dead, left by an interrupted save" in caplog.text
     assert "keep_last=2: removed the checkpoint" in caplog.text and "global_step2" in caplog.text

@@ -7,18 +7,25 @@
 
 A save writes into a temporary directory, renames it into place and then replaces `latest`
 atomically, so a crash at any moment leaves `latest` naming a complete checkpoint. A crash can
-leave temporary directories behind: `tidy` removes them (and puts back an old copy whose
-overwrite was interrupted), logging each, at the next save or load. Directories and files are
-created with the process's umask, like every other file (a team's checkpoints stay readable).
+leave temporary entries behind: `tidy` removes them (and puts back an old copy whose overwrite
+was interrupted), logging each, at the next save or load. A save holds an advisory lock (flock)
+on each temporary entry while it uses it, and `tidy` leaves locked entries alone: an evaluation
+job loading from the directory never removes the files of a save in progress. The kernel drops
+the locks of a process that dies, so a crashed save's leftovers are free to go. Directories and
+files are created with the process's umask, like every other file (a team's checkpoints stay
+readable).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
 import secrets
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -59,15 +66,76 @@ def unique_name(directory: Path, prefix: str) -> Path:
             return path
 
 
-def make_temp_dir(directory: Path, tag: str) -> Path:
-    """A new `.<tag>.tmp-<random>` directory (mode from the umask, unlike mkdtemp's 0700)."""
+def _new_dir(directory: Path, prefix: str) -> Path:
+    """A new directory `directory/<prefix><random>` (mode from the umask, unlike mkdtemp's 0700)."""
     while True:
-        path = unique_name(directory, f".{tag}.tmp-")
+        path = unique_name(directory, prefix)
         try:
             os.mkdir(path)
             return path
         except FileExistsError:
             continue
+
+
+def lock(path: Path) -> Optional[int]:
+    """Hold an exclusive advisory lock on `path` (a file or directory): its descriptor, to `unlock`;
+    None where the filesystem has no locks (then `tidy` of another process cannot see it in use)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except OSError:
+        os.close(fd)
+        return None
+
+
+def unlock(fd: Optional[int]) -> None:
+    if fd is not None:
+        os.close(fd)
+
+
+def _in_use(path: str) -> bool:
+    """Whether a live save holds `path`'s lock (also True, logged, where locks cannot be tested)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError as e:
+        log.warning("cannot tell whether %s belongs to a save in progress (%s); left in place", path,
+                    e.strerror or e)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _try_lock(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pass  # a filesystem without locks: the entry is merely not protected from `tidy`
+
+
+@contextmanager
+def temp_dir(directory: Path, tag: str) -> Iterator[Path]:
+    """A new locked `.<tag>.tmp-<random>` directory for a save; removed on exit unless published."""
+    path = _new_dir(directory, f".{tag}.tmp-")
+    fd = lock(path)
+    try:
+        yield path
+    finally:
+        if path.exists():
+            shutil.rmtree(path, ignore_errors=True)
+        unlock(fd)
 
 
 def fsync_dir(path: Path) -> None:
@@ -82,15 +150,19 @@ def publish(directory: Path, tmp: Path, tag: str) -> Path:
     """Rename the complete `tmp` to `directory/tag`, replacing an existing tag atomically."""
     fsync_dir(tmp)
     final = directory / tag
-    old = None
-    if final.exists():
-        old = unique_name(directory, f".{tag}.old-")
-        os.mkdir(old)
+    if not final.exists():
+        os.rename(tmp, final)
+        fsync_dir(directory)
+        return final
+    old = _new_dir(directory, f".{tag}.old-")
+    fd = lock(old)
+    try:
         os.rename(final, old / tag)
-    os.rename(tmp, final)
-    fsync_dir(directory)
-    if old is not None:
+        os.rename(tmp, final)
+        fsync_dir(directory)
         shutil.rmtree(old, ignore_errors=True)
+    finally:
+        unlock(fd)
     return final
 
 
@@ -98,10 +170,11 @@ def write_latest(directory: Path, tag: str) -> None:
     """Point `directory/latest` at `tag`, atomically."""
     tmp = unique_name(directory, ".latest.tmp-")
     with open(tmp, "x") as f:
+        _try_lock(f.fileno())
         f.write(tag)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, directory / LATEST_FILE)
+        os.replace(tmp, directory / LATEST_FILE)
     fsync_dir(directory)
 
 
@@ -149,6 +222,8 @@ def tidy(directory: Path) -> None:
     for entry in entries:
         try:
             stale = _STALE.match(entry.name)
+            if (stale or _STALE_FILE.match(entry.name)) and _in_use(entry.path):
+                continue  # a save in progress (this or another process) holds it
             if stale and entry.is_dir(follow_symlinks=False):
                 tag = stale["tag"]
                 old_copy = Path(entry.path) / tag
@@ -179,7 +254,9 @@ def remove_old_checkpoints(directory: Path, keep_last: int, keep: str) -> list[s
         # move it aside first: a crash mid-delete leaves a temporary directory, never half a checkpoint
         aside = unique_name(directory, f".{tag}.old-")
         os.rename(directory / tag, aside)
+        fd = lock(aside)
         shutil.rmtree(aside, ignore_errors=True)
+        unlock(fd)
         removed.append(tag)
         log.info("keep_last=%d: removed the checkpoint %s", keep_last, directory / tag)
     return removed

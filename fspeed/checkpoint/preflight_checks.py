@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 from typing import Optional
 
-from .directory import ensure_directory, unique_name
+from .directory import ensure_directory, lock, unique_name, unlock
 from .errors import CheckpointError, os_error_text
 from .state_io import is_sharded, state_entries
 from .tensor_file import tensor_bytes
@@ -33,17 +33,18 @@ def probe_directory(directory: str | os.PathLike) -> Path:
     ensure_directory(directory)
     probe = unique_name(directory, f".preflight-{socket.gethostname()}-{os.getpid()}-")
     renamed = probe.with_name(probe.name + "-renamed")
-    step = "create"
+    step, lock_fd = "create", None
     try:
         with open(probe, "x") as f:
+            lock_fd = lock(probe)  # so that tidy of another process leaves it alone
             step = "write"
             f.write("fspeed checkpoint preflight\n")
             f.flush()
             os.fsync(f.fileno())
-        step = "rename"
-        os.rename(probe, renamed)
-        step = "delete"
-        os.unlink(renamed)
+            step = "rename"
+            os.rename(probe, renamed)
+            step = "delete"
+            os.unlink(renamed)
     except OSError as e:
         for leftover in (probe, renamed):
             try:
@@ -52,6 +53,8 @@ def probe_directory(directory: str | os.PathLike) -> Path:
                 pass
         raise CheckpointError(f"checkpoint directory {str(directory)!r} is not writable: cannot {step} a file "
                               f"in it: {os_error_text(e, probe)}") from None
+    finally:
+        unlock(lock_fd)
     return directory
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,8 +36,8 @@ from ..flat import Flat
 from ..pytree import tree_flatten_with_paths, tree_unflatten
 from ..train_state import TrainState
 from .directory import (
-    LATEST_FILE, check_tag, checkpoint_path, ensure_directory, latest_tag, make_temp_dir, publish, remove_old_checkpoints, tidy,
-    write_latest,
+    LATEST_FILE, check_tag, checkpoint_path, ensure_directory, latest_tag, publish, remove_old_checkpoints, temp_dir,
+    tidy, write_latest,
 )
 from .errors import CheckpointError, os_error_text
 from .meta import FORMAT, META_FILE, read_meta_file, verify_files, write_meta
@@ -182,19 +182,17 @@ def save_checkpoint(
         raise CheckpointError(_save_failed(directory, tag, _nonfinite_cause(bad)))
     ensure_directory(directory)
     tidy(directory)
-    tmp = None
+    where = directory
     try:
-        tmp = make_temp_dir(directory, tag)
-        write_tensor_file(tmp / TENSORS_FILE, tensors, FORMAT)
-        write_meta(tmp, _meta(tag, state, scalars, client_json, {TENSORS_FILE: file_info(tmp / TENSORS_FILE)}))
-        final = publish(directory, tmp, tag)
-        if save_latest:
-            write_latest(directory, tag)
+        with temp_dir(directory, tag) as tmp:
+            where = tmp
+            write_tensor_file(tmp / TENSORS_FILE, tensors, FORMAT)
+            write_meta(tmp, _meta(tag, state, scalars, client_json, {TENSORS_FILE: file_info(tmp / TENSORS_FILE)}))
+            final = publish(directory, tmp, tag)
+            if save_latest:
+                write_latest(directory, tag)
     except OSError as e:
-        raise CheckpointError(_save_failed(directory, tag, os_error_text(e, tmp or directory))) from e
-    finally:
-        if tmp is not None and tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(_save_failed(directory, tag, os_error_text(e, where))) from e
     _retain(directory, keep_last, tag)
     return final
 
@@ -223,6 +221,12 @@ def _error_text(error: BaseException, path: Path) -> str:
 
 def _save_sharded(directory: Path, state: TrainState, tag: str, client_state: Optional[dict],
                   save_latest: bool, mesh, keep_last: int) -> Path:
+    with ExitStack() as rank0_holds:  # rank 0 keeps the temporary directory locked until it is published
+        return _save_sharded_files(directory, state, tag, client_state, save_latest, mesh, keep_last, rank0_holds)
+
+
+def _save_sharded_files(directory: Path, state: TrainState, tag: str, client_state: Optional[dict],
+                        save_latest: bool, mesh, keep_last: int, rank0_holds: ExitStack) -> Path:
     rank = mesh.rank
     all_gather_objects = mesh.all_gather_objects
     setup = None
@@ -230,7 +234,7 @@ def _save_sharded(directory: Path, state: TrainState, tag: str, client_state: Op
         try:
             ensure_directory(directory)
             tidy(directory)
-            setup = (True, str(make_temp_dir(directory, tag)))
+            setup = (True, str(rank0_holds.enter_context(temp_dir(directory, tag))))
         except (CheckpointError, OSError) as e:
             setup = (False, _save_failed(directory, tag, _error_text(e, directory)))
     ok, detail = all_gather_objects(setup, "checkpoint directory")[0]
@@ -266,8 +270,7 @@ def _save_sharded(directory: Path, state: TrainState, tag: str, client_state: Op
             if save_latest:
                 write_latest(directory, tag)
             outcome = (True, str(final))
-        except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException as e:  # the temporary directory goes when rank0_holds closes
             outcome = (False, str(e) if isinstance(e, CheckpointError)
                        else _save_failed(directory, tag, _error_text(e, tmp)))
     ok, detail = all_gather_objects(outcome, "checkpoint publish")[0]
