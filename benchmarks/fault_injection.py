@@ -1,6 +1,6 @@
 """Fault injection at scale: many trials of each fault against real fspeed-train runs.
 
-    python benchmarks/fault_injection.py [--kill9-single 20] [--kill9-zero3 6] [--agent-kills 5]
+    python benchmarks/fault_injection.py [--kill9-one-process 20] [--kill9-zero3 6] [--agent-kills 5]
         [--launcher-kills 5] [--disk-full 3] [--sigstops 2] [--seed 0] [--workdir DIR]
 
 The cases (`fspeed.fault_injection`, which tests/test_faults.py runs a few times):
@@ -33,17 +33,15 @@ from pathlib import Path
 
 from fspeed import fault_injection as fi
 
-SINGLE = fi.Job("single")
-ZERO3 = fi.Job("zero3", fi.TINY_RUN + fi.ZERO3_TWO_RANKS + ("parallel.timeout_s=5",), launch=True)
 
 
 def long_zero3_launch(workdir: Path) -> list[str]:
-    return ZERO3.command(workdir / "run", workdir / "ck", "train.steps=100000")
+    return fi.ZERO3.command(workdir / "run", workdir / "ck", "train.steps=100000")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kill9-single", type=int, default=20)
+    parser.add_argument("--kill9-one-process", type=int, default=20)
     parser.add_argument("--kill9-zero3", type=int, default=6)
     parser.add_argument("--agent-kills", type=int, default=5)
     parser.add_argument("--launcher-kills", type=int, default=5)
@@ -64,7 +62,7 @@ def main() -> None:
             print("     " + trial.detail.replace("\n", "\n     "), flush=True)
 
     started = time.monotonic()
-    for job, count in ((SINGLE, args.kill9_single), (ZERO3, args.kill9_zero3)):
+    for job, count in ((fi.ONE_PROCESS, args.kill9_one_process), (fi.ZERO3, args.kill9_zero3)):
         if not count:
             continue
         reference, window = fi.reference_run(job, root / job.name / "reference")
@@ -81,11 +79,11 @@ def main() -> None:
             record(f"{target}_kill", fi.orphan_trial(long_zero3_launch(workdir), workdir, target, 2,
                                                      delay_s=rng.uniform(0, 8)))
     if args.disk_full:
-        reference, _ = fi.reference_run(SINGLE, root / "disk_full" / "reference")
+        reference, _ = fi.reference_run(fi.ONE_PROCESS, root / "disk_full" / "reference")
         for i in range(args.disk_full):
-            record("disk_full", fi.disk_full_trial(SINGLE, root / "disk_full" / f"trial{i}", reference))
+            record("disk_full", fi.disk_full_trial(fi.ONE_PROCESS, root / "disk_full" / f"trial{i}", reference))
     for i in range(args.sigstops):
-        record("sigstop", fi.sigstop_trial(ZERO3, root / "sigstop" / f"trial{i}", rng))
+        record("sigstop", fi.sigstop_trial(fi.ZERO3_SHORT_TIMEOUT, root / "sigstop" / f"trial{i}", rng))
 
     print(f"\n{'case':<16} {'trials':>6} {'ok':>4} {'orphans':>8} {'median s to end':>16}")
     for case, results in trials.items():
@@ -94,7 +92,7 @@ def main() -> None:
               f"{seconds:>16.1f}")
     print(f"(work directory {root}; {time.monotonic() - started:.0f} s)\n")
 
-    kill9 = trials.get("kill9_single", []) + trials.get("kill9_zero3", [])
+    kill9 = trials.get("kill9_one_process", []) + trials.get("kill9_zero3", [])
     for case, results in trials.items():
         print(f"{case}_trials={len(results)}")
     if kill9:

@@ -203,6 +203,12 @@ class Job:
                              launch=self.launch)
 
 
+ONE_PROCESS = Job("one_process")
+ZERO3 = Job("zero3", TINY_RUN + ZERO3_TWO_RANKS + ("parallel.timeout_s=60",), launch=True)
+# a stopped rank is found after parallel.timeout_s: short, but not so short that a loaded machine trips it
+ZERO3_SHORT_TIMEOUT = Job("zero3_short_timeout", TINY_RUN + ZERO3_TWO_RANKS + ("parallel.timeout_s=10",), launch=True)
+
+
 def reference_run(job: Job, workdir: Path) -> tuple[Path, float]:
     """The run without faults: (its checkpoint directory, seconds from its first checkpoint to its end,
     the window in which faults are injected)."""

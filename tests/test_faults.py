@@ -26,9 +26,6 @@ import torch
 from fspeed import fault_injection as fi
 from fspeed.checkpoint import latest_tag, read_meta
 
-SINGLE = fi.Job("single")
-ZERO3 = fi.Job("zero3", fi.TINY_RUN + fi.ZERO3_TWO_RANKS + ("parallel.timeout_s=5",), steps=30, launch=True)
-
 
 def train(*overrides: str, cwd: Path, launch: bool = False, **popen) -> subprocess.Popen:
     return subprocess.Popen(fi.train_command(overrides, launch=launch), cwd=cwd, stdout=subprocess.PIPE,
@@ -84,27 +81,27 @@ def test_every_user_error_is_one_message_and_exit_2_before_training(tmp_path):
 # ------------------------------------------------------------------------- nothing is lost
 
 def test_kill9_during_training_and_saving_then_resume_is_bit_identical(tmp_path):
-    reference, window = fi.reference_run(SINGLE, tmp_path / "reference")
+    reference, window = fi.reference_run(fi.ONE_PROCESS, tmp_path / "reference")
     for seed in (18, 19):  # a second draw only if the first landed after the run's end
-        trial = fi.kill9_trial(SINGLE, tmp_path / f"trial{seed}", reference, window, random.Random(seed))
+        trial = fi.kill9_trial(fi.ONE_PROCESS, tmp_path / f"trial{seed}", reference, window, random.Random(seed))
         if trial.numbers.get("counted"):
             break
     assert trial.ok and trial.numbers.get("counted"), trial.detail
 
 
 def test_kill9_of_a_zero3_rank_then_resume(tmp_path):
-    trial = fi.kill9_trial(ZERO3, tmp_path, None, 2.0, random.Random(18))
+    trial = fi.kill9_trial(fi.ZERO3, tmp_path, None, 2.0, random.Random(18))
     assert trial.ok and trial.numbers.get("counted"), trial.detail
 
 
 def test_a_full_disk_stops_the_run_naming_the_path_and_keeps_latest(tmp_path):
     """'A failed save never loses the run': ENOSPC on a real tmpfs where the machine allows."""
-    trial = fi.disk_full_trial(SINGLE, tmp_path, None)
+    trial = fi.disk_full_trial(fi.ONE_PROCESS, tmp_path, None)
     assert trial.ok, trial.detail
 
 
 def test_a_stopped_rank_is_named_and_no_worker_is_left(tmp_path):
-    trial = fi.sigstop_trial(ZERO3, tmp_path, random.Random(18), resume=False)
+    trial = fi.sigstop_trial(fi.ZERO3_SHORT_TIMEOUT, tmp_path, random.Random(18), resume=False)
     assert trial.ok, trial.detail
 
 
