@@ -53,6 +53,7 @@ def main() -> None:
     root = args.workdir or Path(tempfile.mkdtemp(prefix="fspeed-faults-"))
     rng = random.Random(args.seed)
     trials: dict[str, list[fi.Trial]] = {}
+    not_counted: dict[str, int] = {}  # kills drawn after a run's last save, drawn again
 
     def record(case: str, trial: fi.Trial) -> None:
         trials.setdefault(case, []).append(trial)
@@ -73,6 +74,7 @@ def main() -> None:
             if trial.numbers.get("counted", 1):
                 record(f"kill9_{job.name}", trial)
                 done += 1
+        not_counted[job.name] = attempt - done
     for target, count in (("agent", args.agent_kills), ("launcher", args.launcher_kills)):
         for i in range(count):
             workdir = root / f"{target}_kill" / f"trial{i}"
@@ -95,7 +97,10 @@ def main() -> None:
     kill9 = trials.get("kill9_one_process", []) + trials.get("kill9_zero3", [])
     for case, results in trials.items():
         print(f"{case}_trials={len(results)}")
+    for name, count in not_counted.items():
+        print(f"kill9_{name}_draws_after_the_last_save={count}")
     if kill9:
+        print(f"kill9_trials_that_hit_a_save={sum(t.numbers.get('during_save', 0) for t in kill9)}")
         print(f"kill9_resume_success_fraction={sum(t.ok for t in kill9) / len(kill9):.3f}")
     for target in ("agent", "launcher"):
         if f"{target}_kill" in trials:

@@ -209,21 +209,32 @@ ZERO3 = Job("zero3", TINY_RUN + ZERO3_TWO_RANKS + ("parallel.timeout_s=60",), la
 ZERO3_SHORT_TIMEOUT = Job("zero3_short_timeout", TINY_RUN + ZERO3_TWO_RANKS + ("parallel.timeout_s=10",), launch=True)
 
 
-def reference_run(job: Job, workdir: Path) -> tuple[Path, float]:
-    """The run without faults: (its checkpoint directory, seconds from its first checkpoint to its end,
-    the window in which faults are injected)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    process = start(job.command(workdir / "run", workdir / "ck"), cwd=workdir, log=workdir / "log.txt")
+def _latest_is(checkpoints: Path, tag: str) -> bool:
     try:
-        wait_until(lambda: (workdir / "ck" / "latest").exists() or process.poll() is not None, 300)
+        return latest_tag(checkpoints) == tag
+    except CheckpointError:  # caught between writing and renaming: not yet
+        return False
+
+
+def reference_run(job: Job, workdir: Path) -> tuple[Path, float]:
+    """The run without faults: (its checkpoint directory, seconds from its first checkpoint to its
+    last, the window of training and saving in which faults are injected)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    checkpoints = workdir / "ck"
+    process = start(job.command(workdir / "run", checkpoints), cwd=workdir, log=workdir / "log.txt")
+    try:
+        wait_until(lambda: (checkpoints / "latest").exists() or process.poll() is not None, 300)
         first_checkpoint = time.monotonic()
+        wait_until(lambda: _latest_is(checkpoints, f"global_step{job.steps}") or process.poll() is not None, 600,
+                   poll_s=0.01)
+        window = time.monotonic() - first_checkpoint
         code = process.wait(timeout=600)
     finally:
         stop_session(process)
     if code != 0:
         output = (workdir / "log.txt").read_text(errors="replace")
         raise RuntimeError(f"the reference run of {job.name} failed (exit {code}):\n{output[-3000:]}")
-    return workdir / "ck", time.monotonic() - first_checkpoint
+    return checkpoints, window
 
 
 def _resume(job: Job, workdir: Path, checkpoints: Path) -> tuple[int, str]:
@@ -235,7 +246,8 @@ def kill9_trial(job: Job, workdir: Path, reference: Optional[Path], window_s: fl
     """kill -9 a random rank at a random moment of the `window_s` seconds after the first checkpoint
     (steps save every time, so the moment falls in training or in saving); then resume to the end:
     it must succeed and (given a `reference` run) end bit-identical to it, with no leftovers of
-    crashed saves and no worker left running."""
+    crashed saves and no worker left running. A kill that lands after the last save (or after the
+    end) is not counted (`numbers["counted"] == 0`): draw again."""
     workdir.mkdir(parents=True, exist_ok=True)
     checkpoints = workdir / "ck"
     process = start(job.command(workdir / "run", checkpoints), cwd=workdir, log=workdir / "log.txt")
@@ -243,7 +255,7 @@ def kill9_trial(job: Job, workdir: Path, reference: Optional[Path], window_s: fl
     try:
         if not wait_until(lambda: (checkpoints / "latest").exists() or process.poll() is not None, 120):
             return Trial("kill9", False, "no first checkpoint within 120 s")
-        time.sleep(rng.uniform(0, 0.9 * window_s))
+        time.sleep(rng.uniform(0, window_s))
         ranks = rank_pids(process.pid) if job.launch else {0: process.pid}
         if process.poll() is not None or not ranks:
             return Trial("kill9", True, "the run ended before the kill (not counted)", numbers={"counted": 0})
@@ -261,13 +273,18 @@ def kill9_trial(job: Job, workdir: Path, reference: Optional[Path], window_s: fl
         step = read_meta(checkpoints)["step"]
     except CheckpointError as e:
         return Trial("kill9", False, f"rank {victim} killed; latest does not load: {e}", orphans, seconds)
+    if step == job.steps:  # the kill came after the last save: not a fault of training or saving
+        return Trial("kill9", orphans == 0, f"rank {victim} killed after the last save (not counted)", orphans,
+                     seconds, {"counted": 0})
+    during_save = bool(leftovers(checkpoints))  # a save's temporary entries: the kill hit it mid-save
     code, output = _resume(job, workdir, checkpoints)
     same = code == 0 and (reference is None or same_checkpoint(checkpoints, reference))
     left = leftovers(checkpoints)
     ok = same and not left and orphans == 0
-    return Trial("kill9", ok, f"rank {victim} killed; latest was step {step}; resume exit {code}, bit-identical "
-                 f"{same}, leftovers {left}" + ("" if code == 0 else f"\n{output[-2000:]}"), orphans, seconds,
-                 {"counted": 1})
+    return Trial("kill9", ok, f"rank {victim} killed {'while saving' if during_save else 'while training'}; latest "
+                 f"was step {step}; resume exit {code}, bit-identical {same}, leftovers after resume {left}"
+                 + ("" if code == 0 else f"\n{output[-2000:]}"), orphans, seconds,
+                 {"counted": 1, "during_save": int(during_save)})
 
 
 def orphan_trial(command: Sequence[str], workdir: Path, target: str, world_size: int, delay_s: float = 0.0) -> Trial:

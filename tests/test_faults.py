@@ -82,15 +82,15 @@ def test_every_user_error_is_one_message_and_exit_2_before_training(tmp_path):
 
 def test_kill9_during_training_and_saving_then_resume_is_bit_identical(tmp_path):
     reference, window = fi.reference_run(fi.ONE_PROCESS, tmp_path / "reference")
-    for seed in (18, 19):  # a second draw only if the first landed after the run's end
-        trial = fi.kill9_trial(fi.ONE_PROCESS, tmp_path / f"trial{seed}", reference, window, random.Random(seed))
+    for seed in (18, 19):  # a second draw only if the first landed after the last save
+        trial = fi.kill9_trial(fi.ONE_PROCESS, tmp_path / f"trial{seed}", reference, window / 2, random.Random(seed))
         if trial.numbers.get("counted"):
             break
     assert trial.ok and trial.numbers.get("counted"), trial.detail
 
 
 def test_kill9_of_a_zero3_rank_then_resume(tmp_path):
-    trial = fi.kill9_trial(fi.ZERO3, tmp_path, None, 2.0, random.Random(18))
+    trial = fi.kill9_trial(fi.ZERO3, tmp_path, None, 1.0, random.Random(18))  # well before its last save
     assert trial.ok and trial.numbers.get("counted"), trial.detail
 
 
