@@ -22,6 +22,10 @@ when `overlap_comm` is on). At the boundary, as DeepSpeed does:
 
 Metrics: loss (mean over micro-batches), lr (used by this step), grad_norm (unscaled, before
 clipping), loss_scale (that produced the gradients), skipped.
+
+Divergence guard (`on_nonfinite`): where no dynamic loss scaler handles inf/NaN (fp32, bf16, fp16
+with a static scale), a step whose loss or gradient norm is not finite either raises
+`NonFiniteError` before anything changes ("stop") or is skipped like an overflow ("skip").
 """
 
 from __future__ import annotations
@@ -46,6 +50,19 @@ from .train_state import TrainState
 log = logging.getLogger("fspeed")
 
 LossFn = Callable[..., torch.Tensor]
+ON_NONFINITE = ("stop", "skip")
+
+
+class NonFiniteError(FloatingPointError):
+    """A step's loss or gradient norm was inf/NaN with on_nonfinite="stop": training diverged.
+
+    Raised before the step changes anything: the state passed in is still valid (not donated).
+    """
+
+    def __init__(self, step: int, loss: float, grad_norm: float, precision: str):
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+        super().__init__(f"step {step}: the loss is {loss:g} and the gradient norm {grad_norm:g} ({precision}): "
+                         f"training diverged. The step was not applied; the state is still that of step {step - 1}")
 
 
 def split_micro_batches(batch: PyTree, n: int) -> list[PyTree]:
@@ -84,7 +101,7 @@ def _split_leading_clip(optimizer: GradientTransformation) -> tuple[float | None
 
 def make_train_step(
     loss_fn: LossFn, optimizer: GradientTransformation, *, grad_accum: int = 1,
-    plan: Optional[Plan] = None, mesh=None,
+    plan: Optional[Plan] = None, mesh=None, on_nonfinite: Optional[str] = None,
 ) -> "TrainStep":
     """Build `train_step(state, batch) -> (state, metrics)`; see the module docstring.
 
@@ -98,7 +115,12 @@ def make_train_step(
     gathering, per-layer gradient delivery) and each unit of its parameters as a `UnitParams` to
     pass to `ops.param` / `ops.scan`. Metrics are global: the loss is averaged over data ranks,
     the grad norm counts every element once.
+
+    `on_nonfinite` ("stop" or "skip") is the divergence guard of the module docstring; None keeps
+    the precision's own rule (DeepSpeed's: fp16 and bf16 skip inf/NaN gradients, fp32 applies them).
     """
+    if on_nonfinite is not None and on_nonfinite not in ON_NONFINITE:
+        raise ValueError(f"on_nonfinite={on_nonfinite!r}; allowed: None, {', '.join(map(repr, ON_NONFINITE))}")
     if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
         raise ValueError(f"grad_accum={grad_accum!r} must be a positive integer")
     if not isinstance(optimizer, GradientTransformation):
@@ -195,11 +217,18 @@ def make_train_step(
         mean_loss = runtime.mean_over_data(float(torch.stack(step.losses).mean()))
 
         scaled_norm = runtime.grad_norm(grads)
-        overflow = precision.check_overflow and not math.isfinite(scaled_norm)
+        dynamic_scaler = precision.loss_scale is not None and precision.loss_scale.dynamic
+        guarded = on_nonfinite is not None and not dynamic_scaler
+        if guarded:
+            overflow = not (math.isfinite(scaled_norm) and math.isfinite(mean_loss))
+        else:
+            overflow = precision.check_overflow and not math.isfinite(scaled_norm)
         local_scale = 1 if allreduce else runtime.n  # a local gradient of the pre-divided loss is 1/n of its mean
-        if not allreduce and precision.check_overflow and runtime.n > 1:
+        if not allreduce and (precision.check_overflow or guarded) and runtime.n > 1:
             # ranks must agree on skipping: DeepSpeed all-reduces the overflow flag (MAX) in this mode too
             overflow = runtime.data.all_reduce_scalar(float(overflow), "max") > 0
+        if overflow and guarded and on_nonfinite == "stop":
+            raise NonFiniteError(state.step + 1, mean_loss, scaled_norm * local_scale / scaler.scale, precision.name)
         new_scaler = update_loss_scale(precision.loss_scale, scaler, overflow)  # may raise at min scale
         lr = state.lr
         samples = state.samples + step.rows * runtime.n
@@ -209,10 +238,15 @@ def make_train_step(
         metrics = dict(step=fields["step"] + 1, loss=mean_loss, lr=lr, loss_scale=scaler.scale, skipped=overflow)
 
         if overflow:
-            log.warning(
-                "step %d: %s gradient overflow (inf/NaN); step skipped, loss scale %g -> %g",
-                fields["step"] + 1, precision.name, scaler.scale, new_scaler.scale,
-            )
+            if guarded:
+                log.warning("step %d: the loss is %g and the gradient norm %g (%s); step skipped "
+                            "(on_nonfinite='skip')", fields["step"] + 1, mean_loss,
+                            scaled_norm * local_scale / scaler.scale, precision.name)
+            else:
+                log.warning(
+                    "step %d: %s gradient overflow (inf/NaN); step skipped, loss scale %g -> %g",
+                    fields["step"] + 1, precision.name, scaler.scale, new_scaler.scale,
+                )
             metrics["grad_norm"] = scaled_norm
             return _next_state(state, fields, new_scaler, samples, skipped=1), metrics
 

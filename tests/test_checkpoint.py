@@ -1,7 +1,9 @@
 """Checkpoints: exact resume across processes, atomicity under SIGKILL, corruption errors."""
 
 import json
+import logging
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -12,6 +14,7 @@ import torch
 
 import fspeed as fs
 from fspeed.checkpoint import CheckpointError, latest_tag, load_checkpoint, save_checkpoint
+from fspeed.checkpoint.meta import write_meta
 
 # A tiny but complete training setup shared by this process and the subprocesses below.
 SETUP = textwrap.dedent("""
@@ -73,23 +76,24 @@ def test_resume_in_a_new_process_is_bit_exact(tmp_path):
 @pytest.mark.parametrize("where", ["writing tensors", "before rename", "before latest"])
 def test_a_process_killed_during_save_leaves_the_last_checkpoint(tmp_path, where):
     code = """
-        import os, signal, fspeed.checkpoint as ck
+        import os, signal
+        import fspeed.checkpoint.directory as directory, fspeed.checkpoint.state_io as state_io
         state = run(fresh(), 0, 2)
         save_checkpoint(sys.argv[1], state, tag="good")
         state = run(state, 2, 3)
         die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
         where = sys.argv[2]
         if where == "writing tensors":
-            real_write = ck._write_safetensors
-            def half_write(path, tensors):
+            real_write = state_io.write_tensor_file
+            def half_write(path, tensors, file_format):
                 items = list(tensors.items())
-                real_write(path, dict(items[: len(items) // 2]))
+                real_write(path, dict(items[: len(items) // 2]), file_format)
                 die()
-            ck._write_safetensors = half_write
+            state_io.write_tensor_file = half_write
         elif where == "before rename":
-            ck._fsync_dir = die
+            directory.fsync_dir = die
         else:
-            ck._write_latest = die
+            state_io.write_latest = die
         save_checkpoint(sys.argv[1], state, tag="good" if where == "before rename" else "next")
     """
     proc = python(code, str(tmp_path), where, check=False)
@@ -139,9 +143,9 @@ def test_unreadable_safetensors_header_names_the_file(tmp_path):
     tensors = path / "tensors.safetensors"
     garbage = b"\xff" * tensors.stat().st_size
     tensors.write_bytes(garbage)
-    meta = json.loads((path / "meta.json").read_text())
-    meta["files"]["tensors.safetensors"]["sha256"] = fs.checkpoint._sha256(tensors)  # pass the checksum
-    (path / "meta.json").write_text(json.dumps(meta))
+    meta = fs.checkpoint.read_meta(tmp_path)
+    meta["files"]["tensors.safetensors"]["sha256"] = fs.checkpoint.tensor_file.sha256_of(tensors)  # pass the checksum
+    write_meta(path, meta)
     with pytest.raises(CheckpointError, match="cannot be read as safetensors"):
         load_checkpoint(tmp_path, fresh())
 
@@ -163,11 +167,16 @@ def test_missing_checkpoint_and_mismatched_state(tmp_path):
         save_checkpoint(tmp_path, fresh(), client_state={"f": object()})
 
 
-def test_checkpoints_move_between_precisions(tmp_path):
+def test_checkpoints_move_between_precisions(tmp_path, caplog):
+    """Defect 7: a changed precision was accepted silently; it is now an explicit, logged conversion."""
     bf16 = run(fresh(fs.precision.bf16()), 0, 2)
     save_checkpoint(tmp_path / "bf16", bf16)
-    as_fp32, _ = load_checkpoint(tmp_path / "bf16", fresh())
+    with caplog.at_level(logging.WARNING, logger="fspeed"):
+        as_fp32, _ = load_checkpoint(tmp_path / "bf16", fresh())
     assert torch.equal(as_fp32.params.buffer, bf16.master.buffer)  # fp32 masters are preferred
+    assert "saved with precision bf16; converting it to this state's fp32" in caplog.text
+    as_fp16, _ = load_checkpoint(tmp_path / "bf16", fresh(fs.precision.fp16()))
+    assert torch.equal(as_fp16.params.buffer, bf16.master.buffer.half())  # cast from the masters, not bf16
 
     fp32 = run(fresh(), 0, 2)
     save_checkpoint(tmp_path / "fp32", fp32)
@@ -188,3 +197,147 @@ def test_files_store_tensors_by_parameter_path(tmp_path):
     meta = json.loads((path / "meta.json").read_text())
     assert meta["scalars"]["step"] == 1 and meta["scalars"]["opt_state.1.count"] == 1
     assert Path(path).name == "global_step1"
+
+
+# ------------------------------------------------------------------------------------------------
+# a checkpoint is verified whole, a failed save loses nothing, crashed saves are cleaned up
+
+
+def resign(path, meta):
+    """Rewrite meta.json with a valid checksum (what a buggy or hostile writer could produce)."""
+    meta.pop("meta_sha256", None)
+    write_meta(path, meta)
+
+
+def test_meta_json_has_a_schema_and_a_checksum_and_errors_name_the_file_and_field(tmp_path):
+    """Defect 7: `"step": "five"` gave a TypeError, a missing client_state a bare KeyError."""
+    path = save_checkpoint(tmp_path, run(fresh(), 0, 1))
+    meta_file = path / "meta.json"
+    good = json.loads(meta_file.read_text())
+    meta_file.write_text(meta_file.read_text().replace('"step": 1', '"step": 2', 1))  # an edit without re-signing
+    with pytest.raises(CheckpointError, match=r"meta.json is corrupted: its content does not match the checksum"):
+        load_checkpoint(tmp_path, fresh())
+    for field, value, message in [("step", "five", r"field 'step' must be an integer >= 0, got str \"five\""),
+                                  ("client_state", None, "field 'client_state' is missing"),
+                                  ("files", {"../x": {"bytes": 1, "sha256": "0" * 64}}, "field 'files' must be")]:
+        meta = dict(good)
+        if value is None:
+            del meta[field]
+        else:
+            meta[field] = value
+        resign(path, meta)
+        with pytest.raises(CheckpointError, match=f"{meta_file}: {message}"):
+            load_checkpoint(tmp_path, fresh())
+
+
+@pytest.mark.parametrize("key, dtype", [("params/wte", torch.int64), ("opt_state.1.mu/wte", torch.bfloat16)])
+def test_a_tensor_of_another_dtype_is_refused_even_with_a_valid_checksum(tmp_path, key, dtype):
+    """Defect 7: an int64 tensor with a valid checksum was copied into fp32 params."""
+    from fspeed.checkpoint.tensor_file import file_info, write_tensor_file
+
+    path = save_checkpoint(tmp_path, run(fresh(), 0, 1))
+    tensors, _ = fs.checkpoint.state_entries(run(fresh(), 0, 1))
+    tensors[key] = tensors[key].to(dtype)
+    write_tensor_file(path / "tensors.safetensors", tensors, fs.checkpoint.FORMAT)
+    meta = fs.checkpoint.read_meta(tmp_path)
+    meta["files"]["tensors.safetensors"] = file_info(path / "tensors.safetensors")
+    resign(path, meta)
+    with pytest.raises(CheckpointError, match=f"tensors.safetensors: tensor '{key}' is {dtype}, the state's"):
+        load_checkpoint(tmp_path, fresh())
+
+
+def test_a_binary_latest_and_a_file_as_directory_are_named(tmp_path):
+    """Defect 7: a binary `latest` gave UnicodeDecodeError, a regular file as the directory FileExistsError."""
+    save_checkpoint(tmp_path, run(fresh(), 0, 1))
+    (tmp_path / "latest").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'latest'} is corrupted: it is not text"):
+        load_checkpoint(tmp_path, fresh())
+    (tmp_path / "file").write_text("x")
+    for call in (lambda: save_checkpoint(tmp_path / "file", fresh()), lambda: fs.checkpoint.preflight(tmp_path / "file", fresh())):
+        with pytest.raises(CheckpointError, match="'.*file' is a regular file, not a directory"):
+            call()
+
+
+def test_a_failed_save_names_the_path_and_the_cause_and_keeps_latest(tmp_path, monkeypatch):
+    """Defect 7 (ENOSPC named no path); the issue's 'a failed save never loses the run'."""
+    import fspeed.checkpoint.state_io as state_io
+
+    save_checkpoint(tmp_path, run(fresh(), 0, 1))
+    def full_disk(path, tensors, file_format):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(state_io, "write_tensor_file", full_disk)
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(tmp_path, run(fresh(), 0, 2))
+    text = str(info.value)
+    assert f"saving checkpoint {tmp_path / 'global_step2'} failed: '{tmp_path}/.global_step2.tmp-" in text
+    assert "No space left on device (ENOSPC); 'latest' still names global_step1 (untouched)" in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step1", "latest"]  # no temporary left
+
+
+def test_a_state_holding_nan_is_never_saved(tmp_path):
+    """Defect 6: a diverged state's checkpoint became `latest`."""
+    save_checkpoint(tmp_path, run(fresh(), 0, 1))
+    broken = run(fresh(), 0, 2)
+    broken.params.buffer[3] = float("nan")
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) hold inf or NaN \(e.g. params/.*never published; "
+                                              "'latest' still names global_step1"):
+        save_checkpoint(tmp_path, broken)
+    assert latest_tag(tmp_path) == "global_step1" and not (tmp_path / "global_step2").exists()
+
+
+def test_crashed_saves_are_cleaned_up_and_keep_last_retains_the_newest(tmp_path, caplog):
+    """Defects 3 and 4: leftovers of crashed saves stayed forever; every checkpoint was kept forever."""
+    save_checkpoint(tmp_path, run(fresh(), 0, 1), tag="best")
+    (tmp_path / ".global_step9.tmp-dead").mkdir()
+    (tmp_path / ".global_step9.tmp-dead" / "tensors.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / ".latest.tmp-dead").write_text("global_step9")
+    os.mkdir(tmp_path / ".best.old-crash")  # an overwrite of `best` interrupted between its two renames
+    os.rename(tmp_path / "best", tmp_path / ".best.old-crash" / "best")
+    (tmp_path / ".global_step8.tmp-live").mkdir()  # a save in progress in another process: it holds the lock
+    live = fs.checkpoint.directory.lock(tmp_path / ".global_step8.tmp-live")
+    state = fresh()
+    with caplog.at_level(logging.INFO, logger="fspeed"):
+        for i in range(4):
+            state = run(state, i, i + 1)
+            save_checkpoint(tmp_path, state, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".global_step8.tmp-live", "best", "global_step3", "global_step4", "latest"]
+    fs.checkpoint.directory.unlock(live)  # that process died: its leftover goes at the next load
+    load_checkpoint(tmp_path, fresh())
+    assert not (tmp_path / ".global_step8.tmp-live").exists()
+    assert "restored its previous copy from .best.old-crash" in caplog.text
+    assert "removed .global_step9.tmp-dead, left by an interrupted save" in caplog.text
+    assert "keep_last=2: removed the checkpoint" in caplog.text and "global_step2" in caplog.text
+    assert load_checkpoint(tmp_path, fresh(), tag="best")[0].step == 1
+
+
+def test_checkpoints_are_created_with_the_umask(tmp_path):
+    """Defect 9: directories were 0700 (mkdtemp), so other accounts could not read a team's checkpoints."""
+    old = os.umask(0o022)
+    try:
+        path = save_checkpoint(tmp_path, run(fresh(), 0, 1))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(p.stat().st_mode) for p in [*path.iterdir(), tmp_path / "latest"]} == {0o644}
+
+
+def test_preflight_finds_an_unwritable_or_full_directory_before_training(tmp_path, monkeypatch):
+    """Defect 1: an unwritable checkpoint.dir was found only at the first save, after training."""
+    import fspeed.checkpoint.preflight_checks as preflight_module
+
+    state = fresh()
+    fs.checkpoint.preflight(tmp_path / "new" / "dir", state)  # creates it, leaves nothing behind
+    assert list((tmp_path / "new" / "dir").iterdir()) == []
+    with pytest.raises(CheckpointError, match="cannot create the checkpoint directory '/proc/fspeed-ck'"):
+        fs.checkpoint.preflight("/proc/fspeed-ck", state)
+    needed = fs.checkpoint.checkpoint_bytes(state)
+    monkeypatch.setattr(preflight_module.shutil, "disk_usage", lambda p: shutil_usage(free=needed - 1))
+    with pytest.raises(CheckpointError, match=r"has .* free; one checkpoint of this state needs"):
+        fs.checkpoint.preflight(tmp_path, state)
+
+
+def shutil_usage(free):
+    import shutil
+
+    return shutil._ntuple_diskusage(total=10 * free, used=9 * free, free=free)

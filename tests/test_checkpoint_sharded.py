@@ -35,16 +35,17 @@ def checkpoint_case(directory, stage, tp, precision, fail_rank=None):
     path = ck.save_checkpoint(directory, state, mesh=mesh, client_state={"note": "x", "t": torch.arange(3)})
     failure = None
     if fail_rank is not None:  # a later save that fails on one rank must leave this one in place
-        real = ck._write_safetensors
+        import fspeed.checkpoint.state_io as state_io
+        real = state_io.write_tensor_file
         if mesh.rank == fail_rank:
-            ck._write_safetensors = lambda *a: (_ for _ in ()).throw(OSError("disk full"))
+            state_io.write_tensor_file = lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device"))
         try:
             ck.save_checkpoint(directory, run_steps(state, step, cfg, seed, rows, dp, rank, 2, 3), mesh=mesh,
                                tag="global_step2")
         except ck.CheckpointError as e:
             failure = str(e)
         finally:
-            ck._write_safetensors = real
+            state_io.write_tensor_file = real
         return failure, sorted(p.name for p in path.iterdir()), ck.latest_tag(directory)
     resumed, client = ck.load_checkpoint(directory, fresh(), mesh=mesh)
     resumed = run_steps(resumed, step, cfg, seed, rows, dp, rank, 2, 4)
@@ -80,8 +81,36 @@ def test_sharded_checkpoint_with_tensor_slicing_on_4_ranks(world4, tmp_path, sta
 def test_a_save_failing_on_one_rank_keeps_the_last_checkpoint(world2, tmp_path):
     results = world2.run(checkpoint_case, str(tmp_path), 2, 1, "fp32", 1)
     for failure, files, latest in results:
-        assert "rank 1: OSError: disk full" in failure and "previous checkpoint is untouched" in failure
+        assert "rank 1: " in failure and "rank_00001.safetensors': No space left on device (ENOSPC)" in failure
+        assert "'latest' still names global_step2 (untouched)" in failure
         assert latest == "global_step2" and "rank_00001.safetensors" in files
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left
 
 
+
+
+def preflight_case(directory):
+    """Rank 1's filesystem is too full for the checkpoint: every rank stops with the same message."""
+    import shutil
+
+    import fspeed.checkpoint.preflight_checks as checks
+    mesh = fs.Mesh(data=-1)
+    _, model, params = gpt_setup(0)
+    opt = make_opt("adamw")
+    state = fs.init_train_state(params, opt, plan=zero(3, param_persistence_threshold=0), mesh=mesh,
+                                logical_axes=model.logical_axes)
+    fs.checkpoint.preflight(directory, state, mesh=mesh)
+    if mesh.rank == 1:
+        checks.shutil.disk_usage = lambda p: shutil._ntuple_diskusage(total=100, used=99, free=1)
+    try:
+        fs.checkpoint.preflight(directory, state, mesh=mesh)
+    except fs.CheckpointError as e:
+        return str(e), e.on_every_rank
+    finally:
+        checks.shutil.disk_usage = shutil.disk_usage
+
+
+def test_preflight_of_a_sharded_state_is_collective(world2, tmp_path):
+    for message, on_every_rank in world2.run(preflight_case, str(tmp_path)):
+        assert message.startswith(f"rank 1: checkpoint directory '{tmp_path}' has 1 B free; one checkpoint")
+        assert "(all ranks' files together)" in message and on_every_rank

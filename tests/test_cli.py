@@ -12,10 +12,12 @@ import pytest
 EXE = shutil.which("fspeed-train") or ""
 
 
-def fspeed_train(*args: str, cwd, timeout: int = 300) -> subprocess.CompletedProcess:
+def fspeed_train(*args: str, cwd, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run fspeed-train; a user error is then one message and exit code 2 (HYDRA_FULL_ERROR is unset)."""
     cmd = [EXE, *args] if EXE else [sys.executable, "-m", "fspeed.cli.train", *args]
-    env = dict(os.environ, HYDRA_FULL_ERROR="1")
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    full_env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    full_env.update(env or {})
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
 def test_short_run_writes_metrics_and_checkpoint_then_resumes(tmp_path):

@@ -257,7 +257,18 @@ def test_check_overrides_refusals(override, expected):
 def test_check_overrides_passes_hydra_keys_and_valid_lines():
     check_overrides(["hydra.run.dir=/tmp/x", "hydra/job_logging=disabled", "hydra.job.chdir=false"])
     check_overrides(["train={steps:5}", "deepspeed_config=ds.json", "++train.steps=5", "model=gpt_10m"])
-    check_overrides(["optimizer=mine", "optimizer.anything=1"])  # unknown option: left to Hydra
+    # an option outside the packaged tree is left to Hydra when the search path is extended (--config-dir)
+    check_overrides(["optimizer=mine", "optimizer.anything=1"], check_group_options=False)
+    check_overrides(["hydra.searchpath=[file:///my/conf]", "optimizer=mine"])
+
+
+def test_an_unknown_group_option_gets_the_options_and_a_did_you_mean():
+    """Defect 5: `optimizer=adamx` got Hydra's format (exit 1) with no did-you-mean."""
+    with pytest.raises(ConfigError) as info:
+        check_overrides(["optimizer=adamx", "model=gpt10m"])
+    text = str(info.value)
+    assert "optimizer = 'adamx': unknown optimizer option; allowed: adam, adamw, lamb" in text
+    assert "did you mean optimizer=adam" in text and "did you mean model=gpt_10m?" in text
 
 
 def test_run_config_from_a_plain_mapping():

@@ -15,13 +15,17 @@ from fspeed.data import (
     BatchSampler,
     ByteTokenizer,
     CharTokenizer,
+    CorpusDecodeError,
+    CorpusError,
     Loader,
     TokenWindows,
     UnknownCharacterError,
+    corpus_file_bytes,
     eval_starts,
     make_tokenizer,
     split_train_val,
     stdlib_corpus,
+    stdlib_corpus_bytes,
     stdlib_dir,
     text_corpus,
     tokenizer_from_dict,
@@ -45,8 +49,7 @@ def test_stdlib_corpus_is_large_python_source_within_the_cap(corpus):
     assert len(corpus.encode("utf-8")) > 1_000_000
     assert "def " in corpus and "import " in corpus
     assert corpus.startswith("# ==== ")
-    # The cap counts bytes on disk; each invalid byte decodes to U+FFFD, 2 bytes longer in UTF-8.
-    assert len(corpus.encode("utf-8")) <= 4_000_000 + 2 * corpus.count("\ufffd")
+    assert len(corpus.encode("utf-8")) <= 4_000_000  # the cap counts bytes on disk
 
 
 def test_stdlib_corpus_is_deterministic_and_cut_on_a_file_boundary(corpus):
@@ -77,9 +80,12 @@ def test_stdlib_corpus_orders_top_level_then_packages_and_skips_tests(tmp_path):
     assert stdlib_corpus(first_two + 5, root=tmp_path) == text[:first_two]
 
 
-def test_stdlib_corpus_replaces_invalid_utf8(tmp_path):
+def test_stdlib_corpus_names_the_file_of_invalid_utf8_unless_replaced(tmp_path):
     (tmp_path / "a.py").write_bytes(b"x = '\xff'\n")
-    assert stdlib_corpus(root=tmp_path) == "# ==== a.py ====\nx = '\ufffd'\n"
+    with pytest.raises(CorpusDecodeError, match=r"0xff at byte offset 22 \(in the file 'a.py'\)"):
+        stdlib_corpus(root=tmp_path)
+    assert stdlib_corpus(root=tmp_path, errors="replace") == "# ==== a.py ====\nx = '\ufffd'\n"
+    assert stdlib_corpus_bytes(root=tmp_path) == b"# ==== a.py ====\nx = '\xff'\n"
 
 
 @pytest.mark.parametrize(
@@ -107,16 +113,28 @@ def test_stdlib_corpus_errors_when_the_stdlib_is_missing(tmp_path, monkeypatch):
 
 def test_text_corpus_reads_a_file_and_rejects_missing_or_empty(tmp_path):
     path = tmp_path / "corpus.txt"
-    path.write_bytes("héllo\n".encode() + b"\xfe")
-    assert text_corpus(path) == "héllo\n\ufffd"
-    assert text_corpus(str(path)) == "héllo\n\ufffd"
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    path.write_text("héllo\n")
+    assert text_corpus(path) == text_corpus(str(path)) == "héllo\n"
+    with pytest.raises(CorpusError, match="missing.txt': does not exist"):
         text_corpus(tmp_path / "missing.txt")
-    with pytest.raises(IsADirectoryError, match="directory"):
+    with pytest.raises(CorpusError, match="is a directory"):
         text_corpus(tmp_path)
     (tmp_path / "empty.txt").write_bytes(b"")
-    with pytest.raises(ValueError, match="is empty"):
+    with pytest.raises(CorpusError, match="is empty"):
         text_corpus(tmp_path / "empty.txt")
+
+
+def test_a_binary_corpus_is_an_error_naming_the_first_bad_byte_unless_replaced(tmp_path):
+    """Defect 8: undecodable bytes became U+FFFD silently."""
+    path = tmp_path / "corpus.bin"
+    path.write_bytes("héllo\n".encode() + b"\xfe" + b"more")
+    with pytest.raises(CorpusDecodeError, match="0xfe at byte offset 7") as info:
+        text_corpus(path)
+    assert info.value.offset == 7 and info.value.path == str(path)
+    assert text_corpus(path, errors="replace") == "héllo\n\ufffdmore"
+    raw, more = corpus_file_bytes(path, max_bytes=2)  # a limit cutting 'é' in half is not a decode error
+    assert (raw, more) == (b"h\xc3", True) and text_corpus(path, max_bytes=2) == "h"
+    assert ByteTokenizer().encode_bytes(path.read_bytes())[7].item() == 0xFE  # the byte tokenizer reads bytes
 
 
 # -------------------------------------------------------------------------------------- tokenizers

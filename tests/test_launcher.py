@@ -23,6 +23,7 @@ from fspeed.launcher import (
 )
 from fspeed.launcher.environment import REPORT_ENV
 from fspeed.launcher.run import _child_pids
+from fspeed.launcher import tether
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).resolve().parent / "_launch_worker.py")
@@ -226,7 +227,7 @@ def test_one_local_node():
     assert not node.remote and argv[:4] == ["/py", "-u", "-m", "fspeed.launcher.agent"]
     assert _flag(argv, "--nnodes") == "1" and _flag(argv, "--nproc-per-node") == "2"
     assert not any(a.startswith("--master-port") for a in argv)           # torchrun picks a free port
-    assert argv[-4:] == ["train.py", "--lr", "1e-3", "a b"]
+    assert argv[-7:] == ["--module", "fspeed.launcher.tether", "script", "train.py", "--lr", "1e-3", "a b"]
     assert "CUDA_VISIBLE_DEVICES" not in node.env and list(node.ranks) == [0, 1]
     [gpu_node] = build_node_commands({"localhost": (2, 3)}, SPEC, local_has_cuda=True)
     assert gpu_node.env["CUDA_VISIBLE_DEVICES"] == "2,3"
@@ -250,7 +251,8 @@ def test_two_remote_nodes_with_uneven_slots():
         assert env["MSG"] == "hello world" and env["NCCL_DEBUG"] == "INFO"
         assert env["PYTHONPATH"] == os.pathsep.join(["/work/dir", "/lib"])
         assert "HOME" not in env and "TORCHELASTIC_RUN_ID" not in env
-        assert argv[-4:] == ["train.py", "--lr", "1e-3", "a b"]
+        assert env["FSPEED_AGENT_TETHER"] == "stdin"  # the remote agent stops when ssh's channel closes
+        assert argv[-7:] == ["--module", "fspeed.launcher.tether", "script", "train.py", "--lr", "1e-3", "a b"]
     assert commands[0].world_size == 3
 
 
@@ -270,9 +272,26 @@ def test_rendezvous_logs_and_script_modes():
     node0, node1 = build_node_commands({"localhost": (0,), "127.0.0.1": (0,)}, spec)
     assert _flag(node1.argv, "--rdzv-endpoint") == "127.0.0.1:1234" and _flag(node1.argv, "--rdzv-backend") == "c10d"
     assert _flag(node1.argv, "--log-dir") == "/logs/node1" and "--redirects=3" in node1.argv
-    assert node1.argv[-3:] == ("--module", "pkg.train", "--local_rank=${local_rank}")
+    assert node1.argv[-5:] == ("--module", "fspeed.launcher.tether", "module", "pkg.train", "--local_rank=${local_rank}")
     with pytest.raises(LaunchConfigError, match="rdzv_backend 'etcd'"):
         LaunchSpec(script="x", rdzv_backend="etcd")
+
+
+def test_the_tether_execs_torchruns_three_modes_and_runs_by_path():
+    assert tether.worker_argv("script", "t.py", ["-a"], python="/py") == ["/py", "-u", "t.py", "-a"]
+    assert tether.worker_argv("module", "pkg.t", [], python="/py") == ["/py", "-u", "-m", "pkg.t"]
+    assert tether.worker_argv("exec", "/bin/t", ["x"]) == ["/bin/t", "x"]
+    args = ["--nnodes=1", "--module", "fspeed.launcher.tether", "script", "t.py", "--module", "fspeed.launcher.tether"]
+    assert tether.run_tether_by_path(args) == ["--nnodes=1", tether.__file__, *args[3:]]  # the first only
+
+
+def test_a_worker_whose_agent_is_gone_does_not_start(tmp_path):
+    marker = tmp_path / "ran"
+    proc = subprocess.run([sys.executable, tether.__file__, "exec", "touch", str(marker)], capture_output=True,
+                          text=True, env={**os.environ, tether.AGENT_PID_ENV: "1"}, timeout=60)
+    assert proc.returncode == 1 and "its torchrun agent (pid 1) is gone" in proc.stderr and not marker.exists()
+    proc = subprocess.run([sys.executable, tether.__file__, "exec", "touch", str(marker)], timeout=60)
+    assert proc.returncode == 0 and marker.exists()  # no agent to check: it just execs
 
 
 # ---------------------------------------------------------------------------------------------

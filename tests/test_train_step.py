@@ -135,6 +135,37 @@ def test_bf16_nan_skips_step_fp32_does_not():
     assert not m["skipped"] and torch.isnan(state.params.buffer).any()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16_static"])
+def test_divergence_guard_stops_naming_the_step_or_skips(precision):
+    """Defect 6: a non-finite fp32 step was applied (NaN weights, and a NaN checkpoint became latest)."""
+    cfg, model = tiny_gpt()
+    params = model.init(torch.Generator().manual_seed(0))
+    opt = sgd(0.1)
+    policy = fs.precision.fp16(loss_scale=128.0) if precision == "fp16_static" else getattr(fs.precision, precision)()
+    batch = token_batch(2, cfg.seq_len, cfg.vocab_size, 0)
+    bad = dict(batch, mult=torch.full((2,), math.nan))
+    state = fs.init_train_state(params, opt, precision=policy)
+    stop = fs.make_train_step(poisoned_loss(model), opt, on_nonfinite="stop")
+    state, _ = stop(state, dict(batch, mult=torch.ones(2)))
+    before = state.params.buffer.clone()
+    with pytest.raises(FloatingPointError, match=r"step 2: the loss is nan .*the state is still that of step 1"):
+        stop(state, bad)
+    assert state.step == 1 and torch.equal(state.params.buffer, before)  # not donated, untouched
+    state, m = fs.make_train_step(poisoned_loss(model), opt, on_nonfinite="skip")(state, bad)
+    assert m["skipped"] and state.skipped_steps == 1 and torch.equal(state.params.buffer, before)
+    with pytest.raises(ValueError, match="on_nonfinite='halt'; allowed: None, 'stop', 'skip'"):
+        fs.make_train_step(model.loss, opt, on_nonfinite="halt")
+
+
+def test_divergence_guard_leaves_dynamic_fp16_to_the_loss_scaler():
+    cfg, model = tiny_gpt()
+    params = model.init(torch.Generator().manual_seed(0))
+    state = fs.init_train_state(params, sgd(0.1), precision=fs.precision.fp16(initial_scale_power=4))
+    bad = dict(token_batch(2, cfg.seq_len, cfg.vocab_size, 0), mult=torch.full((2,), math.inf))
+    state, m = fs.make_train_step(poisoned_loss(model), sgd(0.1), on_nonfinite="stop")(state, bad)
+    assert m["skipped"] and state.loss_scale.cur_hysteresis == 1  # an overflow, as DeepSpeed handles it
+
+
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_mixed_precision_masters_and_compute_copy(name):
     cfg, model = tiny_gpt()

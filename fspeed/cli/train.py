@@ -5,8 +5,15 @@
     fspeed-train deepspeed_config=ds_config.json        # a DeepSpeed config, translated
     fspeed-train --cfg job                              # print the composed config
 
+    fspeed-train --debug ...                            # tracebacks instead of one-line errors
+
 Overrides are checked against fspeed's schema before Hydra composes them, and the composed
-config is validated again (types, ranges, unknown keys, the batch triad) before any work starts.
+config is validated again (types, ranges, unknown keys, the batch triad) before any work starts;
+so are the corpus (`run_data`) and the checkpoint directory (writable, with room for one
+checkpoint). A user's error is one message and exit code 2 (`user_errors`); with `--launch`
+these checks run once, before the ranks start. Nothing is lost once training runs: SIGTERM or
+SIGINT stop after the current step (`stop_requests`), a divergence stops before the bad step is
+applied, and with `checkpoint.save_on_failure` (the default) the last good step is saved first.
 """
 
 from __future__ import annotations
@@ -15,9 +22,10 @@ import logging
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import hydra
 import torch
@@ -27,15 +35,20 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from .. import checkpoint, data
+from ..checkpoint import CheckpointError
 from ..config import ConfigError, Problem, prepare_overrides, to_run_config
 from ..config.build import build_model_config, build_optimizer, build_precision, build_zero_config
-from ..config.schema import RunConfig
+from ..config.schema import Bf16Config, RunConfig
+from ..loss_scale import LossScaleAtMinimumError
 from ..models import GPT_RULES, count_params, gpt
 from ..monitor import CSVMonitor
 from ..parallel import CommLog, Mesh, Plan, estimate_memory, init_distributed, shutdown_distributed, tensor_slicing, zero
 from ..parallel.memory import state_bytes_per_parameter
 from ..train_init import init_train_state
-from ..train_step import make_eval_step, make_train_step
+from ..train_step import NonFiniteError, make_eval_step, make_train_step
+from .run_data import prepare_data
+from .stop_requests import StopRequests, TrainingStopped
+from .user_errors import DEBUG_ENV, USER_ERRORS, debug_requested, exit_with_user_error, raised_on_every_rank
 
 log = logging.getLogger("fspeed")
 
@@ -79,28 +92,15 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     t = run.train
     triad = run.batch
     torch.manual_seed(t.seed)
+    t0 = time.perf_counter()
+    ckpt_dir = Path(run.checkpoint.dir)
+    resume_tag = checkpoint.latest_tag(ckpt_dir) if run.checkpoint.resume else None
+    run_data = prepare_data(run, saved_tokenizer(ckpt_dir, resume_tag))
+    tokenizer, train_windows, val_windows, seq_len = run_data.tokenizer, run_data.train, run_data.val, run.model.seq_len
     mesh, plan = _parallel_setup(run)
     lead = mesh is None or mesh.rank == 0
     if not lead:
         log.setLevel(logging.WARNING)
-
-    t0 = time.perf_counter()
-    if run.data.corpus == "stdlib":
-        text = data.stdlib_corpus(run.data.max_bytes or 10**12)
-    else:
-        text = data.text_corpus(run.data.corpus)[: run.data.max_bytes or None]
-    ckpt_dir = Path(run.checkpoint.dir)
-    resume_tag = checkpoint.latest_tag(ckpt_dir) if run.checkpoint.resume else None
-    if resume_tag is not None:
-        saved = checkpoint.read_meta(ckpt_dir / resume_tag)["client_state"]
-        tokenizer = data.tokenizer_from_dict(saved["tokenizer"])
-    else:
-        tokenizer = data.make_tokenizer(run.data.tokenizer, text)
-    tokens = tokenizer.encode(text)
-    seq_len = run.model.seq_len
-    train_tokens, val_tokens = data.split_train_val(tokens, run.data.val_fraction, min_tokens=seq_len + 1)
-    train_windows = data.TokenWindows(train_tokens, seq_len)
-    val_windows = data.TokenWindows(val_tokens, seq_len)
     dp, data_rank = (mesh.size("data"), mesh.coordinate("data")) if mesh else (1, 0)
     loader = data.Loader(train_windows, data.BatchSampler(len(train_windows), triad.train_batch_size, t.seed,
                                                           rank=data_rank, world_size=dp))
@@ -114,13 +114,17 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     params = model.init(torch.Generator().manual_seed(t.seed))
     state = init_train_state(params, optimizer, precision=precision, seed=t.seed, plan=plan, mesh=mesh,
                              logical_axes=model.logical_axes)
+    try:  # before the first step: can every rank save, and is there room for one checkpoint?
+        checkpoint.preflight(ckpt_dir, state, mesh=mesh)
+    except CheckpointError as e:
+        raise ConfigError([Problem("checkpoint.dir", str(e))]) from None
     if resume_tag is not None:
         state, _ = checkpoint.load_checkpoint(ckpt_dir, state, tag=resume_tag, mesh=mesh)
         log.info("resumed from %s at step %d", ckpt_dir / resume_tag, state.step)
     log.info(
         "%s: %s parameters, vocab %d (%s), %s tokens (%d train / %d val windows of %d), batch %s, "
         "optimizer %s, precision %s, %s; data ready in %.1fs",
-        model.name, f"{count_params(params):,}", tokenizer.vocab_size, run.data.tokenizer, f"{len(tokens):,}",
+        model.name, f"{count_params(params):,}", tokenizer.vocab_size, tokenizer.kind, f"{run_data.num_tokens:,}",
         len(train_windows), len(val_windows), seq_len, triad.derivation, optimizer, precision.name,
         f"{plan!r} on {mesh!r}" if plan else "one process", time.perf_counter() - t0,
     )
@@ -128,11 +132,13 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     log.info("%s", estimate_memory(params, plan or Plan(), mesh.sizes if mesh else {"data": 1}, precision,
                                    optimizer_state_bytes=state_bytes_per_parameter(optimizer),
                                    logical_axes=model.logical_axes))
-    train_step = make_train_step(model.loss, optimizer, grad_accum=triad.grad_accum, plan=plan, mesh=mesh)
+    train_step = make_train_step(model.loss, optimizer, grad_accum=triad.grad_accum, plan=plan, mesh=mesh,
+                                 on_nonfinite=on_nonfinite_policy(run))
     eval_step = make_eval_step(model.loss, plan=plan, mesh=mesh)
 
     def save(s):  # with a mesh, a collective: every rank writes its own shard
-        return checkpoint.save_checkpoint(ckpt_dir, s, client_state=client_state, mesh=mesh)
+        return checkpoint.save_checkpoint(ckpt_dir, s, client_state=client_state, mesh=mesh,
+                                          keep_last=run.checkpoint.keep_last)
 
     def evaluate(s) -> float:
         return sum(eval_step(s, b) for b in val_batches) / len(val_batches)
@@ -150,35 +156,44 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     val_loss, metrics = val_start, {}
     window_start, window_steps = time.perf_counter(), 0
     train_start = time.perf_counter()
-    try:
-        while state.step < t.steps:
-            state, metrics = train_step(state, loader.batch(state.step))
-            window_steps += 1
-            elapsed = time.perf_counter() - window_start
-            tokens_per_s = window_steps * tokens_per_step / elapsed
-            row = {k: metrics[k] for k in ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped")}
-            row.update(samples=state.samples, tokens_per_s=tokens_per_s,
-                       elapsed_s=time.perf_counter() - train_start)
-            last = state.step == t.steps
-            if (t.eval_every and state.step % t.eval_every == 0) or last:
-                val_loss = evaluate(state)
-                row["val_loss"] = val_loss
-            if monitor:
-                monitor.write(row)
+    stops = StopRequests() if run.checkpoint.save_on_failure else nullcontext()
+    with stops:
+        try:
+            while state.step < t.steps:
+                state, metrics = train_step(state, loader.batch(state.step))
+                window_steps += 1
+                elapsed = time.perf_counter() - window_start
+                tokens_per_s = window_steps * tokens_per_step / elapsed
+                row = {k: metrics[k] for k in ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped")}
+                row.update(samples=state.samples, tokens_per_s=tokens_per_s,
+                           elapsed_s=time.perf_counter() - train_start)
+                last = state.step == t.steps
+                if (t.eval_every and state.step % t.eval_every == 0) or last:
+                    val_loss = evaluate(state)
+                    row["val_loss"] = val_loss
+                if monitor:
+                    monitor.write(row)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
+                                    tok_s=f"{tokens_per_s:,.0f}", val=f"{val_loss:.3f}", refresh=False)
+                    bar.update(1)
+                if lead and (state.step % print_every == 0 or last or "val_loss" in row):
+                    _log_line(row, bar)
+                    window_start, window_steps = time.perf_counter(), 0
+                if run.checkpoint.save_every and state.step % run.checkpoint.save_every == 0 and not last:
+                    save(state)
+                signum = stops.agreed(mesh) if isinstance(stops, StopRequests) else None
+                if signum and not last:
+                    raise TrainingStopped(signum, state.step)
+        except BaseException as error:
+            if run.checkpoint.save_on_failure:
+                _save_last_good_step(error, state, save, mesh, ckpt_dir)
+            raise
+        finally:
             if bar is not None:
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
-                                tok_s=f"{tokens_per_s:,.0f}", val=f"{val_loss:.3f}", refresh=False)
-                bar.update(1)
-            if lead and (state.step % print_every == 0 or last or "val_loss" in row):
-                _log_line(row, bar)
-                window_start, window_steps = time.perf_counter(), 0
-            if run.checkpoint.save_every and state.step % run.checkpoint.save_every == 0 and not last:
-                save(state)
-    finally:
-        if bar is not None:
-            bar.close()
-        if monitor:
-            monitor.close()
+                bar.close()
+            if monitor:
+                monitor.close()
     path = save(state)
     train_time = time.perf_counter() - train_start
     drop = 1.0 - val_loss / val_start
@@ -198,6 +213,54 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     same = " and the same zero/parallel settings" if mesh is not None and mesh.world_size > 1 else ""
     print(f"checkpoint: {path}  (resume with checkpoint.resume=true checkpoint.dir={ckpt_dir}{same})")
     return summary
+
+
+def saved_tokenizer(ckpt_dir: Path, tag: Optional[str]) -> Optional[dict]:
+    """The tokenizer description saved in checkpoint `tag` (None without one), for a resumed run."""
+    if tag is None:
+        return None
+    client_state = checkpoint.read_meta(ckpt_dir, tag)["client_state"]
+    if not isinstance(client_state.get("tokenizer"), dict):
+        raise CheckpointError(f"{ckpt_dir / tag} has no tokenizer in its client_state: it was not saved by "
+                              "fspeed-train, which cannot resume it")
+    return client_state["tokenizer"]
+
+
+def on_nonfinite_policy(run: RunConfig) -> Optional[str]:
+    """`train.on_nonfinite` for make_train_step; None where bf16's check_grad_overflow=false turns checks off."""
+    if isinstance(run.precision, Bf16Config) and not run.precision.check_grad_overflow:
+        return None
+    return run.train.on_nonfinite
+
+
+_AGREED = (TrainingStopped, NonFiniteError, LossScaleAtMinimumError)  # every rank raises these at the same step
+
+
+def _save_last_good_step(error: BaseException, state, save: Callable, mesh, ckpt_dir: Path) -> None:
+    """checkpoint.save_on_failure: save `state` after `error` where that is possible and safe.
+
+    It is safe after a signal stop or a divergence (raised before the step changed anything, at
+    the same step on every rank) and, in a single process, after any other exception that left
+    the state untouched. The saved path goes on the error as `final_checkpoint`; what could not
+    be saved is logged with the reason.
+    """
+    if isinstance(error, CheckpointError) or not isinstance(error, Exception):
+        return  # the save itself failed, or a second interrupt asks to leave now
+    if not isinstance(error, _AGREED) and mesh is not None and mesh.world_size > 1:
+        log.error("no final checkpoint: %s happened on this rank alone, and a multi-rank save needs every rank",
+                  type(error).__name__)
+        return
+    if state.donated:
+        log.error("no final checkpoint: the failing step had already started changing the state (%s)",
+                  type(error).__name__)
+        return
+    try:
+        path = save(state)
+    except CheckpointError as e:
+        log.error("could not save a final checkpoint: %s", e)
+        return
+    error.final_checkpoint = f"{path} (resume with checkpoint.resume=true checkpoint.dir={ckpt_dir})"
+    log.warning("saved the last good step (%d) to %s before stopping", state.step, path)
 
 
 def _progress_bar(run: RunConfig, start: int):
@@ -225,34 +288,56 @@ def _log_line(row: dict[str, Any], bar) -> None:
 
 @hydra.main(config_path="pkg://fspeed.conf", config_name="train", version_base=None)
 def _hydra_app(cfg: DictConfig) -> Optional[float]:
+    rank = int(os.environ.get("RANK", "0"))
     try:
         run = to_run_config(cfg, dp_world_size=data_parallel_size(cfg))
-    except ConfigError as err:
-        print(f"fspeed-train: {err}", file=sys.stderr)
-        sys.exit(2)
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
-    summary = run_training(run, out_dir)
+        summary = run_training(run, Path(HydraConfig.get().runtime.output_dir))
+    except TrainingStopped as stop:
+        _leave_together()
+        if rank == 0:
+            saved = getattr(stop, "final_checkpoint", None)
+            print(f"fspeed-train: {stop}" + (f"; saved {saved}" if saved else ""), file=sys.stderr, flush=True)
+        sys.exit(128 + stop.signum)
+    except USER_ERRORS as err:
+        if debug_requested():
+            raise
+        if raised_on_every_rank(err):
+            _leave_together()
+        exit_with_user_error(err, rank)
     shutdown_distributed()
     return summary["val_loss_end"]
+
+
+def _leave_together() -> None:
+    """Tear the process group down after an error every rank raised alike (a no-op without one)."""
+    try:
+        shutdown_distributed()
+    except Exception:  # a peer already gone: nothing more to do together
+        pass
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Console entry point: check (and expand DeepSpeed-config) overrides, then run the Hydra app.
 
     `--launch` starts parallel.data x parallel.tensor ranks of this same command through the
-    `fspeed` launcher (torchrun underneath) instead of training in this process.
+    `fspeed` launcher (torchrun underneath) instead of training in this process, after checking
+    the config, the corpus and the checkpoint directory once. `--debug` shows tracebacks.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     launch = "--launch" in argv
-    argv = [a for a in argv if a != "--launch"]
+    if "--debug" in argv:
+        os.environ[DEBUG_ENV] = "1"  # Hydra's own switch; the ranks of --launch inherit it
+    argv = [a for a in argv if a not in ("--launch", "--debug")]
     args = get_args_parser().parse_args(argv)
+    own_config_dir = args.config_dir is not None or args.config_path is not None
     try:
-        overrides, translation = prepare_overrides(args.overrides)
+        overrides, translation = prepare_overrides(args.overrides, check_group_options=not own_config_dir)
         if launch:
             sys.exit(_launch(overrides, [a for a in argv if a not in args.overrides]))
-    except ConfigError as err:
-        print(f"fspeed-train: {err}", file=sys.stderr)
-        sys.exit(2)
+    except USER_ERRORS as err:
+        if debug_requested():
+            raise
+        exit_with_user_error(err, int(os.environ.get("RANK", "0")))
     if translation is not None and int(os.environ.get("RANK", "0")) == 0:
         print(translation.summary(), file=sys.stderr)
     flags = [a for a in argv if a not in args.overrides]
@@ -264,22 +349,40 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 def _launch(overrides: list[str], flags: list[str]) -> int:
-    """Run this command on parallel.data x parallel.tensor local ranks through the fspeed launcher."""
-    from hydra import compose, initialize_config_module
-
+    """Run this command on parallel.data x parallel.tensor local ranks through the fspeed launcher,
+    once the config, the corpus and the checkpoint directory pass the checks the ranks would make."""
     from .launch import launch
 
-    with initialize_config_module("fspeed.conf", version_base=None):
-        cfg = compose("train", overrides=overrides)
-    data_size, tensor = int(cfg.parallel.data), int(cfg.parallel.tensor)
-    if data_size == -1:
-        raise ConfigError([Problem("parallel.data", "--launch needs the number of data-parallel ranks", -1,
-                                   "a positive integer, e.g. parallel.data=2")])
     if not any(o.startswith("hydra.run.dir=") for o in overrides):
         # one run directory for every rank (each rank's Hydra would otherwise pick its own timestamp)
         run_dir = Path("outputs").resolve() / time.strftime("%Y-%m-%d/%H-%M-%S")
         overrides = [*overrides, f"hydra.run.dir={run_dir}"]
+    cfg = _compose_as_the_ranks_will(overrides)
+    data_size, tensor = int(cfg.parallel.data), int(cfg.parallel.tensor)
+    if data_size == -1:
+        raise ConfigError([Problem("parallel.data", "--launch needs the number of data-parallel ranks", -1,
+                                   "a positive integer, e.g. parallel.data=2")])
+    run = to_run_config(cfg, dp_world_size=data_size)
+    ckpt_dir = Path(run.checkpoint.dir)
+    prepare_data(run, saved_tokenizer(ckpt_dir, checkpoint.latest_tag(ckpt_dir) if run.checkpoint.resume else None))
+    try:
+        checkpoint.probe_directory(ckpt_dir)
+    except CheckpointError as e:
+        raise ConfigError([Problem("checkpoint.dir", str(e))]) from None
     return launch(["--num_gpus", str(data_size * tensor), "--module", "fspeed.cli.train", *flags, *overrides])
+
+
+def _compose_as_the_ranks_will(overrides: list[str]) -> DictConfig:
+    """The composed config with `${hydra:runtime.output_dir}` resolving to the run directory."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import open_dict
+
+    with initialize_config_module("fspeed.conf", version_base=None):
+        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(Path(cfg.hydra.run.dir).resolve())
+    HydraConfig.instance().set_config(cfg)
+    return cfg
 
 
 if __name__ == "__main__":

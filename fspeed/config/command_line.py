@@ -77,14 +77,16 @@ def expand_deepspeed_config(overrides: Sequence[str]) -> tuple[list[str], DeepSp
     return [*kept, *overrides], replace(translation, superseded=tuple(superseded))
 
 
-def prepare_overrides(cli_overrides: Sequence[str]) -> tuple[list[str], DeepSpeedTranslation | None]:
+def prepare_overrides(cli_overrides: Sequence[str], *,
+                      check_group_options: bool = True) -> tuple[list[str], DeepSpeedTranslation | None]:
     """The override list Hydra should compose, and the DeepSpeed translation if a file was given.
 
     Expands ``deepspeed_config=<path>`` (`expand_deepspeed_config`), then checks the result with
     `check_overrides`, so that command-line keys are judged against the group options the file
-    chose (a file choosing SGD makes ``optimizer.momentum=0.5`` valid). Raises `ConfigError`
-    (or its subclass `DeepSpeedConfigError`) naming every problem.
+    chose (a file choosing SGD makes ``optimizer.momentum=0.5`` valid). `check_group_options=False`
+    leaves group options to Hydra (the CLI passes it when --config-dir adds options). Raises
+    `ConfigError` (or its subclass `DeepSpeedConfigError`) naming every problem.
     """
     overrides, translation = expand_deepspeed_config(cli_overrides)
-    check_overrides(overrides)
+    check_overrides(overrides, check_group_options=check_group_options)
     return overrides, translation

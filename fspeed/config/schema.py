@@ -329,6 +329,10 @@ class TrainConfig(ValidatedConfig):
     eval_every: int = setting(100, NON_NEGATIVE)  # 0 = only at the end
     eval_batches: int = setting(8, POSITIVE)
     log_every: int = setting(10, POSITIVE)
+    # a step whose loss or gradient norm is inf/NaN, where no dynamic loss scaler handles it (fp32,
+    # bf16, fp16 with a static scale): "stop" raises naming the step (the state stays at the last
+    # good step), "skip" skips it as an fp16 overflow is skipped
+    on_nonfinite: Literal["stop", "skip"] = "stop"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -339,15 +343,25 @@ class DataConfig(ValidatedConfig):
     max_bytes: Optional[int] = setting(4_000_000, POSITIVE)  # None = the whole corpus
     tokenizer: Literal["char", "byte"] = "char"
     val_fraction: float = setting(0.05, OPEN_UNIT_INTERVAL)
+    errors: Literal["strict", "replace"] = "strict"  # char tokenizer: invalid UTF-8 is an error, or U+FFFD
+
+    def relation_problems(self) -> list[Problem]:
+        if self.errors != "strict" and self.tokenizer == "byte":
+            return [Problem("errors", "only applies to the char tokenizer; the byte tokenizer reads the corpus' "
+                            "bytes as they are", self.errors, "strict with data.tokenizer=byte")]
+        return []
 
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig(ValidatedConfig):
-    """Where and how often to save; resume loads `latest` from dir when present."""
+    """Where and how often to save; resume loads `latest` from dir when present; how many to keep;
+    whether a failing or interrupted run saves where it stopped."""
 
     dir: str = required(NON_EMPTY)
     save_every: int = setting(0, NON_NEGATIVE)  # 0 = only at the end
     resume: bool = False
+    keep_last: int = setting(0, NON_NEGATIVE)  # keep the N newest global_step<N> checkpoints; 0 = all
+    save_on_failure: bool = True  # on SIGTERM/SIGINT or a divergence stop, save the last good step first
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -537,6 +551,11 @@ class RunConfig(ValidatedConfig):
             return [Problem("optimizer", f"{self.optimizer.name} compresses the all-reduce of whole replicated buffers "
                             f"and cannot run with {what} (DeepSpeed's 1-bit optimizers reject ZeRO too); allowed: "
                             "zero.stage=0 and parallel.tensor=1", self.optimizer.name)]
+        if isinstance(self.precision, Bf16Config) and not self.precision.check_grad_overflow \
+                and self.train.on_nonfinite == "skip":
+            return [Problem("train.on_nonfinite", "has no effect with precision.check_grad_overflow=false, which "
+                            "applies every step unchecked (DeepSpeed's meaning)", "skip",
+                            "stop, or precision.check_grad_overflow=true")]
         if isinstance(sched, WarmupConfig) and sched.warmup_max_lr is None and lr is not None \
                 and sched.warmup_min_lr > lr:
             return [Problem("scheduler.warmup_min_lr", f"must be <= the lr it warms up to (warmup_max_lr is null, "

@@ -164,14 +164,30 @@ def _group_choices(override: Override) -> list[str] | None:
     return [str(override.value())]
 
 
-def _check_group_override(override: Override) -> list[Problem]:
+@functools.cache
+def packaged_options(group: str) -> tuple[str, ...]:
+    """The options of a config group in the packaged tree (its ``conf/<group>/*.yaml`` files)."""
+    folder = importlib.resources.files("fspeed.conf").joinpath(group)
+    return tuple(sorted(entry.name[:-len(".yaml")] for entry in folder.iterdir() if entry.name.endswith(".yaml")))
+
+
+def _check_group_override(override: Override, check_options: bool) -> list[Problem]:
     group = override.key_or_group
     if override.is_delete():
         return [Problem(f"~{group}", f"the {group} group cannot be removed; choose another option with {group}=...")]
     if override.is_add() or override.is_force_add():
         return [Problem(override.get_key_element(), f"{group} is always chosen by the defaults list; "
                         f"use {group}=<option> (without '+')")]
-    return []
+    if not check_options:
+        return []
+    options = packaged_options(group)
+    problems = []
+    for choice in _group_choices(override) or []:
+        if choice not in options:
+            guess = did_you_mean(choice, options)
+            problems.append(Problem(group, f"unknown {group} option", choice, ", ".join(options),
+                                    f"did you mean {group}={guess}?" if guess else None))
+    return problems
 
 
 def _check_value_override(override: Override, choices: Mapping[str, list[str] | None]) -> list[Problem]:
@@ -225,21 +241,25 @@ def _sub_section(cls: type, name: str) -> type | None:
     return tp if isinstance(tp, type) and issubclass(tp, ValidatedConfig) else None
 
 
-def check_overrides(overrides: Sequence[str], *, default_choices: Mapping[str, str] | None = None) -> None:
+def check_overrides(overrides: Sequence[str], *, default_choices: Mapping[str, str] | None = None,
+                    check_group_options: bool = True) -> None:
     """Check command-line overrides against fspeed's schema before Hydra composes them.
 
     Refuses unknown keys (including ``+key=...``, which Hydra would add silently), deleting keys
     or groups, and choosing a group option by setting its ``name``. A group choice in the same
     list (``optimizer=sgd``) decides which keys are valid under that group; otherwise
     `default_choices` (default: the packaged ``train.yaml`` defaults list). Keys under
-    ``hydra.`` / ``hydra/`` pass through; unknown group options are left to Hydra, whose error
-    lists the available ones. Values are checked later by `to_run_config`. Raises `ConfigError`.
+    ``hydra.`` / ``hydra/`` pass through. A group option must be one of the packaged tree's (an
+    unknown one gets the list and a did-you-mean) unless `check_group_options` is False or the
+    overrides extend the search path (``hydra.searchpath``): then Hydra reports it. Values are
+    checked later by `to_run_config`. Raises `ConfigError`.
     """
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except HydraException as err:
         raise ConfigError([Problem("", f"cannot parse the overrides: {err}")], title="invalid command-line overrides") from None
     choices: dict[str, list[str] | None] = {g: [o] for g, o in (default_choices or packaged_default_choices()).items()}
+    searchpath = any(o.is_hydra_override() and o.key_or_group == "hydra.searchpath" for o in parsed)
     problems: list[Problem] = []
     for override in parsed:
         if override.is_hydra_override():
@@ -247,7 +267,7 @@ def check_overrides(overrides: Sequence[str], *, default_choices: Mapping[str, s
         if override.package is not None:
             problems.append(Problem(override.get_key_element(), "package overrides (group@package) are not supported"))
         elif override.key_or_group in GROUPS:
-            problems += _check_group_override(override)
+            problems += _check_group_override(override, check_group_options and not searchpath)
             if not override.is_delete():
                 choices[override.key_or_group] = _group_choices(override)
     for override in parsed:

@@ -1,6 +1,17 @@
 """Datasets, tokenizers and deterministic, rank-aware batch loading."""
 
-from fspeed.data.corpus import DEFAULT_MAX_BYTES, stdlib_corpus, stdlib_dir, stdlib_files, text_corpus
+from fspeed.data.corpus import (
+    DEFAULT_MAX_BYTES,
+    CorpusDecodeError,
+    CorpusError,
+    corpus_file_bytes,
+    decode_corpus,
+    stdlib_corpus,
+    stdlib_corpus_bytes,
+    stdlib_dir,
+    stdlib_files,
+    text_corpus,
+)
 from fspeed.data.loader import (
     Batch,
     BatchSampler,
@@ -23,6 +34,8 @@ __all__ = [
     "DEFAULT_MAX_BYTES",
     "TOKENIZER_KINDS",
     "Batch",
+    "CorpusDecodeError",
+    "CorpusError",
     "BatchSampler",
     "ByteTokenizer",
     "CharTokenizer",
@@ -30,10 +43,13 @@ __all__ = [
     "TokenWindows",
     "Tokenizer",
     "UnknownCharacterError",
+    "corpus_file_bytes",
+    "decode_corpus",
     "eval_starts",
     "make_tokenizer",
     "split_train_val",
     "stdlib_corpus",
+    "stdlib_corpus_bytes",
     "stdlib_dir",
     "stdlib_files",
     "text_corpus",

@@ -88,6 +88,12 @@ class ByteTokenizer:
         raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
         return torch.from_numpy(raw.astype(np.int64))
 
+    def encode_bytes(self, raw: bytes) -> torch.Tensor:
+        """The bytes ``raw`` as they are (a file's bytes, valid UTF-8 or not), as a 1-D long tensor."""
+        if not isinstance(raw, (bytes, bytearray, memoryview)):
+            raise TypeError(f"raw must be bytes, got {type(raw).__name__}")
+        return torch.from_numpy(np.frombuffer(bytes(raw), dtype=np.uint8).astype(np.int64))
+
     def decode(self, ids: TokenIds) -> str:
         """Text of the bytes ``ids``; invalid UTF-8 (e.g. from sampling) becomes U+FFFD."""
         array = _ids_as_numpy(ids, self.vocab_size)

@@ -8,7 +8,8 @@
 
 Modules: `hostfile` (hostfile grammar), `resources` (pools and filters), `environment` (what
 reaches remote nodes), `commands` (per-node torchrun invocations), `agent` (torchrun plus a
-failure report), `run` (running them, exit codes, per-rank logs). The CLI is `fspeed.cli.launch`.
+failure report), `tether` (workers die with their agent, agents with the launcher: no orphans),
+`run` (running them, exit codes, per-rank logs). The CLI is `fspeed.cli.launch`.
 """
 
 from .commands import LaunchSpec, NodeCommand, build_node_commands, resolve_master_addr

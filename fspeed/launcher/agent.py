@@ -6,6 +6,10 @@ per-rank logs, signal forwarding) unchanged, with one addition: when a worker fa
 written as JSON to the file named by `FSPEED_AGENT_REPORT` (with torchrun's root cause, its first
 observed failure), so `fspeed` can say which rank failed instead of only which node, and exit with
 that rank's code. The variable is removed before the workers start.
+
+It also holds the tethers (`tether.py`): workers learn the agent's pid (`FSPEED_AGENT_PID`) to die
+with it, and with `FSPEED_AGENT_TETHER=stdin` (set by the launcher) the agent stops its workers
+and exits when its stdin closes, i.e. when the launcher is gone.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import sys
 from typing import Optional
 
 from .environment import REPORT_ENV
+from .tether import AGENT_PID_ENV, AGENT_TETHER_ENV, exit_when_stdin_closes, run_tether_by_path
 
 __all__ = ["main"]
 
@@ -23,11 +28,17 @@ __all__ = ["main"]
 def main(argv: Optional[list[str]] = None) -> None:
     """Run torchrun with `argv`; on worker failure write the report, then fail exactly as torchrun does."""
     report_path = os.environ.pop(REPORT_ENV, None)
+    if os.environ.pop(AGENT_TETHER_ENV, None) == "stdin":
+        exit_when_stdin_closes()
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+    if not sys.platform.startswith("linux"):
+        print(f"fspeed: on {sys.platform} workers cannot be tied to their agent (no parent-death signal): "
+              "if this agent is killed, stop its workers yourself", file=sys.stderr)
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        torchrun.main(argv)
+        torchrun.main(run_tether_by_path(sys.argv[1:] if argv is None else argv))
     except ChildFailedError as error:
         if report_path:
             failures = [

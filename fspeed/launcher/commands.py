@@ -8,6 +8,11 @@ DeepSpeed's assignment. `rdzv_backend='c10d'` uses c10d rendezvous instead (elas
 node order is then decided by the rendezvous). A single local node without an explicit port
 lets torchrun pick a free one.
 
+Every worker starts through `fspeed.launcher.tether` (torchrun's `--module` mode), which ties it
+to its agent and then execs the script (`script` mode: `python -u script`; `module`: `python -u
+-m module`; `exec`: the executable itself, torchrun's `--no-python`). Remote agents get
+`FSPEED_AGENT_TETHER=stdin`: they stop when their ssh connection to the launcher closes.
+
 torchrun gives every worker RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (node
 rank), MASTER_ADDR and MASTER_PORT. DeepSpeed also appends `--local_rank=<n>` to the script's
 arguments; that is off here (read LOCAL_RANK) unless `append_local_rank=True`, which passes
@@ -29,9 +34,10 @@ from typing import Optional
 
 from .hostfile import LaunchConfigError
 from .resources import format_slots
+from .tether import AGENT_TETHER_ENV, TETHER_MODULE
 
 __all__ = [
-    "AGENT_MODULE", "DEFAULT_MASTER_PORT", "LaunchSpec", "NodeCommand", "is_loopback", "resolve_master_addr",
+    "AGENT_MODULE", "TETHER_MODULE", "DEFAULT_MASTER_PORT", "LaunchSpec", "NodeCommand", "is_loopback", "resolve_master_addr",
     "build_node_commands", "node_log_dir",
 ]
 
@@ -145,14 +151,11 @@ def _torchrun_args(spec: LaunchSpec, *, nnodes: int, nproc: int, node_rank: int,
             args.append(f"--master-port={master_port}")
     if spec.log_dir is not None:
         args += [f"--log-dir={node_log_dir(spec.log_dir, node_rank)}", "--tee=3" if spec.log_tee else "--redirects=3"]
-    if spec.module:
-        args.append("--module")
-    if spec.no_python:
-        args.append("--no-python")
+    mode = "module" if spec.module else "exec" if spec.no_python else "script"
     script_args = list(spec.script_args)
     if spec.append_local_rank:
         script_args.append("--local_rank=${local_rank}")
-    return args + [spec.script] + script_args
+    return args + ["--module", TETHER_MODULE, mode, spec.script] + script_args
 
 
 def build_node_commands(resources: Mapping[str, Sequence[int]], spec: LaunchSpec, *,
@@ -192,7 +195,7 @@ def build_node_commands(resources: Mapping[str, Sequence[int]], spec: LaunchSpec
             spec, nnodes=len(hosts), nproc=len(slots), node_rank=node_rank,
             master_addr=master_addr, master_port=master_port)
         if remote:
-            remote_vars = {**(remote_env or {}), **env}
+            remote_vars = {**(remote_env or {}), **env, AGENT_TETHER_ENV: "stdin"}
             exports = " ".join(f"{key}={shlex.quote(value)}" for key, value in remote_vars.items())
             line = f"cd {shlex.quote(spec.cwd)} && env {exports} " + " ".join(shlex.quote(a) for a in agent)
             ssh = ["ssh", "-o", "BatchMode=yes"] + (["-p", str(spec.ssh_port)] if spec.ssh_port else [])

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from .hostfile import LaunchConfigError
+from .tether import AGENT_PID_ENV, AGENT_TETHER_ENV
 
 __all__ = [
     "EXPORTED_PREFIXES", "NEVER_EXPORTED", "REPORT_ENV", "ENV_FILE_NAME", "parse_env_file", "parse_env_assignments",
@@ -33,7 +34,7 @@ EXPORTED_PREFIXES = (
     "NCCL", "GLOO", "UCX", "MV2", "MLFLOW", "PYTHON", "TORCH", "FSPEED", "OMP_", "MKL_", "HF_", "WANDB",
 )
 REPORT_ENV = "FSPEED_AGENT_REPORT"      # where a local agent writes its failure report (agent.py)
-NEVER_EXPORTED = ("CUDA_VISIBLE_DEVICES", "TORCHELASTIC_", "PYTHONHOME", REPORT_ENV)
+NEVER_EXPORTED = ("CUDA_VISIBLE_DEVICES", "TORCHELASTIC_", "PYTHONHOME", REPORT_ENV, AGENT_PID_ENV, AGENT_TETHER_ENV)
 ENV_FILE_NAME = ".fspeed_env"
 
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -9,6 +9,9 @@ of its root-cause rank when its agent reported one (a local node, see `agent.py`
 node's own exit code (128+N for signal N). For remote nodes the message names the node and its
 ranks, and torchrun's failure summary arrives through ssh on stderr.
 
+Each agent's stdin is a pipe this process holds open: if the launcher dies (even by SIGKILL) the
+agents read end-of-file and stop their workers (`tether.py`); workers die with their agent.
+
 A node whose workers all succeeded waits in torchrun's exit barrier for the other nodes (up to
 300 s, in a C++ store wait that does not react to SIGTERM). A local agent with no child process
 left is in that state, so it is killed at once rather than after `kill_after_s`.
@@ -30,6 +33,7 @@ from typing import Optional
 
 from .commands import NodeCommand, node_log_dir
 from .environment import REPORT_ENV
+from .tether import AGENT_TETHER_ENV
 
 __all__ = ["LaunchError", "RankFailure", "NodeOutcome", "LaunchResult", "run_node_commands", "rank_log_files"]
 
@@ -137,8 +141,10 @@ def run_node_commands(commands: Sequence[NodeCommand], *, environ: Optional[Mapp
                 env = {**base_env, **command.env}
                 if not command.remote:
                     env[REPORT_ENV] = str(reports[command.node_rank])
-                try:
-                    processes[command.node_rank] = subprocess.Popen(list(command.argv), env=env)
+                    env[AGENT_TETHER_ENV] = "stdin"
+                try:  # the agent's stdin stays open while this process lives: the tether (tether.py)
+                    processes[command.node_rank] = subprocess.Popen(list(command.argv), env=env,
+                                                                    stdin=subprocess.PIPE)
                 except OSError as error:
                     _stop(processes.values(), kill_after_s)
                     raise LaunchError(f"cannot start {command.describe()}: {command.argv[0]}: {error}") from None

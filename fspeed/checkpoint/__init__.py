@@ -1,0 +1,26 @@
+"""Checkpoints: a whole TrainState plus the user's client_state under `dir/tag/`, with `dir/latest`.
+
+Nothing is lost: a save is atomic (a crash at any moment leaves `latest` naming a complete
+checkpoint), a failed save raises a CheckpointError naming the path and the cause and leaves the
+previous checkpoint as `latest`, a state holding inf/NaN is never saved, and everything read back
+is verified (meta.json's schema and checksum, every file's checksum, tensor shapes and dtypes)
+with errors that name the file.
+
+Modules: `state_io` (save/load a TrainState, sharded or not), `directory` (tags, `latest`,
+atomic publishing, cleanup of crashed saves, retention), `meta` (meta.json), `tensor_file`
+(safetensors files), `preflight_checks` (can this run write checkpoints, and is there room).
+"""
+
+from .directory import LATEST_FILE, latest_tag
+from .errors import CheckpointError
+from .meta import FORMAT, META_FILE
+from .preflight_checks import checkpoint_bytes, preflight, probe_directory
+from .state_io import (
+    TENSORS_FILE, layout_signature, load_checkpoint, read_meta, save_checkpoint, state_entries,
+)
+
+__all__ = [
+    "FORMAT", "LATEST_FILE", "META_FILE", "TENSORS_FILE", "CheckpointError", "checkpoint_bytes", "latest_tag",
+    "layout_signature", "load_checkpoint", "preflight", "probe_directory", "read_meta", "save_checkpoint",
+    "state_entries",
+]

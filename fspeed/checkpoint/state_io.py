@@ -1,0 +1,462 @@
+"""Saving and loading a whole TrainState plus the user's client_state under `dir/tag/`.
+
+Layout of `dir/tag/`:
+
+    tensors.safetensors   every tensor, keyed by tree path and parameter path
+                          (`params/blocks.0.attn.wqkv`, `opt_state.1.mu/blocks.0.attn.wqkv`)
+    meta.json             format, step, precision, the non-tensor leaves by path, client_state
+                          (tensors replaced by references), file sizes and sha256 (see `meta`)
+
+A sharded state (a ZeRO / tensor-slicing plan over several ranks) is saved by every rank
+together (`mesh=`): each rank streams its own part to `rank_00000.safetensors`, ... (its local
+flat buffers: a shard for ZeRO, a slice for tensor slicing), `meta.json` records the layout, and
+only the same plan on the same mesh sizes loads it back (resharding is not built yet).
+
+A save is refused when a tensor holds inf/NaN (a diverged state never becomes `latest`), and a
+failed save (a full disk, a failing rank) raises a CheckpointError naming the path and the cause
+while `latest` keeps naming the previous checkpoint (see `directory` for the atomic protocol).
+Loading runs no pickle, verifies meta.json and every file's checksum, and fills a template state
+by path: shapes and dtypes must match, with one explicit conversion: a bf16/fp16 compute copy is
+cast from saved fp32 weights when the checkpoint comes from another precision (logged; the saved
+loss scaler then does not replace the template's).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..flat import Flat
+from ..pytree import tree_flatten_with_paths, tree_unflatten
+from ..train_state import TrainState
+from .directory import (
+    LATEST_FILE, check_tag, checkpoint_path, ensure_directory, latest_tag, publish, remove_old_checkpoints, temp_dir,
+    tidy, write_latest,
+)
+from .errors import CheckpointError, os_error_text
+from .meta import FORMAT, META_FILE, read_meta_file, verify_files, write_meta
+from .tensor_file import file_info, nonfinite_keys, open_tensor_file, write_tensor_file
+
+log = logging.getLogger("fspeed")
+
+TENSORS_FILE = "tensors.safetensors"
+_SCALARS = (bool, int, float, str, type(None))
+_CAST_FROM_FP32 = (torch.bfloat16, torch.float16)
+
+
+def state_entries(state: TrainState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors by key, non-tensor leaves by path) of a TrainState; Flats expand per parameter."""
+    paths, leaves, _ = tree_flatten_with_paths(state, is_leaf=lambda x: isinstance(x, Flat))
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    for path, leaf in zip(paths, leaves):
+        if isinstance(leaf, Flat):
+            for param_path, view in leaf.items():
+                tensors[f"{path}/{param_path}"] = view
+        elif isinstance(leaf, torch.Tensor):
+            tensors[path] = leaf
+        elif isinstance(leaf, _SCALARS):
+            scalars[path] = leaf
+        else:
+            raise TypeError(f"cannot checkpoint state leaf {path!r} of type {type(leaf).__name__}")
+    return tensors, scalars
+
+
+def _split_client_state(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """JSON form of client_state; tensors move to `tensors` under `client_state/<path>`."""
+    if isinstance(value, torch.Tensor):
+        key = f"client_state/{path}"
+        tensors[key] = value.detach().contiguous()
+        return {"__tensor__": key}
+    if isinstance(value, dict):
+        for k in value:
+            if not isinstance(k, str):
+                raise TypeError(f"client_state keys must be strings; {path or 'the root'} has key {k!r}")
+        return {k: _split_client_state(v, f"{path}.{k}" if path else k, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_split_client_state(v, f"{path}.{i}" if path else str(i), tensors) for i, v in enumerate(value)]
+    if isinstance(value, float) and value != value:
+        return {"__float__": "nan"}
+    if isinstance(value, _SCALARS):
+        return value
+    raise TypeError(
+        f"client_state value at {path or 'the root'!r} is a {type(value).__name__}; allowed: tensors, "
+        "dicts with str keys, lists, tuples, str, int, float, bool, None"
+    )
+
+
+def _join_client_state(value: Any, reader, file: Path) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"__tensor__"}:
+            try:
+                return reader.get_tensor(value["__tensor__"]).clone()
+            except Exception as e:  # safetensors' own error types
+                raise CheckpointError(f"{file}: cannot read client_state tensor {value['__tensor__']!r} ({e})") from None
+        if set(value) == {"__float__"}:
+            return float(value["__float__"])
+        return {k: _join_client_state(v, reader, file) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_join_client_state(v, reader, file) for v in value]
+    return value
+
+
+def is_sharded(state: TrainState, mesh, what: str) -> bool:
+    """Whether `state` lives on several ranks (then each rank keeps its own file)."""
+    if math.prod(size for _, size in state.layout.mesh_sizes) == 1:
+        return False
+    if mesh is None:
+        raise ValueError(f"{what}: this state is sharded (zero stage {state.layout.stage} on mesh "
+                         f"{dict(state.layout.mesh_sizes)}); pass mesh= so that every rank takes part")
+    return True
+
+
+def _meta(tag: str, state: TrainState, scalars: dict, client_json: Any, files: dict) -> dict:
+    return {"format": FORMAT, "tag": tag, "step": state.step, "precision": state.precision.name,
+            "scalars": scalars, "client_state": client_json, "files": files}
+
+
+def _still_latest(directory: Path) -> str:
+    try:
+        previous = latest_tag(directory)
+    except CheckpointError:
+        previous = None
+    return f"'latest' still names {previous} (untouched)" if previous else "there is no earlier checkpoint"
+
+
+def _save_failed(directory: Path, tag: str, cause: str) -> str:
+    return f"saving checkpoint {directory / tag} failed: {cause}; {_still_latest(directory)}"
+
+
+def _nonfinite_cause(keys: list[str]) -> str:
+    return (f"{len(keys)} tensor(s) hold inf or NaN (e.g. {', '.join(keys[:3])}): a diverged state is never "
+            "published")
+
+
+def _retain(directory: Path, keep_last: int, tag: str) -> None:
+    """Apply keep_last after a successful save; a failure to delete is logged, not raised."""
+    if not keep_last:
+        return
+    try:
+        remove_old_checkpoints(directory, keep_last, keep=tag)
+    except OSError as e:
+        log.warning("keep_last=%d: could not remove old checkpoints in %s (%s)", keep_last, directory,
+                    os_error_text(e, directory))
+
+
+def save_checkpoint(
+    directory: str | os.PathLike,
+    state: TrainState,
+    *,
+    tag: Optional[str] = None,
+    client_state: Optional[dict] = None,
+    save_latest: bool = True,
+    mesh=None,
+    keep_last: int = 0,
+) -> Path:
+    """Save `state` (and `client_state`) atomically under `directory/tag`; returns that path.
+
+    `tag` defaults to `global_step{state.step}` as in DeepSpeed. Saving over an existing tag
+    replaces it atomically as well. A sharded state (built with a plan on a mesh of several
+    ranks) needs `mesh=`: a collective, every rank writes its own file into the same directory
+    (a filesystem all ranks share), rank 0 writes the metadata once every file is on disk.
+    `keep_last=N` (N >= 1) then deletes all but the N newest `global_step<N>` checkpoints (other
+    tags are never deleted). Raises CheckpointError (naming the path and the cause) when the save
+    fails or a tensor is not finite; `latest` then still names the previous checkpoint.
+    """
+    directory = Path(directory)
+    tag = check_tag(tag or f"global_step{state.step}")
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
+        raise ValueError(f"keep_last={keep_last!r} must be an integer >= 0 (0 keeps every checkpoint)")
+    if is_sharded(state, mesh, "save_checkpoint"):
+        return _save_sharded(directory, state, tag, client_state, save_latest, mesh, keep_last)
+    tensors, scalars = state_entries(state)
+    client_json = _split_client_state(client_state or {}, "", tensors)
+    bad = nonfinite_keys(tensors)
+    if bad:
+        raise CheckpointError(_save_failed(directory, tag, _nonfinite_cause(bad)))
+    ensure_directory(directory)
+    tidy(directory)
+    where = directory
+    try:
+        with temp_dir(directory, tag) as tmp:
+            where = tmp
+            write_tensor_file(tmp / TENSORS_FILE, tensors, FORMAT)
+            write_meta(tmp, _meta(tag, state, scalars, client_json, {TENSORS_FILE: file_info(tmp / TENSORS_FILE)}))
+            final = publish(directory, tmp, tag)
+            if save_latest:
+                write_latest(directory, tag)
+    except OSError as e:
+        raise CheckpointError(_save_failed(directory, tag, os_error_text(e, where))) from e
+    _retain(directory, keep_last, tag)
+    return final
+
+
+def layout_signature(layout) -> dict:
+    """What must be equal for a rank's saved file to fit a rank of another run (same shards)."""
+    return {
+        "stage": layout.stage,
+        "mesh": {axis: size for axis, size in layout.mesh_sizes},
+        "params": {p.path: [list(p.shape), str(p.spec)] for p in layout.params},
+        "sharded_units": {u.name: u.shard_numel for u in layout.units if u.sharded},
+    }
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+def _error_text(error: BaseException, path: Path) -> str:
+    if isinstance(error, CheckpointError):
+        return str(error)
+    if isinstance(error, OSError):
+        return os_error_text(error, path)
+    return f"{type(error).__name__}: {error}"
+
+
+def _save_sharded(directory: Path, state: TrainState, tag: str, client_state: Optional[dict],
+                  save_latest: bool, mesh, keep_last: int) -> Path:
+    with ExitStack() as rank0_holds:  # rank 0 keeps the temporary directory locked until it is published
+        return _save_sharded_files(directory, state, tag, client_state, save_latest, mesh, keep_last, rank0_holds)
+
+
+def _save_sharded_files(directory: Path, state: TrainState, tag: str, client_state: Optional[dict],
+                        save_latest: bool, mesh, keep_last: int, rank0_holds: ExitStack) -> Path:
+    rank = mesh.rank
+    all_gather_objects = mesh.all_gather_objects
+    setup = None
+    if rank == 0:
+        try:
+            ensure_directory(directory)
+            tidy(directory)
+            setup = (True, str(rank0_holds.enter_context(temp_dir(directory, tag))))
+        except (CheckpointError, OSError) as e:
+            setup = (False, _save_failed(directory, tag, _error_text(e, directory)))
+    ok, detail = all_gather_objects(setup, "checkpoint directory")[0]
+    if not ok:
+        raise CheckpointError(detail, on_every_rank=True)
+    tmp = Path(detail)
+    tensors, scalars = state_entries(state)
+    client_json = _split_client_state(client_state or {}, "", tensors) if rank == 0 else None
+    file = tmp / _rank_file(rank)
+    try:  # a failure is told to the other ranks before raising, so nobody waits or publishes
+        bad = nonfinite_keys(tensors)
+        if bad:
+            report = (False, _nonfinite_cause(bad))
+        else:
+            write_tensor_file(file, tensors, FORMAT)
+            report = (True, file_info(file))
+    except Exception as e:
+        report = (False, _error_text(e, file))
+    reports = all_gather_objects(report, "checkpoint files")
+    failed = [f"rank {r}: {info}" for r, (ok, info) in enumerate(reports) if not ok]
+    outcome = None
+    if rank == 0:
+        try:
+            if failed:
+                raise CheckpointError(_save_failed(directory, tag, f"{len(failed)} rank(s) failed: "
+                                                   + "; ".join(failed)))
+            meta = _meta(tag, state, scalars, client_json,
+                         {_rank_file(r): info for r, (_, info) in enumerate(reports)})
+            meta["layout"] = layout_signature(state.layout)
+            meta["client_file"] = _rank_file(0)
+            write_meta(tmp, meta)
+            final = publish(directory, tmp, tag)
+            if save_latest:
+                write_latest(directory, tag)
+            outcome = (True, str(final))
+        except BaseException as e:  # the temporary directory goes when rank0_holds closes
+            outcome = (False, str(e) if isinstance(e, CheckpointError)
+                       else _save_failed(directory, tag, _error_text(e, tmp)))
+    ok, detail = all_gather_objects(outcome, "checkpoint publish")[0]
+    if not ok:
+        raise CheckpointError(detail, on_every_rank=True)
+    if rank == 0:
+        _retain(directory, keep_last, tag)
+    return Path(detail)
+
+
+def _tag_or_latest(directory: Path, tag: Optional[str]) -> str:
+    if tag is not None:
+        return tag
+    found = latest_tag(directory)
+    if found is None:
+        raise CheckpointError(f"no checkpoint in {directory} (no '{LATEST_FILE}' file)"
+                              if directory.is_dir() else f"no checkpoint in {directory}: the directory does not exist")
+    return found
+
+
+def read_meta(directory: str | os.PathLike, tag: Optional[str] = None) -> dict:
+    """The validated meta.json of checkpoint `tag` (default: `latest`) in `directory`, found the way
+    `load_checkpoint` finds it (the old copy of an interrupted overwrite included)."""
+    directory = Path(directory)
+    return read_meta_file(checkpoint_path(directory, _tag_or_latest(directory, tag)))
+
+
+def load_checkpoint(
+    directory: str | os.PathLike,
+    template: TrainState,
+    *,
+    tag: Optional[str] = None,
+    load_optimizer_states: bool = True,
+    mesh=None,
+) -> tuple[TrainState, dict]:
+    """Load `directory/tag` (default: `latest`) into the buffers of `template`.
+
+    `template` is a state built the same way as the saved one (e.g. by `init_train_state`); it is
+    donated. Precision may differ (an explicit, logged conversion): fp32 masters are restored from
+    the saved masters, or from the saved params when the checkpoint had none, and a bf16/fp16
+    compute copy is cast from them; the loss scaler is restored only when the precision is the
+    same. Any other dtype or shape difference is an error naming the file and the tensor. With
+    `load_optimizer_states=False` only the weights are loaded and the optimizer state and counters
+    stay as in `template`. A sharded template needs `mesh=` (a collective) and a checkpoint saved
+    with the same plan and mesh sizes: each rank reads back its own file.
+    Leftovers of crashed saves in `directory` are cleaned up first (see `directory.tidy`).
+    Returns (state, client_state).
+    """
+    directory = Path(directory)
+    if is_sharded(template, mesh, "load_checkpoint"):
+        return _load_sharded(directory, template, tag, load_optimizer_states, mesh)
+    tidy(directory)
+    tag = _tag_or_latest(directory, tag)
+    path = checkpoint_path(directory, tag)
+    meta = read_meta_file(path)
+    if "layout" in meta:
+        raise CheckpointError(f"{path} was saved by {len(meta['files'])} ranks (zero stage "
+                              f"{meta['layout']['stage']}, mesh {meta['layout']['mesh']}); load it with the same "
+                              "plan and mesh (mesh=...); converting it to one process is not supported yet")
+    verify_files(path, meta, [TENSORS_FILE])
+    reader = open_tensor_file(path / TENSORS_FILE)
+    state = _fill(template, meta, reader, path / TENSORS_FILE, load_optimizer_states)
+    return state, _join_client_state(meta["client_state"], reader, path / TENSORS_FILE)
+
+
+def _load_sharded(directory: Path, template: TrainState, tag: Optional[str], load_optimizer_states: bool, mesh):
+    rank = mesh.rank
+    all_gather_objects = mesh.all_gather_objects
+    if rank == 0:
+        tidy(directory)
+    all_gather_objects(None, "checkpoint cleanup")  # the others look only once rank 0 has tidied
+    result, client, error = None, None, None
+    where = directory / tag if tag else directory
+    try:
+        tag = _tag_or_latest(directory, tag)
+        where = directory / tag
+        path = checkpoint_path(directory, tag)
+        meta = read_meta_file(path)
+        saved = meta.get("layout")
+        wanted = layout_signature(template.layout)
+        if saved != wanted:
+            if saved is None:
+                raise CheckpointError(f"{path} was saved by one process; loading it into a sharded state "
+                                      f"(zero stage {wanted['stage']}, mesh {wanted['mesh']}) is not supported yet")
+            diff = [k for k in wanted if saved.get(k) != wanted[k]]
+            raise CheckpointError(
+                f"{path} was saved with another layout ({', '.join(diff)} differ: saved zero stage "
+                f"{saved['stage']} on mesh {saved['mesh']}, this state has zero stage {wanted['stage']} on mesh "
+                f"{wanted['mesh']}); resume with the plan and mesh it was saved with")
+        name = _rank_file(rank)
+        verify_files(path, meta, [name])
+        result = _fill(template, meta, open_tensor_file(path / name), path / name, load_optimizer_states)
+        client_file = path / meta["client_file"]
+        client = _join_client_state(meta["client_state"], open_tensor_file(client_file), client_file)
+    except (CheckpointError, OSError) as e:
+        error = _error_text(e, where)
+    errors = [f"rank {r}: {err}" for r, err in enumerate(all_gather_objects(error, "checkpoint load")) if err]
+    if errors:
+        raise CheckpointError(f"loading {where} failed on {len(errors)} rank(s): " + "; ".join(errors),
+                              on_every_rank=True)
+    return result, client
+
+
+def _fill(template: TrainState, meta: dict, reader, file: Path, load_optimizer_states: bool) -> TrainState:
+    """Copy the saved tensors into `template`'s buffers (and, with optimizer states, its scalars)."""
+    path = file.parent
+    saved_keys = set(reader.keys())
+    tensors, scalars = state_entries(template)
+    weights_only = not load_optimizer_states
+    converting = meta["precision"] != template.precision.name
+    wanted = {k: v for k, v in tensors.items()
+              if not weights_only or k.startswith(("params/", "master/"))}
+    prefer_master = template.master is None or converting
+    sources = {key: _source_key(key, saved_keys, prefer_master) for key in wanted}
+    missing = sorted(k for k, source in sources.items() if source is None)
+    if missing:
+        raise CheckpointError(
+            f"{path} does not match the state it is loaded into: {len(missing)} tensors missing "
+            f"(e.g. {missing[:4]}); was it saved with another model or optimizer? "
+            "Use load_optimizer_states=False to load only the weights."
+        )
+    if converting:
+        log.warning("%s was saved with precision %s; converting it to this state's %s: the weights come from its "
+                    "fp32 %s%s", path, meta["precision"], template.precision.name,
+                    "masters" if any(k.startswith("master/") for k in saved_keys) else "weights",
+                    "" if weights_only else ", the loss scaler keeps this state's initial value")
+    for key, target in wanted.items():
+        source_key = sources[key]
+        try:
+            value = reader.get_tensor(source_key)
+        except Exception as e:  # safetensors' own error types
+            raise CheckpointError(f"{file}: cannot read tensor {source_key!r} ({e})") from None
+        if tuple(value.shape) != tuple(target.shape):
+            raise CheckpointError(
+                f"{file}: tensor {source_key!r} has shape {list(value.shape)}, the state expects {list(target.shape)}"
+            )
+        if value.dtype != target.dtype and not (key.startswith("params/") and value.dtype == torch.float32
+                                                and target.dtype in _CAST_FROM_FP32):
+            raise CheckpointError(
+                f"{file}: tensor {source_key!r} is {value.dtype}, the state's {key!r} is {target.dtype}; the only "
+                "conversion is fp32 weights cast to a bf16/fp16 compute copy (was it saved with another precision "
+                "or optimizer?)"
+            )
+        with torch.no_grad():
+            target.copy_(value)
+
+    state = template
+    if not weights_only:
+        saved_scalars = dict(meta["scalars"])
+        if converting:
+            # a scaler from another precision (fp32's fixed 1.0) must not replace this one's
+            saved_scalars = {k: v for k, v in saved_scalars.items() if not k.startswith("loss_scale.")}
+        missing_scalars = sorted(k for k in set(scalars) - set(saved_scalars) if not k.startswith("loss_scale."))
+        if missing_scalars:
+            raise CheckpointError(f"{path / META_FILE} lacks state fields {missing_scalars[:4]}")
+        for key, value in saved_scalars.items():
+            if key in scalars and not _same_kind(value, scalars[key]):
+                raise CheckpointError(f"{path / META_FILE}: state field {key!r} is {type(value).__name__} {value!r}, "
+                                      f"the state expects a {type(scalars[key]).__name__}")
+        state = _replace_scalars(template, saved_scalars)
+        template.donate()
+    return state
+
+
+def _same_kind(saved: Any, current: Any) -> bool:
+    """Whether a saved scalar may replace `current` (same type; an int where a float is kept)."""
+    if type(saved) is type(current):
+        return True
+    return isinstance(current, float) and isinstance(saved, int) and not isinstance(saved, bool)
+
+
+def _source_key(key: str, saved_keys: set[str], prefer_master: bool) -> Optional[str]:
+    """Which saved tensor fills `key`: fp32 masters are preferred for weights, across precisions."""
+    head, _, rest = key.partition("/")
+    if head == "params" and prefer_master and f"master/{rest}" in saved_keys:
+        return f"master/{rest}"
+    if key in saved_keys:
+        return key
+    if head == "master" and f"params/{rest}" in saved_keys:
+        return f"params/{rest}"
+    return None
+
+
+def _replace_scalars(template: TrainState, saved: dict[str, Any]) -> TrainState:
+    """A copy of `template` whose non-tensor leaves take the saved values (matched by path)."""
+    paths, leaves, treedef = tree_flatten_with_paths(template, is_leaf=lambda x: isinstance(x, Flat))
+    new_leaves = [saved[p] if p in saved and not isinstance(leaf, (Flat, torch.Tensor)) else leaf
+                  for p, leaf in zip(paths, leaves)]
+    return tree_unflatten(treedef, new_leaves)
