@@ -29,7 +29,7 @@ from torch import nn
 
 from . import checkpoint
 from .models import Model, functionalize, to_module
-from .models.module import ModuleLoss
+from .models.module import ModuleLoss, output_loss
 from .optim.base import GradientTransformation
 from .parallel import CommLog, Mesh, Plan, gather_params, init_distributed, tensor_slicing, zero
 from .pytree import PyTree
@@ -156,9 +156,10 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
                mesh: Optional[Mesh] = None) -> tuple[Engine, GradientTransformation, Any, Any]:
     """DeepSpeed's `initialize` (module docstring): returns (engine, optimizer, training data
     loader or None, lr schedule). `config` is a ds_config (a dict or a JSON path) or None (fspeed's
-    defaults); `overrides` are fspeed's Hydra keys on top. `loss_fn(outputs, batch)` (an
-    `nn.Module`'s; a Model has its own). `model_parameters`: DeepSpeed/torch parameter groups are not
-    supported yet (a clear error); `lr_scheduler`: the config's scheduler is used."""
+    defaults); `overrides` are fspeed's Hydra keys on top. `loss_fn(outputs, batch)` is an
+    `nn.Module`'s loss (default: `outputs.loss`, as a Hugging Face model given labels returns, or a
+    scalar output; a Model has its own). `model_parameters`: torch-style parameter groups
+    (`deepspeed_groups`); `lr_scheduler`: the config's scheduler is used (an object is refused)."""
     from .config.build import build_lr_schedule, build_optimizer, build_precision, build_zero_config  # noqa: PLC0415
     from .config.compose import compose_run_config  # noqa: PLC0415
 
@@ -174,10 +175,7 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
     run, _ = compose_run_config(config, overrides, dp_world_size=data)
     module = model if isinstance(model, nn.Module) else None
     if module is not None:
-        if loss_fn is None:
-            raise ValueError("initialize: an nn.Module needs loss_fn=lambda outputs, batch: ... (DeepSpeed users "
-                             "compute it in their loop; fspeed differentiates it with the forward)")
-        model = functionalize(module, loss_fn, tp_plan=tp_plan if tp_plan is not None else
+        model = functionalize(module, loss_fn or output_loss, tp_plan=tp_plan if tp_plan is not None else
                               ("auto" if tensor > 1 else None))
     elif loss_fn is not None:
         raise ValueError("initialize: loss_fn is for nn.Modules; an fspeed Model brings its own loss")

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 TRAIN_COLUMNS = (
     "step", "samples", "loss", "val_loss", "lr", "grad_norm", "loss_scale", "skipped",
-    "tokens_per_s", "elapsed_s",
+    "tokens_per_s", "samples_per_s", "elapsed_s",
 )
 
 

@@ -125,3 +125,21 @@ def torch_loop(module: nn.Module, loss_fn, batches, grad_accum: int, lr: float =
 
 def call(module: nn.Module, batch):
     return module(**batch) if isinstance(batch, dict) else module(batch[0])
+
+
+class LMDataset(torch.utils.data.Dataset):
+    """Random token rows as a map-style dataset of Hugging Face batches (input_ids, labels)."""
+
+    def __init__(self, size: int, seed: int):
+        self.rows = torch.randint(0, VOCAB, (size, SEQ), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def lm_datasets(size: int = 256, seed: int = 0) -> tuple[LMDataset, LMDataset]:
+    """(train, validation): fspeed-train's data._target_ for the language models."""
+    return LMDataset(size, seed), LMDataset(32, seed + 1)

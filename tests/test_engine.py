@@ -27,7 +27,7 @@ def engine_case(stage, steps=3):
     from fspeed.config.compose import compose_run_config
 
     config = ds_config(stage)
-    engine, optimizer, _, schedule = fs.initialize(model=hf_gpt2(), config=config, loss_fn=lm_loss)
+    engine, optimizer, _, schedule = fs.initialize(model=hf_gpt2(), config=config)  # loss: outputs.loss
     mesh = engine.mesh
     data, rank = mesh.size("data"), mesh.coordinate("data")
     losses = []
@@ -108,8 +108,9 @@ def test_the_loop_order_and_unsupported_arguments_are_clear_errors(tmp_path):
         engine.backward(loss.clone())
     engine.backward(loss)
     engine.step()
-    with pytest.raises(ValueError, match="needs loss_fn"):
-        fs.initialize(model=module, config=config)
+    no_loss, *_ = fs.initialize(model=module, config=config)  # the CNN returns logits: no loss to take
+    with pytest.raises(ValueError, match=r"returned Tensor without a scalar loss.*pass loss_fn\(outputs, batch\)"):
+        no_loss(batch)
     with pytest.raises(ValueError, match=r"model_parameters\[0\] holds a tensor of shape \[3\] that is not a parameter"):
         fs.initialize(model=module, config=config, loss_fn=cnn_loss, model_parameters=[{"params": [torch.zeros(3)]}])
     with pytest.raises(ValueError, match="is in no param group"):

@@ -23,7 +23,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -40,7 +40,9 @@ from ..config import ConfigError, Problem, prepare_overrides, to_run_config
 from ..config.build import build_model_config, build_optimizer, build_precision, build_zero_config
 from ..config.schema import Bf16Config, RunConfig
 from ..loss_scale import LossScaleAtMinimumError
-from ..models import GPT_RULES, count_params, gpt
+from ..config.targets import TargetConfig
+from ..engine import fs_rules
+from ..models import GPT_RULES, Model, count_params, gpt
 from ..monitor import CSVMonitor
 from ..parallel import CommLog, Mesh, Plan, estimate_memory, init_distributed, shutdown_distributed, tensor_slicing, zero
 from ..parallel.memory import state_bytes_per_parameter
@@ -48,13 +50,15 @@ from ..train_init import init_train_state
 from ..train_step import NonFiniteError, make_eval_step, make_train_step
 from .run_data import prepare_data
 from .stop_requests import StopRequests, TrainingStopped
+from .user_job import build_user_data, build_user_model
 from .user_errors import DEBUG_ENV, USER_ERRORS, debug_requested, exit_with_user_error, raised_on_every_rank
 
 log = logging.getLogger("fspeed")
 
 
-def _parallel_setup(run: RunConfig):
-    """(mesh, plan) for this run: None, None for a plain single process."""
+def _parallel_setup(run: RunConfig, rules):
+    """(mesh, plan) for this run: None, None for a plain single process. `rules`: the model's
+    tensor-slicing rules (used when parallel.tensor > 1)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and run.zero.stage == 0 and run.parallel.tensor == 1:
         return None, None
@@ -64,8 +68,42 @@ def _parallel_setup(run: RunConfig):
     mesh = Mesh(data=run.parallel.data, model=run.parallel.tensor, log=log_comms)
     plan = zero(build_zero_config(run))  # stage, buckets, overlap, prefetch and the offload blocks
     if run.parallel.tensor > 1:
-        plan = plan | tensor_slicing(GPT_RULES)
+        plan = plan | tensor_slicing(rules)
     return mesh, plan
+
+
+@dataclass
+class _Job:
+    """What a run trains: the model, the rows its batches are drawn from, what checkpoints carry."""
+
+    model: Model
+    train_rows: Any  # data.TokenWindows or data.DatasetRows
+    val_rows: Any  # the same, or None: no validation
+    client_state: dict[str, Any]
+    summary: str  # for the opening log line
+    tokens_per_row: Optional[int]  # for tok/s (None: the rows are samples of a user's dataset)
+    rules: Any  # tensor-slicing rules for the model
+
+
+def _corpus_job(run: RunConfig, ckpt_dir: Path, resume_tag: Optional[str]) -> _Job:
+    """The built-in job: the reference GPT on the configured text corpus."""
+    run_data = prepare_data(run, saved_tokenizer(ckpt_dir, resume_tag))
+    tokenizer = run_data.tokenizer
+    model_cfg = build_model_config(run, tokenizer.vocab_size)
+    return _Job(gpt(model_cfg), run_data.train, run_data.val,
+                {"tokenizer": tokenizer.to_dict(), "model": asdict(model_cfg)},
+                f"vocab {tokenizer.vocab_size} ({tokenizer.kind}), {run_data.num_tokens:,} tokens ({len(run_data.train)} "
+                f"train / {len(run_data.val)} val windows of {run.model.seq_len})", run.model.seq_len, GPT_RULES)
+
+
+def _user_job(run: RunConfig) -> _Job:
+    """A user's model and data (`model._target_`, `data._target_`; see `user_job`)."""
+    model, _ = build_user_model(run)
+    train_rows, val_rows = build_user_data(run)
+    rules = fs_rules(model) if run.parallel.tensor > 1 else None
+    val = f"{len(val_rows)} validation samples" if val_rows is not None else "no validation data"
+    return _Job(model, train_rows, val_rows, {"model_target": str(run.model), "data_target": str(run.data)},
+                f"model {run.model}, data {run.data}: {len(train_rows)} training samples, {val}", None, rules)
 
 
 def data_parallel_size(cfg: DictConfig) -> int:
@@ -95,25 +133,23 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     ckpt_dir = Path(run.checkpoint.dir)
     resume_tag = checkpoint.latest_tag(ckpt_dir) if run.checkpoint.resume else None
-    run_data = prepare_data(run, saved_tokenizer(ckpt_dir, resume_tag))
-    tokenizer, train_windows, val_windows, seq_len = run_data.tokenizer, run_data.train, run_data.val, run.model.seq_len
-    mesh, plan = _parallel_setup(run)
+    job = _user_job(run) if isinstance(run.model, TargetConfig) else _corpus_job(run, ckpt_dir, resume_tag)
+    model = job.model
+    mesh, plan = _parallel_setup(run, job.rules)
     lead = mesh is None or mesh.rank == 0
     if not lead:
         log.setLevel(logging.WARNING)
     dp, data_rank = (mesh.size("data"), mesh.coordinate("data")) if mesh else (1, 0)
-    loader = data.Loader(train_windows, data.BatchSampler(len(train_windows), triad.train_batch_size, t.seed,
-                                                          rank=data_rank, world_size=dp))
-    val_batches = data.Loader(val_windows, data.BatchSampler(len(val_windows), triad.micro_batch_size * dp, t.seed,
-                                                             rank=data_rank, world_size=dp)).eval_batches(t.eval_batches)
+    loader = data.Loader(job.train_rows, data.BatchSampler(len(job.train_rows), triad.train_batch_size, t.seed,
+                                                           rank=data_rank, world_size=dp))
+    val_batches = [] if job.val_rows is None else data.Loader(
+        job.val_rows, data.BatchSampler(len(job.val_rows), triad.micro_batch_size * dp, t.seed, rank=data_rank,
+                                        world_size=dp)).eval_batches(t.eval_batches)
 
-    model_cfg = build_model_config(run, tokenizer.vocab_size)
-    model = gpt(model_cfg)
     optimizer = build_optimizer(run)
     precision = build_precision(run)
     params = model.init(torch.Generator().manual_seed(t.seed))
-    state = init_train_state(params, optimizer, precision=precision, seed=t.seed, plan=plan, mesh=mesh,
-                             logical_axes=model.logical_axes)
+    state = init_train_state(params, optimizer, precision=precision, seed=t.seed, plan=plan, mesh=mesh, model=model)
     try:  # before the first step: can every rank save, and is there room for one checkpoint?
         checkpoint.preflight(ckpt_dir, state, mesh=mesh)
     except CheckpointError as e:
@@ -122,10 +158,8 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
         state, _ = checkpoint.load_checkpoint(ckpt_dir, state, tag=resume_tag, mesh=mesh)
         log.info("resumed from %s at step %d", ckpt_dir / resume_tag, state.step)
     log.info(
-        "%s: %s parameters, vocab %d (%s), %s tokens (%d train / %d val windows of %d), batch %s, "
-        "optimizer %s, precision %s, %s; data ready in %.1fs",
-        model.name, f"{count_params(params):,}", tokenizer.vocab_size, tokenizer.kind, f"{run_data.num_tokens:,}",
-        len(train_windows), len(val_windows), seq_len, triad.derivation, optimizer, precision.name,
+        "%s: %s parameters, %s, batch %s, optimizer %s, precision %s, %s; data ready in %.1fs",
+        model.name, f"{count_params(params):,}", job.summary, triad.derivation, optimizer, precision.name,
         f"{plan!r} on {mesh!r}" if plan else "one process", time.perf_counter() - t0,
     )
 
@@ -140,18 +174,19 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
         return checkpoint.save_checkpoint(ckpt_dir, s, client_state=client_state, mesh=mesh,
                                           keep_last=run.checkpoint.keep_last)
 
-    def evaluate(s) -> float:
-        return sum(eval_step(s, b) for b in val_batches) / len(val_batches)
+    def evaluate(s) -> Optional[float]:
+        return sum(eval_step(s, b) for b in val_batches) / len(val_batches) if val_batches else None
 
-    client_state = {"tokenizer": tokenizer.to_dict(), "model": asdict(model_cfg)}
+    client_state = job.client_state
     monitor = CSVMonitor(out_dir / "metrics.csv") if run.monitor.csv and lead else None
     val_start = evaluate(state)
-    log.info("step %d: val_loss %.4f", state.step, val_start)
-    if monitor:
-        monitor.write({"step": state.step, "samples": state.samples, "val_loss": val_start})
+    if val_start is not None:
+        log.info("step %d: val_loss %.4f", state.step, val_start)
+        if monitor:
+            monitor.write({"step": state.step, "samples": state.samples, "val_loss": val_start})
 
     print_every = t.steps_per_print or t.log_every
-    tokens_per_step = triad.train_batch_size * seq_len
+    samples_per_step = triad.train_batch_size
     bar = _progress_bar(run, state.step) if lead else None
     val_loss, metrics = val_start, {}
     window_start, window_steps = time.perf_counter(), 0
@@ -163,19 +198,23 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
                 state, metrics = train_step(state, loader.batch(state.step))
                 window_steps += 1
                 elapsed = time.perf_counter() - window_start
-                tokens_per_s = window_steps * tokens_per_step / elapsed
+                samples_per_s = window_steps * samples_per_step / elapsed
                 row = {k: metrics[k] for k in ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped")}
-                row.update(samples=state.samples, tokens_per_s=tokens_per_s,
-                           elapsed_s=time.perf_counter() - train_start)
+                row.update(samples=state.samples, samples_per_s=samples_per_s, elapsed_s=time.perf_counter() - train_start)
+                if job.tokens_per_row:
+                    row["tokens_per_s"] = samples_per_s * job.tokens_per_row
                 last = state.step == t.steps
-                if (t.eval_every and state.step % t.eval_every == 0) or last:
+                if val_batches and ((t.eval_every and state.step % t.eval_every == 0) or last):
                     val_loss = evaluate(state)
                     row["val_loss"] = val_loss
                 if monitor:
                     monitor.write(row)
                 if bar is not None:
-                    bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
-                                    tok_s=f"{tokens_per_s:,.0f}", val=f"{val_loss:.3f}", refresh=False)
+                    rate = {"tok_s": f"{row['tokens_per_s']:,.0f}"} if "tokens_per_s" in row \
+                        else {"samples_s": f"{samples_per_s:,.1f}"}
+                    val = {"val": f"{val_loss:.3f}"} if val_loss is not None else {}
+                    bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", **rate, **val,
+                                    refresh=False)
                     bar.update(1)
                 if lead and (state.step % print_every == 0 or last or "val_loss" in row):
                     _log_line(row, bar)
@@ -196,7 +235,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
                 monitor.close()
     path = save(state)
     train_time = time.perf_counter() - train_start
-    drop = 1.0 - val_loss / val_start
+    drop = 1.0 - val_loss / val_start if val_start is not None else None
     summary = {
         "val_loss_start": val_start, "val_loss_end": val_loss, "val_loss_drop": drop,
         "steps": state.step, "skipped_steps": state.skipped_steps, "train_seconds": train_time,
@@ -206,8 +245,12 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
         return summary
     if mesh is not None and run.comms_logger.enabled:
         print("\ncommunication (rank 0):\n" + mesh.log.summary())
-    print(f"\nval loss {val_start:.4f} -> {val_loss:.4f} ({drop:.0%} lower) after {state.step} steps "
-          f"({state.skipped_steps} skipped) in {train_time:.0f}s")
+    if val_start is not None:
+        print(f"\nval loss {val_start:.4f} -> {val_loss:.4f} ({drop:.0%} lower) after {state.step} steps "
+              f"({state.skipped_steps} skipped) in {train_time:.0f}s")
+    else:
+        print(f"\ntraining loss {metrics.get('loss', float('nan')):.4f} after {state.step} steps "
+              f"({state.skipped_steps} skipped) in {train_time:.0f}s (no validation data)")
     if summary["metrics_csv"]:
         print(f"metrics:    {summary['metrics_csv']}")
     same = " and the same zero/parallel settings" if mesh is not None and mesh.world_size > 1 else ""
@@ -272,7 +315,8 @@ def _progress_bar(run: RunConfig, start: int):
 
 def _log_line(row: dict[str, Any], bar) -> None:
     parts = [f"step {row['step']}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.3e}",
-             f"grad_norm {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s"]
+             f"grad_norm {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in row
+             else f"{row['samples_per_s']:,.1f} samples/s"]
     if row.get("loss_scale", 1.0) != 1.0:
         parts.append(f"loss_scale {row['loss_scale']:g}")
     if row.get("skipped"):
@@ -324,6 +368,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     the config, the corpus and the checkpoint directory once. `--debug` shows tracebacks.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # model._target_ / data._target_ import from here, as with python -m
     launch = "--launch" in argv
     if "--debug" in argv:
         os.environ[DEBUG_ENV] = "1"  # Hydra's own switch; the ranks of --launch inherit it
@@ -364,7 +410,8 @@ def _launch(overrides: list[str], flags: list[str]) -> int:
                                    "a positive integer, e.g. parallel.data=2")])
     run = to_run_config(cfg, dp_world_size=data_size)
     ckpt_dir = Path(run.checkpoint.dir)
-    prepare_data(run, saved_tokenizer(ckpt_dir, checkpoint.latest_tag(ckpt_dir) if run.checkpoint.resume else None))
+    if not isinstance(run.data, TargetConfig):  # a user's data target runs the user's code: the ranks build it
+        prepare_data(run, saved_tokenizer(ckpt_dir, checkpoint.latest_tag(ckpt_dir) if run.checkpoint.resume else None))
     try:
         checkpoint.probe_directory(ckpt_dir)
     except CheckpointError as e:

@@ -21,7 +21,8 @@ from hydra.errors import HydraException
 from .deepspeed import DeepSpeedConfigError, DeepSpeedTranslation, translate_deepspeed_config
 from .errors import ConfigError, Problem
 from .overrides import split_superseded
-from .validate import check_overrides
+from .targets import targeted_overrides
+from .validate import check_overrides, packaged_default_choices
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -85,8 +86,10 @@ def prepare_overrides(cli_overrides: Sequence[str], *,
     `check_overrides`, so that command-line keys are judged against the group options the file
     chose (a file choosing SGD makes ``optimizer.momentum=0.5`` valid). `check_group_options=False`
     leaves group options to Hydra (the CLI passes it when --config-dir adds options). Raises
-    `ConfigError` (or its subclass `DeepSpeedConfigError`) naming every problem.
+    `ConfigError` (or its subclass `DeepSpeedConfigError`) naming every problem. A `model._target_`
+    or `data._target_` opens that section for the user's callable (`targets.targeted_overrides`).
     """
     overrides, translation = expand_deepspeed_config(cli_overrides)
+    overrides = targeted_overrides(overrides, packaged_default_choices())
     check_overrides(overrides, check_group_options=check_group_options)
     return overrides, translation

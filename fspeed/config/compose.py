@@ -18,7 +18,8 @@ from .command_line import load_deepspeed_config, prepare_overrides
 from .deepspeed import DeepSpeedTranslation, translate_deepspeed_config
 from .overrides import split_superseded
 from .schema import RunConfig
-from .validate import check_overrides, to_run_config
+from .targets import targeted_overrides
+from .validate import check_overrides, packaged_default_choices, to_run_config
 
 DeepSpeedConfig = Union[Mapping[str, Any], str, PathLike, None]
 
@@ -37,7 +38,7 @@ def compose_run_config(deepspeed_config: DeepSpeedConfig = None, overrides: Sequ
             else load_deepspeed_config(deepspeed_config)
         translation = translate_deepspeed_config(source)
         kept, superseded = split_superseded(translation.overrides, list(overrides))
-        composed = [*kept, *overrides]
+        composed = targeted_overrides([*kept, *overrides], packaged_default_choices())
         translation = replace(translation, superseded=tuple(superseded))
         check_overrides(composed)
     with initialize_config_module("fspeed.conf", version_base=None):

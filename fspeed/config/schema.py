@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Literal, Optional, Union
 from ..batch_triad import BatchTriad, BatchTriadError, resolve_batch_triad
 from ..sparse.config import SparseAttentionConfig
 from .errors import ConfigError, Problem
+from .targets import TargetConfig
 from .fields import (
     Check,
     NON_EMPTY,
@@ -499,7 +500,7 @@ PRECISIONS: dict[str, type] = {"fp32": Fp32Config, "bf16": Bf16Config, "fp16": F
 KINDS: dict[str, dict[str, type]] = {"optimizer": OPTIMIZERS, "scheduler": SCHEDULERS, "precision": PRECISIONS}
 """Config groups whose option is picked by the node's `name` field, and the class for each name."""
 
-GROUPS: tuple[str, ...] = ("model", *KINDS)
+GROUPS: tuple[str, ...] = ("model", "data", *KINDS)
 """The Hydra config groups of the fspeed tree (choose an option with group=option)."""
 
 SECTIONS: dict[str, type] = {
@@ -513,7 +514,8 @@ SECTIONS: dict[str, type] = {
     "comms_logger": CommsLoggerConfig,
     "sparse_attention": SparseAttentionSection,
 }
-"""Sections with one fixed class (model is a Hydra group, but every option is a ModelConfig)."""
+"""Sections with one fixed class (model and data are Hydra groups, but every packaged option is a
+ModelConfig / DataConfig; their option `custom` is a user's callable, a `TargetConfig`)."""
 
 
 def option_schema(group: str, option_name: str) -> type | None:
@@ -528,12 +530,12 @@ class RunConfig(ValidatedConfig):
     """A validated training run. `batch` is the batch triad resolved for `dp_world_size`
     (a runtime value, not a config key); changing either re-resolves it (dataclasses.replace)."""
 
-    model: ModelConfig
+    model: Union[ModelConfig, TargetConfig]
     optimizer: OptimizerConfig
     scheduler: SchedulerConfig
     precision: PrecisionConfig
     train: TrainConfig
-    data: DataConfig
+    data: Union[DataConfig, TargetConfig]
     checkpoint: CheckpointConfig
     monitor: MonitorConfig
     zero: ZeroSection
@@ -546,6 +548,12 @@ class RunConfig(ValidatedConfig):
 
     def relation_problems(self) -> list[Problem]:
         sched, lr = self.scheduler, getattr(self.optimizer, "lr", None)
+        targets = [isinstance(self.model, TargetConfig), isinstance(self.data, TargetConfig)]
+        if any(targets) and not all(targets):
+            given, other = ("model", "data") if targets[0] else ("data", "model")
+            return [Problem(f"{other}._target_", f"is needed with {given}._target_: the built-in corpus data is cut for "
+                            "the built-in GPT (its model.seq_len and tokenizer), and the built-in GPT reads only it",
+                            hint=f"set {other}._target_=my_pkg.build_{other}")]
         if self.optimizer.name in ONEBIT_OPTIMIZERS and (self.zero.stage >= 1 or self.parallel.tensor > 1):
             what = f"zero.stage={self.zero.stage}" if self.zero.stage >= 1 else f"parallel.tensor={self.parallel.tensor}"
             return [Problem("optimizer", f"{self.optimizer.name} compresses the all-reduce of whole replicated buffers "

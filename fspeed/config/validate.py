@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from .errors import ConfigError, Problem, did_you_mean, unknown_key
 from .fields import ValidatedConfig, config_fields, from_mapping
 from .schema import GROUPS, KINDS, RUNTIME_FIELDS, SECTIONS, RunConfig, option_schema
+from .targets import TARGET_OPTION, TARGET_SECTIONS, TargetConfig
 
 CONFIG_KEYS = tuple(f.name for f in config_fields(RunConfig) if f.name not in RUNTIME_FIELDS)
 """Top-level keys of the run config."""
@@ -49,6 +50,8 @@ def _resolve(cfg: DictConfig) -> tuple[dict[str, Any], list[Problem]]:
         except OmegaConfBaseException as err:
             message = str(err).splitlines()[0]
             hint = None
+            if full_key.endswith("._target_") and "Missing mandatory value" in message:
+                hint = f"set it to the dotted path of your callable, e.g. {full_key}=my_pkg.build_{full_key.split('.')[0]}"
             if "HydraConfig was not set" in message:
                 hint = ("${hydra:...} only resolves inside the fspeed-train app; set this key explicitly "
                         f"(e.g. {full_key}=/some/path)")
@@ -87,6 +90,12 @@ def run_config_from_mapping(data: Mapping[str, Any], *, dp_world_size: int = 1) 
             continue
         node = data[section]
         cls = SECTIONS.get(section)
+        if section in TARGET_SECTIONS and isinstance(node, Mapping) and "_target_" in node:
+            try:
+                sections[section] = TargetConfig.from_node(node)
+            except ConfigError as err:
+                problems += err.under(section).problems
+            continue
         if section in KINDS:
             names = list(KINDS[section])
             kind = node.get("name") if isinstance(node, Mapping) else None
@@ -213,6 +222,8 @@ def _check_value_override(override: Override, choices: Mapping[str, list[str] | 
         return [unknown_key(f"{top}.{k}", v, sorted(fields)) for k, v in value.items() if fields and k not in fields]
     problems: list[Problem] = []
     for option in choices.get(top) or [None]:
+        if top in TARGET_SECTIONS and option == TARGET_OPTION:
+            continue  # a user's callable: its arguments are checked against its signature once composed
         cls = option_schema(top, option) if option is not None else SECTIONS.get(top)
         if cls is None:
             continue  # an option fspeed does not know: Hydra or to_run_config will report it

@@ -15,6 +15,7 @@ from fspeed.data.corpus import (
 from fspeed.data.loader import (
     Batch,
     BatchSampler,
+    DatasetRows,
     Loader,
     TokenWindows,
     eval_starts,
@@ -37,6 +38,7 @@ __all__ = [
     "CorpusDecodeError",
     "CorpusError",
     "BatchSampler",
+    "DatasetRows",
     "ByteTokenizer",
     "CharTokenizer",
     "Loader",

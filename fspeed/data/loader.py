@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,12 +196,37 @@ def eval_starts(num_windows: int, batch_size: int, num_batches: int, seed: int) 
     return flat.reshape(num_batches, batch_size)
 
 
-class Loader:
-    """Batches of ``windows`` at the starts ``sampler`` picks; holds no position, so resume is exact."""
+class DatasetRows:
+    """A map-style dataset (`torch.utils.data.Dataset`: `len` and `dataset[i]`) read by index
+    tensors as `TokenWindows` is: `get(indices)` collates those samples into one batch."""
 
-    def __init__(self, windows: TokenWindows, sampler: BatchSampler) -> None:
-        if not isinstance(windows, TokenWindows):
-            raise TypeError(f"windows must be a TokenWindows, got {type(windows).__name__}")
+    def __init__(self, dataset: Any, collate_fn: Callable[[list], Any] | None = None) -> None:
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise TypeError(f"a dataset needs __len__ and __getitem__ (a map-style torch Dataset), got "
+                            f"{type(dataset).__name__}")
+        if len(dataset) < 1:
+            raise ValueError(f"the dataset {type(dataset).__name__} is empty")
+        from torch.utils.data import default_collate  # noqa: PLC0415
+
+        self.dataset, self.collate_fn = dataset, collate_fn or default_collate
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __repr__(self) -> str:
+        return f"DatasetRows({type(self.dataset).__name__}, {len(self)} samples)"
+
+    def get(self, indices: torch.Tensor) -> Any:
+        return self.collate_fn([self.dataset[i] for i in indices.tolist()])
+
+
+class Loader:
+    """Batches of ``windows`` (`TokenWindows` or `DatasetRows`) at the starts ``sampler`` picks;
+    holds no position, so resume is exact."""
+
+    def __init__(self, windows: TokenWindows | DatasetRows, sampler: BatchSampler) -> None:
+        if not isinstance(windows, (TokenWindows, DatasetRows)):
+            raise TypeError(f"windows must be a TokenWindows or DatasetRows, got {type(windows).__name__}")
         if not isinstance(sampler, BatchSampler):
             raise TypeError(f"sampler must be a BatchSampler, got {type(sampler).__name__}")
         if sampler.num_windows != len(windows):

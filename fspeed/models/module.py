@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -333,6 +334,20 @@ def _compute_dtype(tensors: dict, units: dict) -> Optional[torch.dtype]:
             if t is not None and t.is_floating_point():
                 return t.dtype
     return None
+
+
+def output_loss(outputs: Any, batch: Any) -> torch.Tensor:
+    """The loss a module returns: `outputs.loss` (Hugging Face models given labels) or a scalar output."""
+    loss = getattr(outputs, "loss", None)
+    if loss is None and isinstance(outputs, Mapping):
+        loss = outputs.get("loss")
+    if loss is None and isinstance(outputs, torch.Tensor):
+        loss = outputs
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(f"the model returned {type(outputs).__name__} without a scalar loss: return a 0-d loss or "
+                         "an output with .loss (a Hugging Face model needs labels in the batch), or pass "
+                         "loss_fn(outputs, batch) -> loss")
+    return loss
 
 
 def functionalize(

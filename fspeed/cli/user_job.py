@@ -1,0 +1,77 @@
+"""A user's own model and data as an fspeed-train job: `model._target_` and `data._target_`.
+
+    fspeed-train model._target_=my_pkg.build_model data._target_=my_pkg.build_dataset zero.stage=3 --launch
+
+The model target returns an `nn.Module` (its output's `.loss`, e.g. a Hugging Face model given
+`labels`, or a scalar output, is the loss), a `(module, loss_fn(outputs, batch))` pair, or an
+fspeed `Model`. A module is `functionalize`d: its repeated blocks are the units ZeRO-3 gathers,
+and with `parallel.tensor > 1` its own tensor-parallel plan (a transformers model's) slices it.
+The data target returns a map-style `Dataset`, a `(train, validation)` pair, or a mapping with
+`train` and optionally `validation` and `collate_fn`. Batches are drawn as the corpus' windows
+are: a pure function of seed and step (uniform with replacement), so resume is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Callable, Optional
+
+from torch import nn
+
+from ..config import ConfigError, Problem
+from ..config.schema import RunConfig
+from ..data import DatasetRows
+from ..models import Model, functionalize
+from ..models.module import output_loss
+
+_MODEL_RETURNS = "an nn.Module, a (module, loss_fn) pair, or an fspeed Model"
+_DATA_RETURNS = "a map-style Dataset, a (train, validation) pair, or a mapping with train, validation, collate_fn"
+
+
+def build_user_model(run: RunConfig) -> tuple[Model, Optional[nn.Module]]:
+    """(the Model to train, the nn.Module behind it or None) from `model._target_`."""
+    built = run.model.instantiate()
+    loss_fn: Optional[Callable] = None
+    if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module) and callable(built[1]):
+        built, loss_fn = built
+    if isinstance(built, Model):
+        return built, None
+    if not isinstance(built, nn.Module):
+        raise ConfigError([Problem("model._target_", f"returned {type(built).__name__}; allowed: {_MODEL_RETURNS}",
+                                   run.model.target)])
+    try:
+        model = functionalize(built, loss_fn or output_loss, tp_plan="auto" if run.parallel.tensor > 1 else None)
+    except ValueError as err:
+        key = "parallel.tensor" if run.parallel.tensor > 1 else "model._target_"
+        raise ConfigError([Problem(key, str(err))]) from None
+    return model, built
+
+
+def build_user_data(run: RunConfig) -> tuple[DatasetRows, Optional[DatasetRows]]:
+    """(training rows, validation rows or None) from `data._target_`."""
+    built = run.data.instantiate()
+    collate = None
+    if isinstance(built, Mapping):
+        unknown = set(built) - {"train", "validation", "collate_fn"}
+        if "train" not in built or unknown:
+            raise ConfigError([Problem("data._target_", f"returned a mapping with keys {sorted(built)}; allowed: "
+                                       "train (required), validation, collate_fn", run.data.target)])
+        train, val, collate = built["train"], built.get("validation"), built.get("collate_fn")
+    elif isinstance(built, tuple) and len(built) == 2:
+        train, val = built
+    else:
+        train, val = built, None
+    rows = []
+    for name, dataset in (("train", train), ("validation", val)):
+        if dataset is None:
+            rows.append(None)
+            continue
+        try:
+            rows.append(DatasetRows(dataset, collate))
+        except (TypeError, ValueError) as err:
+            raise ConfigError([Problem("data._target_", f"its {name} data: {err}; allowed: {_DATA_RETURNS}",
+                                       run.data.target)]) from None
+    return rows[0], rows[1]
+
+
+__all__ = ["build_user_data", "build_user_model"]
