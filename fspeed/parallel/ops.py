@@ -121,6 +121,25 @@ class _UnitCall:
         sink.deliver(self.unit.index, list(grad_resident))
 
 
+def autograd_vjp(fn: Callable, *primals) -> tuple[Any, Callable]:
+    """`torch.func.vjp(fn, *primals)` on plain autograd: the step differentiates with plain autograd
+    (train_step), under which a unit's graph is recorded on detached copies of its inputs, as
+    activation checkpointing does; `vjp(cotangents)` gives zeros for inputs the outputs do not use."""
+    leaves, spec = tree_flatten(primals)
+    leaves = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
+    with torch.enable_grad():
+        outputs = fn(*tree_unflatten(spec, leaves))
+
+    def vjp(cotangents: Sequence[torch.Tensor]):
+        used = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
+        wanted = [x for x in leaves if x.requires_grad]
+        grads = iter(torch.autograd.grad([o for o, _ in used], wanted, [c for _, c in used], allow_unused=True)
+                     if used and wanted else [None] * len(wanted))
+        result = [next(grads) if x.requires_grad else None for x in leaves]
+        return tree_unflatten(spec, [torch.zeros_like(x) if g is None else g for g, x in zip(result, leaves)])
+    return outputs, vjp
+
+
 def _cotangents(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]) -> tuple:
     """Gradients for every output (zeros where autograd gave none)."""
     return tuple(torch.zeros_like(o) if g is None else g for o, g in zip(outputs, grads))
@@ -129,7 +148,7 @@ def _cotangents(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.
 class _GatheredUnit(torch.autograd.Function):
     """A unit whose sharded weights exist gathered only while it computes.
 
-    Forward gathers the shard and records the unit's graph (`torch.func.vjp`), then frees the
+    Forward gathers the shard and records the unit's graph (`autograd_vjp`), then frees the
     gathered storage: the graph keeps views of it, which hold no memory while it is empty.
     Backward gathers again into that same storage (no version bump: the bits are what the graph
     saw), runs the recorded vjp and delivers the unit's gradients. With recompute, forward keeps
@@ -144,13 +163,12 @@ class _GatheredUnit(torch.autograd.Function):
         if recompute:
             with torch.no_grad():
                 return call.run(full, inputs, resident, replay=False)
-        with torch.enable_grad():
-            outputs, call.vjp = torch.func.vjp(
-                lambda f, ins, res: call.run(f, ins, res, replay=False), full, tuple(inputs), tuple(resident))
+        outputs, call.vjp = autograd_vjp(lambda f, ins, res: call.run(f, ins, res, replay=False),
+                                         full, tuple(inputs), tuple(resident))
         call.full, call.nbytes = full, full.untyped_storage().nbytes()
         call.outputs_like = [torch.empty_like(o, device="meta") for o in outputs]
         full.untyped_storage().resize_(0)
-        return outputs
+        return tuple(o.detach() for o in outputs)  # the unit's own graph stays the vjp's, not this Function's
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -167,10 +185,8 @@ class _GatheredUnit(torch.autograd.Function):
         full = call.ops.gathered(call.unit, shard, forward=False)
         if ctx.recompute:
             inputs, resident = tuple(tensors[:ctx.n_inputs]), tuple(tensors[ctx.n_inputs:])
-            with torch.enable_grad():
-                outputs, vjp = torch.func.vjp(lambda f, ins, res: call.run(f, ins, res, replay=True),
-                                              full, inputs, resident)
-                grad_full, grad_inputs, grad_resident = vjp(_cotangents(outputs, grads))
+            outputs, vjp = autograd_vjp(lambda f, ins, res: call.run(f, ins, res, replay=True), full, inputs, resident)
+            grad_full, grad_inputs, grad_resident = vjp(_cotangents(outputs, grads))
         else:
             storage = call.full.untyped_storage()
             storage.resize_(call.nbytes)
@@ -207,10 +223,9 @@ class _RecomputedUnit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         tensors, n = ctx.saved_tensors, ctx.n_inputs
-        with torch.enable_grad():
-            outputs, vjp = torch.func.vjp(lambda ins, res: ctx.call.run(None, ins, res, replay=True),
-                                          tuple(tensors[:n]), tuple(tensors[n:]))
-            grad_inputs, grad_resident = vjp(_cotangents(outputs, grads))
+        outputs, vjp = autograd_vjp(lambda ins, res: ctx.call.run(None, ins, res, replay=True),
+                                    tuple(tensors[:n]), tuple(tensors[n:]))
+        grad_inputs, grad_resident = vjp(_cotangents(outputs, grads))
         ctx.call.deliver(None, [unwrapped(g) for g in grad_resident])
         return (torch.zeros(()), None, None) + tuple(grad_inputs) + (None,) * (len(tensors) - n)
 
