@@ -130,7 +130,7 @@ def worker(args) -> None:
         model = fs.functionalize(copy.deepcopy(base), lm_loss)
         opt = fs.optim.adamw(1e-4)
         plan = fs.zero(stage, param_persistence_threshold=0 if stage == 3 else 100_000,
-                       reduce_bucket_size=2_000_000, overlap_comm=True)
+                       reduce_bucket_size=2_000_000, allgather_bucket_size=2_000_000, overlap_comm=True)
         box = {"state": fs.init_train_state(model.init(), opt, plan=plan, mesh=mesh, model=model)}
         step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)
 

@@ -39,7 +39,7 @@ class DonatedStateError(RuntimeError):
 class TrainState:
     """The state of a training run (see the module docstring)."""
 
-    __slots__ = _FIELDS + ("precision", "layout", "_donated_at")
+    __slots__ = _FIELDS + ("precision", "layout", "_donated_at", "_in_flight")
 
     def __init__(
         self,
@@ -62,6 +62,7 @@ class TrainState:
         object.__setattr__(self, "precision", precision)
         object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "_donated_at", None)
+        object.__setattr__(self, "_in_flight", None)
 
     def __getattribute__(self, name: str):
         if name in _FIELD_SET:
@@ -72,7 +73,27 @@ class TrainState:
                     "belong to the state that call returned. Use the returned state "
                     "(state, metrics = step(state, batch))."
                 )
+            if name == "params":
+                in_flight = object.__getattribute__(self, "_in_flight")
+                if in_flight is not None:  # ZeRO-1/2's parameter all-gather: complete before anyone reads
+                    in_flight.wait()
+                    object.__setattr__(self, "_in_flight", None)
         return object.__getattribute__(self, name)
+
+    def params_gathering(self, gather: Any) -> Optional[Flat]:
+        """The params without waiting, when `gather` is the all-gather still writing them (the step
+        that started it waits for each unit as its forward reaches it); None otherwise."""
+        in_flight = object.__getattribute__(self, "_in_flight")
+        if in_flight is None or in_flight is not gather:
+            return None
+        self.step  # noqa: B018 (the donation check)
+        return object.__getattribute__(self, "params")
+
+    def with_params_in_flight(self, gather: Any) -> "TrainState":
+        """This state, its params still being written by `gather` (train_step's ZeRO-1/2 all-gather)."""
+        if gather is not None and not gather.done:
+            object.__setattr__(self, "_in_flight", gather)
+        return self
 
     def __setattr__(self, name, value):
         raise AttributeError("TrainState is immutable; use state.replace(field=value)")

@@ -20,7 +20,9 @@ when `overlap_comm` is on). At the boundary, as DeepSpeed does:
 4. the optimizer updates the fp32 masters in place and, when the compute copy is the masters'
    local image, writes it, cast, in the same pass (`cast_to`: the CPU Adam kernel fuses both and
    reads bf16/fp16 accumulated gradients as they are, with no fp32 copy); ZeRO-1/2 instead cast
-   the updated partition and all-gather it.
+   the updated partition and start its all-gather (in `allgather_bucket_size` buckets), which the
+   next forward waits for unit by unit, so it overlaps compute (Megatron's overlap_param_gather);
+   reading `state.params` in between waits for all of it.
 
 Metrics: loss (mean over micro-batches), lr (used by this step), grad_norm (unscaled, before
 clipping), loss_scale (that produced the gradients), skipped.
@@ -198,7 +200,7 @@ def make_train_step(
         # optimizers that communicate themselves (1-bit family) may take the local gradient instead
         allreduce = needs_full_allreduce(rest, state.opt_state[1:] if clip_norm is not None else state.opt_state)
         runtime.begin_step(allreduce, grad_accum)
-        device = runtime.compute_device(state.params)
+        device = runtime.compute_device(_params(state, runtime))
         return _Step(runtime, allreduce, torch.Generator(device=device), torch.zeros((), device=device))
 
     def micro(step: _Step, state: TrainState, micro_batch: PyTree) -> torch.Tensor:
@@ -210,7 +212,8 @@ def make_train_step(
         multiplier = state.loss_scale.scale / (grad_accum * runtime.n)  # summed over data ranks = the mean
         step.generator.manual_seed(dropout_seed(state.rng_seed, state.step, i))
         runtime.begin_micro(i)
-        loss = grad_and_loss(step.anchor, state.params, micro_batch, step.generator, multiplier, state.buffers, runtime)
+        loss = grad_and_loss(step.anchor, _params(state, runtime), micro_batch, step.generator, multiplier,
+                             state.buffers, runtime)
         runtime.end_micro()
         step.losses.append(loss)
         step.rows += _rows(micro_batch)
@@ -275,10 +278,10 @@ def make_train_step(
             opt_state = (opt_state[0],) + tuple(rest_state)
         else:
             master, opt_state = optimizer_step(rest, grads, opt_state, master, cast_to=cast_to, comm=comm)
-        runtime.write_back(master, fields["params"], cast_to)  # cast/upload; all-gather for ZeRO-1/2
+        gather = runtime.write_back(master, fields["params"], cast_to)  # cast/upload; ZeRO-1/2 start an all-gather
         fields["opt_state"] = opt_state
         metrics["grad_norm"] = grad_norm
-        return _next_state(state, fields, new_scaler, samples, skipped=0), metrics
+        return _next_state(state, fields, new_scaler, samples, skipped=0).with_params_in_flight(gather), metrics
 
     return TrainStep(begin, micro, boundary, grad_accum, runtime_for, persistent_grad_bytes)
 
@@ -324,6 +327,13 @@ def _warn_if_distributed() -> None:
         log.warning("train_step without plan= and mesh= in a process group of %d ranks: each rank trains its own "
                     "copy, nothing is averaged. For data parallelism pass plan=fs.zero(0) (or any plan) and "
                     "mesh=fs.Mesh(data=-1) to init_train_state and make_train_step.", world)
+
+
+def _params(state: TrainState, runtime: ParallelRuntime) -> Flat:
+    """The state's params for this step's forward: still being all-gathered when this runtime
+    started the gather in the last step (its forward waits unit by unit), else complete."""
+    params = state.params_gathering(runtime.param_gather)
+    return params if params is not None else state.params
 
 
 def _rows(batch: PyTree) -> int:

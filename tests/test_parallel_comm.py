@@ -78,3 +78,26 @@ def test_asynchronous_collectives_on_2_ranks(world2):
         assert out == [3.0 * x for x in range(4 * rank, 4 * rank + 4)]
         assert [e.op for e in events] == ["all_reduce", "reduce", "reduce_scatter"]
         assert all(e.waited - e.issued >= 0.05 > e.blocked for e in events)  # they ran while this rank slept
+
+
+def gather_in_flight_case():
+    """An all-gather started in buckets: waiting for a range completes exactly the buckets that
+    write it (ZeRO-1/2's per-unit wait in the next forward); the rest completes on wait()."""
+    mesh = fs.Mesh(data=-1)
+    comm, rank = mesh.comm("data"), mesh.rank
+    part, out = torch.arange(10.0) + 100 * rank, torch.full((20,), -1.0)
+    gather = comm.start_all_gather(part, out, bucket_elems=3)  # buckets [0,3) [3,6) [6,9) [9,10) of each part
+    gather.wait_range(11, 13)  # rank 1's elements 1-2: the first bucket, which also writes out[0:3]
+    first = [c is None for c in gather.chunks]
+    after_range = out.clone()
+    gather.wait()
+    return first, after_range.tolist(), out.tolist(), gather.done
+
+
+def test_an_all_gather_in_flight_completes_by_range(world2):
+    expected = [float(x) for x in range(10)] + [100.0 + x for x in range(10)]
+    for first, after_range, out, done in world2.run(gather_in_flight_case):
+        assert first == [True, False, False, False]
+        assert after_range[0:3] == expected[0:3] and after_range[10:13] == expected[10:13]
+        assert after_range[3:10] == [-1.0] * 7  # untouched until waited
+        assert out == expected and done

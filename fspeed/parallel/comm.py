@@ -276,29 +276,34 @@ class AxisComm:
 
     def all_gather(self, part: torch.Tensor, out: torch.Tensor, bucket_elems: int = 0) -> torch.Tensor:
         """Gather every rank's `part` [P] into `out` [size * P] (rank order), in buckets."""
+        self.start_all_gather(part, out, bucket_elems).wait()
+        return out
+
+    def start_all_gather(self, part: torch.Tensor, out: torch.Tensor, bucket_elems: int = 0) -> "GatherInFlight":
+        """`all_gather` started bucket by bucket and not waited for: `part` must not change and
+        `out` must not be read until the buckets covering it are waited (`GatherInFlight`)."""
         if out.numel() != part.numel() * self.size:
             raise ValueError(f"all_gather on {self.name!r}: input has {part.numel()} elements, "
                              f"output {out.numel()}, axis size {self.size}")
         if self.size == 1:
-            return out.copy_(part)
+            out.copy_(part)
+            return GatherInFlight(out, 1, part.numel(), [])
         self._check("all_gather", part, out)
         chunks = list(_chunks(part.numel(), bucket_elems))
-        rows = out.view(self.size, -1)
         if len(chunks) == 1:
-            self._start("all_gather", _nbytes(part),
-                        lambda: dist.all_gather_single(out, part, group=self.group, async_op=True)).wait()
-            return out
+            pending = self._start("all_gather", _nbytes(part),
+                                  lambda: dist.all_gather_single(out, part, group=self.group, async_op=True))
+            return GatherInFlight(out, self.size, part.numel(), [(0, part.numel(), None, pending)])
         staged = []
         for lo, hi in chunks:
             buf = torch.empty(self.size * (hi - lo), dtype=out.dtype, device=out.device)
             piece = part[lo:hi].contiguous()
             staged.append((lo, hi, buf, self._start(
                 "all_gather", _nbytes(piece),
-                lambda buf=buf, piece=piece: dist.all_gather_single(buf, piece, group=self.group, async_op=True))))
-        for lo, hi, buf, pending in staged:
-            pending.wait()
-            rows[:, lo:hi].copy_(buf.view(self.size, -1))
-        return out
+                lambda buf=buf, piece=piece: dist.all_gather_single(buf, piece, group=self.group, async_op=True),
+                keep=piece)))
+        return GatherInFlight(out, self.size, part.numel(), staged)
+
 
     def all_to_all(self, send: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Equal-split all-to-all: chunk i of `send` ([size * C]) goes to rank i; chunk j of `out`
@@ -340,6 +345,41 @@ class AxisComm:
             return x.clone()
         x = unwrapped(x).contiguous()
         return self._start("all_reduce", _nbytes(x), lambda: funcol_all_reduce(x, op, self.group)).wait()
+
+
+class GatherInFlight:
+    """An all-gather into `out` in flight, bucket by bucket (`AxisComm.start_all_gather`): ZeRO-1/2
+    start the gather of the updated parameters at the end of a step and the next forward waits for
+    each unit's buckets as it reaches the unit. `wait_range(a, b)` completes the buckets that write
+    any of `out[a:b]`; `wait()` completes them all."""
+
+    def __init__(self, out: torch.Tensor, size: int, part_numel: int, chunks: list):
+        self.out, self.size, self.part = out, size, part_numel
+        self.chunks = chunks  # (lo, hi, staging buffer or None, Pending), None once done
+
+    @property
+    def done(self) -> bool:
+        return all(c is None for c in self.chunks)
+
+    def wait_range(self, start: int, stop: int) -> None:
+        for k, chunk in enumerate(self.chunks):
+            if chunk is not None and any(r * self.part + chunk[0] < stop and start < r * self.part + chunk[1]
+                                         for r in range(self.size)):
+                self._finish(k)
+
+    def wait(self) -> None:
+        for k in range(len(self.chunks)):
+            self._finish(k)
+
+    def _finish(self, k: int) -> None:
+        chunk = self.chunks[k]
+        if chunk is None:
+            return
+        lo, hi, buf, pending = chunk
+        pending.wait()
+        if buf is not None:  # .data: a plain memory write, no version bump of views taken meanwhile
+            self.out.data.view(self.size, -1)[:, lo:hi].copy_(buf.view(self.size, -1))
+        self.chunks[k] = None
 
 
 class Pending:

@@ -305,6 +305,9 @@ class UnitOps(DenseOps):
         self.units: dict[int, UnitParams] = {}
         self._taken: dict[int, list[torch.Tensor]] = {}
         self._pending: dict[int, Any] = {}
+        # ZeRO-1/2: the previous step's parameter all-gather, still in flight, and each unit's flat
+        # range; a unit waits for its buckets when the forward first takes it
+        self.param_gather: Optional[tuple[Any, dict[int, tuple[int, int]]]] = None
 
     def bind(self, units: Sequence[UnitParams]) -> None:
         """The units of this micro-batch's parameters (for prefetching by index)."""
@@ -338,6 +341,8 @@ class UnitOps(DenseOps):
         """The unit's tensors in `unit.params` order, ready to compute with (once per micro-batch)."""
         unit = p.unit
         if unit.index not in self._taken:
+            if self.param_gather is not None and unit.index in self.param_gather[1]:
+                self.param_gather[0].wait_range(*self.param_gather[1][unit.index])
             if self.sink is None:
                 full = self.gathered(unit, p.shard, forward=True) if p.shard is not None else None
                 tensors = _assemble(unit, full, [self.to_device(t) for t in p.resident])

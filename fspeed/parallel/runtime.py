@@ -30,7 +30,7 @@ import torch
 from ..flat import Flat
 from ..precision import Precision
 from ..pytree import PyTree, tensor_leaves, tree_map, tree_unflatten
-from .comm import AxisComm
+from .comm import AxisComm, GatherInFlight
 from .grads import SINKS, GradSink, ShardGrads
 from .layout import Layout
 from .offload import (
@@ -171,6 +171,10 @@ class ParallelRuntime:
         self._pieces_for: dict = {}
         self._trace = UnitTrace()  # the order units ran in, for ZeRO-3's prefetch
         self._unit_ops: Optional[UnitOps] = None
+        self.param_gather: Optional[GatherInFlight] = None  # ZeRO-1/2's, started by write_back
+        offsets, sizes = layout.local.offsets, layout.local.sizes
+        self._unit_ranges = {u.index: (min(offsets[i] for i in u.params), max(offsets[i] + sizes[i] for i in u.params))
+                             for u in layout.units if u.params and not u.sharded}
 
     # -- forward and backward --------------------------------------------------------------
 
@@ -179,6 +183,8 @@ class ParallelRuntime:
         to_device = (lambda t: copy_to(t, self.device)) if self.offload_params else (lambda t: t)
         self._unit_ops = UnitOps(self.layout, self.data, self.sink, anchor, self.device, self.param_dtype, to_device,
                                  self._trace)
+        if self.param_gather is not None and not self.param_gather.done:
+            self._unit_ops.param_gather = (self.param_gather, self._unit_ranges)
         ops = self._unit_ops
         for transform in self.layout.plan.ordered():
             ops = transform.wrap_ops(ops, self.mesh, self.layout.tensor_axes)
@@ -210,6 +216,7 @@ class ParallelRuntime:
     def finish(self) -> Flat:
         """The reduced gradient the optimizer consumes (with offload_optimizer: on the host, in the
         accumulation dtype)."""
+        self.settle_params()  # the optimizer is about to write the slice the gather reads
         grads = self.sink.finish()
         if not self.offload or self.offload_params:
             return grads
@@ -297,8 +304,19 @@ class ParallelRuntime:
                                     self.layout.zero.offload_optimizer.pin_memory)
         return master.with_buffer(staging)
 
-    def write_back(self, master: Flat, params: Flat, cast: Optional[Flat] = None) -> None:
+    def settle_params(self) -> None:
+        """Complete the parameter all-gather still in flight (ZeRO-1/2), if any."""
+        if self.param_gather is not None:
+            self.param_gather.wait()
+            self.param_gather = None
+
+    def write_back(self, master: Flat, params: Flat, cast: Optional[Flat] = None) -> Optional[GatherInFlight]:
         """Make the compute parameters match the updated masters (cast; all-gather for stages 1-2).
+
+        ZeRO-1/2's all-gather is started, not waited for: it returns in flight (also kept as
+        `param_gather`), the next forward waits for each unit's buckets as it reaches the unit
+        (overlapping the gather with compute, as Megatron's overlap_param_gather), and any other
+        reader of the parameters waits for all of it (`TrainState.params`).
 
         `cast` is what the optimizer already wrote (see `cast_target`). With offload_optimizer
         the host result (staging, or the fp32 masters when no cast is needed) is uploaded first.
@@ -314,9 +332,13 @@ class ParallelRuntime:
             own = params.buffer[self.rank * p:(self.rank + 1) * p]
             if self.offload:  # up into this rank's own slice, then an in-place all-gather (as DeepSpeed)
                 self._copies.upload(own, source)
-            elif source.data_ptr() != own.data_ptr():
+                self.data.all_gather(own, params.buffer[: self.n * p], self.layout.zero.allgather_bucket_size)
+                return None
+            if source.data_ptr() != own.data_ptr():
                 own.copy_(source)
-            self.data.all_gather(own, params.buffer[: self.n * p], self.layout.zero.allgather_bucket_size)
+            self.param_gather = self.data.start_all_gather(own, params.buffer[: self.n * p],
+                                                           self.layout.zero.allgather_bucket_size)
+            return self.param_gather
         elif self.offload:
             self._copies.upload(params.buffer, source)
         elif source.data_ptr() != params.buffer.data_ptr():
