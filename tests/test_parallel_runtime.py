@@ -120,3 +120,32 @@ def test_a_stuck_collective_times_out_with_a_clear_error():
     text = str(err.value)
     assert "1 rank(s)" in text and "--- rank 0" in text
     assert "all_reduce over mesh axis 'data' (global ranks [0, 1]) failed after" in text
+
+
+def params_in_flight_case(stage):
+    """ZeRO-1/2 return a state whose parameter all-gather is still in flight; reading state.params
+    completes it, and the parameters are then every rank's updated partition, in rank order."""
+    cfg, model, params = gpt_setup(3)
+    mesh = fs.Mesh(data=-1)
+    plan = zero(stage, allgather_bucket_size=50)
+    opt = fs.optim.adamw(1e-2)
+    state = fs.init_train_state(params, opt, plan=plan, mesh=mesh, logical_axes=model.logical_axes)
+    step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)
+    rows = slice(2 * mesh.rank, 2 * mesh.rank + 2)
+    for i in range(2):
+        state, _ = step(state, {k: v[rows] for k, v in global_batch(cfg, 4, 3, i).items()})
+    gather = object.__getattribute__(state, "_in_flight")
+    started = gather is not None and len(gather.chunks) > 1
+    full = state.params.buffer.clone()  # waits for the gather
+    settled = object.__getattribute__(state, "_in_flight") is None and gather.done
+    assert state.master is not None  # ZeRO-1/2 keep the fp32 partition apart from the compute params
+    masters = mesh.all_gather_objects(state.master.buffer.clone(), "the updated partitions")
+    return started, settled, full, masters
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_state_read_waits_for_the_parameter_gather_in_flight(world2, stage):
+    for started, settled, full, masters in world2.run(params_in_flight_case, stage):
+        assert started and settled
+        gathered = torch.cat(masters)
+        assert torch.equal(full[: gathered.numel()], gathered)
