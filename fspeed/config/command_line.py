@@ -15,11 +15,8 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException
-
 from .deepspeed import DeepSpeedConfigError, DeepSpeedTranslation, translate_deepspeed_config
-from .errors import ConfigError, Problem
+from .errors import ConfigError, Problem, parse_overrides
 from .overrides import split_superseded
 from .targets import targeted_overrides
 from .validate import check_overrides, packaged_default_choices
@@ -57,10 +54,7 @@ def expand_deepspeed_config(overrides: Sequence[str]) -> tuple[list[str], DeepSp
     Explicit overrides win: a key set on the command line, or a group switched to another
     option there, supersedes the file's overrides for it (listed in `translation.superseded`).
     """
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except HydraException as err:
-        raise ConfigError([Problem("", f"cannot parse the overrides: {err}")], title="invalid command-line overrides") from None
+    parsed = parse_overrides(overrides)
     path: Any = None
     for override in parsed:
         if override.key_or_group != "deepspeed_config":

@@ -7,6 +7,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+
 _NO_VALUE = object()
 
 
@@ -107,3 +110,12 @@ def unknown_key(key: str, value: Any, allowed: Iterable[str], what: str = "unkno
     allowed = sorted(allowed)
     return Problem(key=key, value=value, reason=what, allowed=allowed_names(allowed),
                    suggestion=did_you_mean(key.rsplit(".", 1)[-1], allowed))
+
+
+def parse_overrides(overrides: Sequence[str]) -> list:
+    """Hydra's parse of command-line overrides; a `ConfigError` when they do not parse."""
+    try:
+        return OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException as err:
+        raise ConfigError([Problem("", f"cannot parse the overrides: {err}")],
+                          title="invalid command-line overrides") from None

@@ -20,10 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException
 
-from .errors import ConfigError, Problem, did_you_mean, unknown_key
+from .errors import ConfigError, Problem, did_you_mean, parse_overrides, unknown_key
 from .fields import _Mismatch, coerce
 
 TARGET_OPTION = "custom"
@@ -155,11 +153,7 @@ def targeted_overrides(overrides: Sequence[str], choices: Mapping[str, str]) -> 
     group option `custom` (unless the command line chose a group option itself) and the node's other
     keys become arguments (`model.n_layer=4` is passed as `++model.n_layer=4`, which Hydra adds).
     `choices` are the defaults list's group options. Other overrides are returned unchanged."""
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except HydraException as err:
-        raise ConfigError([Problem("", f"cannot parse the overrides: {err}")],
-                          title="invalid command-line overrides") from None
+    parsed = parse_overrides(overrides)
     targeted: set[str] = set()
     chosen: dict[str, str] = {}
     for o in parsed:

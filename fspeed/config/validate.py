@@ -15,13 +15,12 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .errors import ConfigError, Problem, did_you_mean, unknown_key
+from .errors import ConfigError, Problem, did_you_mean, parse_overrides, unknown_key
 from .fields import ValidatedConfig, config_fields, from_mapping
 from .schema import GROUPS, KINDS, RUNTIME_FIELDS, SECTIONS, RunConfig, option_schema
 from .targets import TARGET_OPTION, TARGET_SECTIONS, TargetConfig
@@ -265,10 +264,7 @@ def check_overrides(overrides: Sequence[str], *, default_choices: Mapping[str, s
     overrides extend the search path (``hydra.searchpath``): then Hydra reports it. Values are
     checked later by `to_run_config`. Raises `ConfigError`.
     """
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except HydraException as err:
-        raise ConfigError([Problem("", f"cannot parse the overrides: {err}")], title="invalid command-line overrides") from None
+    parsed = parse_overrides(overrides)
     choices: dict[str, list[str] | None] = {g: [o] for g, o in (default_choices or packaged_default_choices()).items()}
     searchpath = any(o.is_hydra_override() and o.key_or_group == "hydra.searchpath" for o in parsed)
     problems: list[Problem] = []
