@@ -6,11 +6,11 @@
 Per micro-batch, autograd differentiates `loss * loss_scale / grad_accum` with respect to a 0-d
 anchor (plain autograd rather than `torch.func.grad_and_value`: the same function and the same
 gradients, but torch.func accumulates the gradients of multiply-used activations out of place,
-which cost 2-4% of a Hugging Face GPT-2 step): each unit of parameters enters the model through an identity whose
-backward delivers the unit's gradients to the runtime's gradient sink as soon as they are
-complete (`fspeed.parallel.grads`), which accumulates them in `precision.grad_accum_dtype` and,
-by ZeRO stage, reduces them over the data axis in buckets during backward (overlapped with it
-when `overlap_comm` is on). At the boundary, as DeepSpeed does:
+which cost 2-4% of a Hugging Face GPT-2 step): each unit of parameters enters the model through
+an identity whose backward delivers the unit's gradients to the runtime's gradient sink as soon
+as they are complete (`fspeed.parallel.grads`), which accumulates them in
+`precision.grad_accum_dtype` and, by ZeRO stage, reduces them over the data axis in buckets
+during backward (overlapped with it when `overlap_comm` is on). At the boundary, as DeepSpeed does:
 
 1. one norm of the scaled gradients gives both the overflow check and the grad norm;
 2. the loss scaler updates (every attempt counts); on overflow the step is skipped: params,
@@ -178,10 +178,8 @@ def make_train_step(
         return loss.float() * multiplier, loss.detach().float()
 
     def grad_and_loss(anchor: torch.Tensor, *args) -> torch.Tensor:
-        """Forward and backward of one micro-batch; the gradients reach the runtime's sink (the
-        anchor's own gradient is not needed). Plain autograd: torch.func.grad_and_value over the
-        same function gives the same bits but accumulates multiply-used activations' gradients
-        out of place (a few percent slower on transformer blocks, measured)."""
+        """Forward and backward of one micro-batch (plain autograd, module docstring); the
+        gradients reach the runtime's sink, the anchor's own is not needed."""
         anchor = anchor.detach().requires_grad_()
         scaled, loss = micro_loss(anchor, *args)
         torch.autograd.backward(scaled, inputs=[anchor])

@@ -39,9 +39,9 @@ from ..checkpoint import CheckpointError
 from ..config import ConfigError, Problem, prepare_overrides, to_run_config
 from ..config.build import build_model_config, build_optimizer, build_precision, build_zero_config
 from ..config.schema import Bf16Config, RunConfig
-from ..loss_scale import LossScaleAtMinimumError
 from ..config.targets import TargetConfig
 from ..engine import fs_rules
+from ..loss_scale import LossScaleAtMinimumError
 from ..models import GPT_RULES, Model, count_params, gpt
 from ..monitor import CSVMonitor
 from ..parallel import CommLog, Mesh, Plan, estimate_memory, init_distributed, shutdown_distributed, tensor_slicing, zero
@@ -50,8 +50,8 @@ from ..train_init import init_train_state
 from ..train_step import NonFiniteError, make_eval_step, make_train_step
 from .run_data import prepare_data
 from .stop_requests import StopRequests, TrainingStopped
-from .user_job import build_user_data, build_user_model
 from .user_errors import DEBUG_ENV, USER_ERRORS, debug_requested, exit_with_user_error, raised_on_every_rank
+from .user_job import build_user_data, build_user_model
 
 log = logging.getLogger("fspeed")
 
@@ -92,13 +92,14 @@ def _corpus_job(run: RunConfig, ckpt_dir: Path, resume_tag: Optional[str]) -> _J
     model_cfg = build_model_config(run, tokenizer.vocab_size)
     return _Job(gpt(model_cfg), run_data.train, run_data.val,
                 {"tokenizer": tokenizer.to_dict(), "model": asdict(model_cfg)},
-                f"vocab {tokenizer.vocab_size} ({tokenizer.kind}), {run_data.num_tokens:,} tokens ({len(run_data.train)} "
-                f"train / {len(run_data.val)} val windows of {run.model.seq_len})", run.model.seq_len, GPT_RULES)
+                f"vocab {tokenizer.vocab_size} ({tokenizer.kind}), {run_data.num_tokens:,} tokens "
+                f"({len(run_data.train)} train / {len(run_data.val)} val windows of {run.model.seq_len})",
+                run.model.seq_len, GPT_RULES)
 
 
 def _user_job(run: RunConfig) -> _Job:
     """A user's model and data (`model._target_`, `data._target_`; see `user_job`)."""
-    model, _ = build_user_model(run)
+    model = build_user_model(run)
     train_rows, val_rows = build_user_data(run)
     rules = fs_rules(model) if run.parallel.tensor > 1 else None
     val = f"{len(val_rows)} validation samples" if val_rows is not None else "no validation data"
@@ -200,7 +201,8 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
                 elapsed = time.perf_counter() - window_start
                 samples_per_s = window_steps * samples_per_step / elapsed
                 row = {k: metrics[k] for k in ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped")}
-                row.update(samples=state.samples, samples_per_s=samples_per_s, elapsed_s=time.perf_counter() - train_start)
+                row.update(samples=state.samples, samples_per_s=samples_per_s,
+                           elapsed_s=time.perf_counter() - train_start)
                 if job.tokens_per_row:
                     row["tokens_per_s"] = samples_per_s * job.tokens_per_row
                 last = state.step == t.steps

@@ -28,14 +28,14 @@ _MODEL_RETURNS = "an nn.Module, a (module, loss_fn) pair, or an fspeed Model"
 _DATA_RETURNS = "a map-style Dataset, a (train, validation) pair, or a mapping with train, validation, collate_fn"
 
 
-def build_user_model(run: RunConfig) -> tuple[Model, Optional[nn.Module]]:
-    """(the Model to train, the nn.Module behind it or None) from `model._target_`."""
+def build_user_model(run: RunConfig) -> Model:
+    """The Model to train from `model._target_` (an nn.Module is functionalized)."""
     built = run.model.instantiate()
     loss_fn: Optional[Callable] = None
     if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module) and callable(built[1]):
         built, loss_fn = built
     if isinstance(built, Model):
-        return built, None
+        return built
     if not isinstance(built, nn.Module):
         raise ConfigError([Problem("model._target_", f"returned {type(built).__name__}; allowed: {_MODEL_RETURNS}",
                                    run.model.target)])
@@ -44,7 +44,7 @@ def build_user_model(run: RunConfig) -> tuple[Model, Optional[nn.Module]]:
     except ValueError as err:
         key = "parallel.tensor" if run.parallel.tensor > 1 else "model._target_"
         raise ConfigError([Problem(key, str(err))]) from None
-    return model, built
+    return model
 
 
 def build_user_data(run: RunConfig) -> tuple[DatasetRows, Optional[DatasetRows]]:
