@@ -11,7 +11,10 @@ whose order rotates (A B C, B C A, ...). The headline is the median over rounds 
 median step-time ratio, so slow drifts of this shared machine cancel. A second table times the
 optimizer step alone on the same parameters, in this process.
 
-    python benchmarks/train_step_overhead.py [--rounds 3] [--steps 4] [--batch 8] [--threads 2]
+    python benchmarks/train_step_overhead.py [--rounds 3] [--steps 4] [--batch 8] [--threads 2] [--system-malloc]
+
+Every variant's process raises glibc's malloc thresholds as fspeed-train does
+(`fs.retain_freed_host_memory`); --system-malloc keeps glibc's defaults for all of them.
 
 Last line: overhead_ratio=<fspeed step time / plain PyTorch loop (AdamW foreach) step time>.
 """
@@ -85,9 +88,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="keep glibc's default malloc thresholds (fspeed-train raises them: fspeed/host_memory.py)")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # child mode
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if not args.system_malloc:
+        fs.retain_freed_host_memory()  # for every engine of the process alike
     if args.variant:
         print(json.dumps(run_variant(args.variant, args.steps, args.warmup, args.batch)))
         return
@@ -101,6 +108,7 @@ def main() -> None:
         for name in names[r % len(names):] + names[: r % len(names)]:
             cmd = [sys.executable, __file__, "--variant", name, "--steps", str(args.steps), "--warmup",
                    str(args.warmup), "--batch", str(args.batch), "--threads", str(args.threads)]
+            cmd += ["--system-malloc"] if args.system_malloc else []
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             results[name].append(json.loads(out.strip().splitlines()[-1]))
             print(f"  round {r + 1}: {name:<14} {statistics.median(results[name][-1]['times']) * 1e3:8.1f} ms/step",

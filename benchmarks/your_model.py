@@ -15,7 +15,10 @@ and, on one process first, fspeed without a plan against an eager loop with fuse
 fspeed's step time goes: `grad_and_value` of the loss (forward + backward through
 functional_call), the gradient delivery, the optimizer step.
 
-    python benchmarks/your_model.py [--steps 8] [--warmup 2] [--layers 6] [--width 384] [--threads 1]
+    python benchmarks/your_model.py [--steps 8] [--warmup 2] [--layers 6] [--width 384] [--threads 1] [--system-malloc]
+
+Every process raises glibc's malloc thresholds as fspeed-train does (`fs.retain_freed_host_memory`,
+for every engine in it alike); --system-malloc keeps glibc's defaults.
 
 Last lines: hf_zero3_step_time_vs_fsdp2, hf_zero1_step_time_vs_ddp, hf_step_time_vs_deepspeed,
 hf_step_time_vs_eager (each fspeed's median step time over the other's; lower is better).
@@ -72,6 +75,8 @@ def one_process(args) -> dict:
     import fspeed as fs
 
     torch.set_num_threads(args.threads)
+    if not args.system_malloc:
+        fs.retain_freed_host_memory()  # for every engine of the process alike
     module = build_gpt2(args.layers, args.width)
     eager = copy.deepcopy(module)
     opt = torch.optim.AdamW(eager.parameters(), lr=1e-4, fused=True)
@@ -120,6 +125,8 @@ def worker(args) -> None:
     import fspeed as fs
 
     torch.set_num_threads(args.threads)
+    if not args.system_malloc:
+        fs.retain_freed_host_memory()  # for every engine of the process alike
     fs.init_distributed(backend="gloo")
     rank = dist.get_rank()
     mesh = fs.Mesh(data=-1)
@@ -207,7 +214,7 @@ def launch(args) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                f"--master_port={port}", __file__, "--worker", "--result", str(result), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--layers", str(args.layers), "--width", str(args.width),
-               "--threads", str(args.threads)]
+               "--threads", str(args.threads)] + (["--system-malloc"] if args.system_malloc else [])
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "NUMBA_NUM_THREADS": str(args.threads),
                "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -250,6 +257,8 @@ def parse_args():
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=384)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="keep glibc's default malloc thresholds (fspeed-train raises them: fspeed/host_memory.py)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     return parser.parse_args()

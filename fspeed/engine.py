@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from . import checkpoint
+from .host_memory import retain_freed_host_memory
 from .models import Model, functionalize, to_module
 from .models.module import ModuleLoss, output_loss
 from .optim.base import GradientTransformation
@@ -166,6 +167,7 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
     if lr_scheduler is not None:
         raise ValueError("initialize: lr_scheduler objects are not taken; set the scheduler block of the config "
                          "(fspeed's schedules are functions of the step inside the optimizer)")
+    retain_freed_host_memory()  # host_memory's docstring
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else _env_world()
     if world > 1 and not torch.distributed.is_initialized():
         init_distributed()
