@@ -16,6 +16,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+from typing import Optional
 
 log = logging.getLogger(__name__)
 
@@ -58,3 +59,21 @@ def _glibc():
         return None
     libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return libc
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def live_host_bytes() -> Optional[int]:
+    """Bytes the process holds allocated through malloc now (glibc's `mallinfo2`: heap blocks in
+    use plus mapped blocks), or None without glibc. CPU tensors live there, so the difference
+    around a forward is the memory it keeps for backward."""
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd)

@@ -30,7 +30,9 @@ What the module becomes:
 from __future__ import annotations
 
 import contextlib
+import copy
 import fnmatch
+import inspect
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -127,6 +129,31 @@ class ModuleLoss:
         for name, unit in units.items():
             self.members.setdefault(unit, []).append(name)
         self.shapes = {n: p.shape for n, p in module.named_parameters()}
+        self.takes_use_cache = "use_cache" in inspect.signature(module.forward).parameters
+        self.remat: Any = None  # fspeed.remat.Remat for the units in remat_units
+        self.remat_units: frozenset = frozenset()
+
+    def with_remat(self, remat: Any, where: Optional[Sequence[str]] = None) -> "ModuleLoss":
+        """A copy whose units matching `where` (default: the repeated blocks) are checkpointed
+        with `remat` (`fspeed.remat`): every `remat.every`-th of them in forward order."""
+        order = list(dict.fromkeys(self.units.values()))  # units in parameter (= forward) order
+        if where is None:
+            blocks = set(repeated_blocks(self.module))
+            chosen = [u for u in order if u in blocks]
+            if not chosen:
+                raise ValueError(f"remat: {self.name} has no repeated blocks to checkpoint; name its submodules "
+                                 "with where=[path patterns] (each must be a unit: functionalize(..., units=...))")
+        else:
+            patterns = [where] if isinstance(where, str) else list(where)
+            chosen = [u for u in order if any(fnmatch.fnmatchcase(u, p) for p in patterns)]
+            unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(u, p) for u in order)]
+            if unmatched:
+                raise ValueError(f"remat: pattern(s) {unmatched} match no unit of {self.name}; its units are e.g. "
+                                 f"{order[:6]} (make a submodule a unit with functionalize(..., units=[...]))")
+        out = copy.copy(self)
+        out.remat = remat
+        out.remat_units = frozenset(u for k, u in enumerate(chosen) if remat.chosen(k))
+        return out
 
     def __call__(self, params, batch, *, rng: Optional[torch.Generator] = None, buffers=None, ops=DENSE,
                  train: bool = True) -> torch.Tensor:
@@ -148,13 +175,17 @@ class ModuleLoss:
         dtype = _compute_dtype(tensors, units)
         state = self._buffers(buffers)
         inputs = _cast_floats(inputs, dtype)
-        with self._mode(train), self._seeded(rng), self._routed(units, ops, dtype):
+        with self._seeded(rng), self._routed(units, ops, dtype, train) as installed:
             given = dict(tensors)
             for path, u in units.items():  # a unit's parameters are reached only through its route
                 for name in self._unit_parameter_names(path):
                     given[name] = torch.empty(self.shapes[name], dtype=dtype, device="meta")
             call_args = inputs if isinstance(inputs, tuple) else (() if isinstance(inputs, dict) else (inputs,))
             call_kwargs = inputs if isinstance(inputs, dict) else {}
+            if installed.remat and "use_cache" not in call_kwargs and self.takes_use_cache:
+                # a recompute would append its keys and values to the cache the forward filled (as
+                # Hugging Face's own checkpointing, which turns the cache off in training)
+                call_kwargs = {**call_kwargs, "use_cache": False}
             try:
                 return torch.func.functional_call(self.module, (given, state), call_args, call_kwargs)
             except (RuntimeError, NotImplementedError) as err:
@@ -179,16 +210,6 @@ class ModuleLoss:
         return flat
 
     @contextlib.contextmanager
-    def _mode(self, train: bool) -> Iterator[None]:
-        modes = {m: m.training for m in self.module.modules()}
-        self.module.train(train)
-        try:
-            yield
-        finally:
-            for m, mode in modes.items():
-                m.training = mode
-
-    @contextlib.contextmanager
     def _seeded(self, rng: Optional[torch.Generator]) -> Iterator[None]:
         if rng is None:
             yield
@@ -201,41 +222,65 @@ class ModuleLoss:
         return self.members.get(unit, [])
 
     @contextlib.contextmanager
-    def _routed(self, units: dict, ops, dtype: torch.dtype) -> Iterator[None]:
+    def _routed(self, units: dict, ops, dtype: torch.dtype, train: bool) -> Iterator[None]:
         """For one forward: every unit's module (and every module sharing one of its parameters)
         computes through ops; tensor-sliced modules (when the ops slice) and normalisation layers
-        (when computing below fp32) compute their own way (`_compute`)."""
+        (when computing below fp32) compute their own way (`_compute`); the module is in train or
+        eval mode. A unit recomputed in backward (remat) installs all of it again for its call."""
         sliced = bool(self.tp_styles) and bool(set(ops.tensor_axes) & TP_AXES)
+        modules = dict(self.module.named_modules())
+        hf_remat = self._hf_checkpointed(modules, units) if train else {}
         computes = {}
-        for path, m in self.module.named_modules():
+        for path, m in modules.items():
             fn = self._compute(path, m, ops, sliced, dtype)
             if fn is not None:
                 computes[m] = fn
         overrides: dict[nn.Module, Callable] = dict(computes)
-        modules = dict(self.module.named_modules())
+        installed = _Installed(self.module, overrides, train, list(hf_remat.values()))
+        installed.remat = bool(hf_remat) or bool(self.remat_units and units)
         taken: dict[str, list[tuple[str, Any, list[str]]]] = {}  # holder module -> the units it takes
         for path, u in units.items():
             names = self._unit_parameter_names(path)
             shared = [a for n in names for a in self.aliases.get(n, [n]) if not _within(a, path)]
             if not shared and path and path in modules:
-                overrides[modules[path]] = self._call_route(path, u, ops, computes.get(modules[path]))
+                remat = hf_remat.get(path, self.remat if path in self.remat_units else None)
+                overrides[modules[path]] = self._call_route(path, u, ops, computes.get(modules[path]), installed,
+                                                            remat)
             else:
+                if path in self.remat_units or path in hf_remat:
+                    raise ValueError(f"remat: unit {path!r} of {self.name} shares parameters with another module, "
+                                     "so it is taken whole, not called: it cannot be checkpointed")
                 for holder in {_owner(a) for n in names for a in self.aliases.get(n, [n])}:
                     taken.setdefault(holder, []).append((path, u, names))
         for holder, units_taken in taken.items():
             m = modules[holder]
             overrides[m] = self._take_route(holder, units_taken, ops, computes.get(m))
-        for m, forward in overrides.items():
-            m.forward = forward
         try:
-            yield
+            with installed:
+                yield installed
         except (RuntimeError, ValueError, TypeError) as err:
             if sliced and type(err) in (RuntimeError, ValueError, TypeError):  # not fspeed's own errors
                 raise explain_failure(err) from err
             raise
-        finally:
-            for m in overrides:
-                m.__dict__.pop("forward", None)
+
+    def _hf_checkpointed(self, modules: dict[str, nn.Module], units: dict) -> dict[str, Any]:
+        """Hugging Face layers with `gradient_checkpointing` on (`gradient_checkpointing_enable()`):
+        their own torch.utils.checkpoint would recompute outside this forward (on the module's own
+        weights), so fspeed's remat (full) takes their place; each must be a unit."""
+        flagged = [p for p, m in modules.items() if getattr(m, "gradient_checkpointing", False) is True
+                   and any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
+        if not flagged:
+            return {}
+        from ..remat import Remat  # noqa: PLC0415 (remat imports the models package)
+
+        unit_paths = set(self.members)
+        outside = [p for p in flagged if p not in unit_paths]
+        if outside:
+            raise ValueError(f"{self.name}: gradient checkpointing is on for {outside[:3]}, which fspeed does not run as "
+                             "units; call module.gradient_checkpointing_disable() and write "
+                             f"fs.remat(fs.functionalize(module, ...), where={outside[:1]!r}) (or functionalize(..., "
+                             f"units={outside[:1]!r}) to keep Hugging Face's switch)")
+        return {p: _HFRemat(modules[p], Remat()) for p in flagged}
 
     def _compute(self, path: str, module: nn.Module, ops, sliced: bool, dtype) -> Optional[Callable]:
         """How `module` computes when not as its class says: tensor-sliced, or in fp32."""
@@ -254,17 +299,21 @@ class ModuleLoss:
             return in_fp32
         return None
 
-    def _call_route(self, path: str, u, ops, compute: Optional[Callable]) -> Callable:
+    def _call_route(self, path: str, u, ops, compute: Optional[Callable], installed: "_Installed",
+                    remat: Any) -> Callable:
         """The unit's module computes through `ops.call`: gathered for this call (ZeRO-3), recomputed
-        (recompute_blocks), its gradients handed on as its backward ends."""
+        (remat: `remat`, or zero.recompute_blocks), its gradients handed on as its backward ends."""
         module = self.module.get_submodule(path)
+        remat = getattr(remat, "remat", remat)
 
         def run(tree, *args, **kwargs):
-            with _forward_as(module, compute):  # names in `tree` are relative to the unit's module
+            with installed, _forward_as(module, compute):  # names in `tree` are relative to the unit's module
                 return torch.func.functional_call(module, _flat(tree), args, kwargs, strict=False, tie_weights=False)
 
         def forward(*args, **kwargs):
-            return ops.call(u, run, *args, **kwargs)
+            if remat is None:
+                return ops.call(u, run, *args, **kwargs)
+            return ops.call(u, run, *args, _remat=remat, **kwargs)
         return forward
 
     def _take_route(self, holder: str, units_taken: list, ops, compute: Optional[Callable]) -> Callable:
@@ -286,6 +335,46 @@ class ModuleLoss:
             with _forward_as(module, compute):
                 return torch.func.functional_call(module, params, args, kwargs, strict=False, tie_weights=False)
         return forward
+
+
+class _Installed:
+    """One forward's state of the module (module docstring): its mode, the forwards routed or
+    overridden, Hugging Face's own checkpointing switched off. Re-entrant: a unit recomputed in
+    backward enters it again around its call, after the forward has left it."""
+
+    def __init__(self, module: nn.Module, overrides: dict, train: bool, hf_layers: list):
+        self.module, self.overrides, self.train, self.hf_layers = module, overrides, train, hf_layers
+        self.depth = 0
+        self.modes: dict = {}
+        self.remat = False  # whether a unit of this forward is checkpointed
+
+    def __enter__(self) -> "_Installed":
+        if self.depth == 0:
+            self.modes = {m: m.training for m in self.module.modules()}
+            self.module.train(self.train)
+            for m, forward in self.overrides.items():
+                m.forward = forward
+            for layer in self.hf_layers:
+                layer.module.gradient_checkpointing = False
+        self.depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            for m in self.overrides:
+                m.__dict__.pop("forward", None)
+            for layer in self.hf_layers:
+                layer.module.gradient_checkpointing = True
+            for m, mode in self.modes.items():
+                m.training = mode
+
+
+class _HFRemat:
+    """A Hugging Face layer whose checkpointing fspeed's remat does for it."""
+
+    def __init__(self, module: nn.Module, remat: Any):
+        self.module, self.remat = module, remat
 
 
 def _within(name: str, path: str) -> bool:

@@ -60,9 +60,15 @@ class DenseOps:
         """Mean cross-entropy over all positions, computed in fp32."""
         return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
-    def call(self, p: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def call(self, p: Any, fn: Callable[..., Any], *args: Any, _remat: Any = None, _hint: Optional[int] = None,
+             **kwargs: Any) -> Any:
         """`fn(params, *args, **kwargs)` with one unit's parameters (the unit of ZeRO-3 gathering,
-        recompute and gradient delivery under a plan)."""
+        recompute and gradient delivery under a plan); `_remat` (`fspeed.remat.Remat`) checkpoints
+        the call when autograd records it."""
+        if _remat is not None and torch.is_grad_enabled():
+            from ..remat import checkpointed  # noqa: PLC0415 (remat imports this module)
+
+            return checkpointed(_remat, fn, self.param(p), *args, **kwargs)
         return fn(self.param(p), *args, **kwargs)
 
     def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor,

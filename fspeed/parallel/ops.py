@@ -11,7 +11,8 @@ becomes tensors, right where the model uses it:
 - a ZeRO-3 sharded unit is gathered just in time (`_GatheredUnit`): its all-gather starts one
   unit ahead (`prefetch`), its gathered weights are freed after its forward and gathered again
   for its backward, whose gradient is reduce-scattered into the shard;
-- with `zero.recompute_blocks`, a block keeps only its input and is recomputed in backward.
+- a call with remat (`fspeed.remat`, or `zero.recompute_blocks`) keeps only what its policy saves and
+  is recomputed in backward (inside the unit's second gather under ZeRO-3).
 
 A model that is not parallel-aware (or whose units are not subtrees, like `functionalize`'s flat
 dicts) gets every unit materialised before its forward (`eager_params`): correct, but without
@@ -20,12 +21,14 @@ per-layer gathering, and its gradients are delivered only when the whole backwar
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from ..models.ops import BlockFn, DenseOps
 from ..pytree import PyTree, tree_flatten, tree_unflatten
+from ..remat import Remat, checkpointed
 from ..torch_internals import below_functorch, unwrapped
 from .comm import AxisComm
 from .grads import GradSink, deliver_on_backward
@@ -63,47 +66,30 @@ def _assemble(unit: UnitInfo, full: Optional[torch.Tensor], resident: Sequence[t
 
 
 class _UnitCall:
-    """One call of a unit's function: everything its forward and backward need besides the tensors
-    (the function, the unit, the non-tensor arguments, the random state to replay) and the
-    structure of its arguments and results. Tensors cross the autograd Functions flat."""
+    """One call of a sharded unit's function: everything its forward and backward need besides the
+    tensors (the function, the unit, the non-tensor arguments) and the structure of its arguments
+    and results. Tensors cross the autograd Function flat."""
 
     def __init__(self, ops: "UnitOps", fn: Callable, unit: UnitInfo, args: tuple, kwargs: dict):
         self.ops, self.fn, self.unit = ops, fn, unit
         leaves, self.in_spec = tree_flatten((args, kwargs))
-        # floating tensors are the differentiable inputs; anything else (ids, masks) is carried as is
+        # floating tensors are the differentiable inputs; anything else (ids, masks, generators) is carried as is
         self.is_tensor = [isinstance(x, torch.Tensor) and x.is_floating_point() for x in leaves]
         self.static = [None if t else x for x, t in zip(leaves, self.is_tensor)]
         self.tensors = [x for x, t in zip(leaves, self.is_tensor) if t]
-        # explicit generators (the reference GPT's dropout) and the global generators (nn.Module dropout)
-        self.generators = {i: x.get_state() for i, x in enumerate(leaves) if isinstance(x, torch.Generator)}
-        self.devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        self.global_rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
         self.out_spec = self.out_static = None
         self.vjp = self.full = None
         self.nbytes = 0
         self.hint: Optional[int] = None  # the unit expected next in forward (scan knows it)
 
-    def run(self, full: Optional[torch.Tensor], tensors: Sequence[torch.Tensor],
-            resident: Sequence[torch.Tensor], replay: bool) -> tuple[torch.Tensor, ...]:
-        """The unit's function on these tensors; `replay` restores the random state of the first run."""
-        leaves, it = [], iter(tensors)
-        for i, (is_tensor, static) in enumerate(zip(self.is_tensor, self.static)):
-            if is_tensor:
-                leaves.append(next(it))
-            elif i in self.generators:
-                g = torch.Generator(device=static.device)
-                g.set_state(self.generators[i])
-                leaves.append(g)
-            else:
-                leaves.append(static)
+    def run(self, full: torch.Tensor, tensors: Sequence[torch.Tensor],
+            resident: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The unit's function on these tensors."""
+        it = iter(tensors)
+        leaves = [next(it) if is_tensor else static for is_tensor, static in zip(self.is_tensor, self.static)]
         args, kwargs = tree_unflatten(self.in_spec, leaves)
         tree = tree_unflatten(self.unit.tree, _assemble(self.unit, full, [self.ops.to_device(t) for t in resident]))
-        with torch.random.fork_rng(devices=self.devices, enabled=replay):
-            if replay:
-                torch.set_rng_state(self.global_rng[0])
-                for device, state in zip(self.devices, self.global_rng[1]):
-                    torch.cuda.set_rng_state(state, device)
-            out = self.fn(tree, *args, **kwargs)
+        out = self.fn(tree, *args, **kwargs)
         out_leaves, self.out_spec = tree_flatten(out)
         self.out_static = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
         return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
@@ -151,19 +137,15 @@ class _GatheredUnit(torch.autograd.Function):
     Forward gathers the shard and records the unit's graph (`autograd_vjp`), then frees the
     gathered storage: the graph keeps views of it, which hold no memory while it is empty.
     Backward gathers again into that same storage (no version bump: the bits are what the graph
-    saw), runs the recorded vjp and delivers the unit's gradients. With recompute, forward keeps
-    only the unit's inputs and backward recomputes it (activation checkpointing), replaying the
-    same random state.
+    saw), runs the recorded vjp and delivers the unit's gradients. With remat the recorded graph
+    is a checkpoint's (`fspeed.remat`): the vjp recomputes inside that same gather.
     """
 
     @staticmethod
-    def forward(anchor, shard, call: _UnitCall, recompute: bool, n_inputs: int, *tensors):
+    def forward(anchor, shard, call: _UnitCall, n_inputs: int, *tensors):
         inputs, resident = tensors[:n_inputs], tensors[n_inputs:]
         full = call.ops.gathered(call.unit, shard, forward=True, hint=call.hint)
-        if recompute:
-            with torch.no_grad():
-                return call.run(full, inputs, resident, replay=False)
-        outputs, call.vjp = autograd_vjp(lambda f, ins, res: call.run(f, ins, res, replay=False),
+        outputs, call.vjp = autograd_vjp(lambda f, ins, res: call.run(f, ins, res),
                                          full, tuple(inputs), tuple(resident))
         call.full, call.nbytes = full, full.untyped_storage().nbytes()
         call.outputs_like = [torch.empty_like(o, device="meta") for o in outputs]
@@ -172,62 +154,31 @@ class _GatheredUnit(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, shard, call, recompute, n_inputs, *tensors = inputs
+        _, shard, call, n_inputs, *tensors = inputs
         ctx.mark_non_differentiable(*[o for o in output if not o.is_floating_point()])
-        ctx.save_for_backward(shard, *tensors) if recompute else ctx.save_for_backward(shard)
-        ctx.call, ctx.recompute, ctx.n_inputs, ctx.count = call, recompute, n_inputs, len(tensors)
+        ctx.save_for_backward(shard)
+        ctx.call, ctx.n_inputs, ctx.count = call, n_inputs, len(tensors)
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, *grads):
         call = ctx.call
-        shard, *tensors = ctx.saved_tensors
+        (shard,) = ctx.saved_tensors
         full = call.ops.gathered(call.unit, shard, forward=False)
-        if ctx.recompute:
-            inputs, resident = tuple(tensors[:ctx.n_inputs]), tuple(tensors[ctx.n_inputs:])
-            outputs, vjp = autograd_vjp(lambda f, ins, res: call.run(f, ins, res, replay=True), full, inputs, resident)
-            grad_full, grad_inputs, grad_resident = vjp(_cotangents(outputs, grads))
-        else:
-            storage = call.full.untyped_storage()
-            storage.resize_(call.nbytes)
-            # a plain memory copy that the graph's saved views (of this very storage) see neither as
-            # a mutation nor as a version bump
-            with below_functorch():
-                call.full.data.copy_(unwrapped(full))
-            del full
-            cotangents = tuple(g if g is not None else torch.zeros(o.shape, dtype=o.dtype, device=call.ops.device)
-                               for o, g in zip(call.outputs_like, grads))
-            grad_full, grad_inputs, grad_resident = call.vjp(cotangents)
-            storage.resize_(0)
-            call.vjp = call.full = None
+        storage = call.full.untyped_storage()
+        storage.resize_(call.nbytes)
+        # a plain memory copy that the graph's saved views (of this very storage) see neither as a
+        # mutation nor as a version bump
+        with below_functorch():
+            call.full.data.copy_(unwrapped(full))
+        del full
+        cotangents = tuple(g if g is not None else torch.zeros(o.shape, dtype=o.dtype, device=call.ops.device)
+                           for o, g in zip(call.outputs_like, grads))
+        grad_full, grad_inputs, grad_resident = call.vjp(cotangents)
+        storage.resize_(0)
+        call.vjp = call.full = None
         call.deliver(unwrapped(grad_full), [unwrapped(g) for g in grad_resident])
-        return (torch.zeros(()), None, None, None, None) + tuple(grad_inputs) + (None,) * (ctx.count - ctx.n_inputs)
-
-
-class _RecomputedUnit(torch.autograd.Function):
-    """A unit of whole parameters that keeps only its inputs and recomputes in backward."""
-
-    @staticmethod
-    def forward(anchor, call: _UnitCall, n_inputs: int, *tensors):
-        with torch.no_grad():
-            return call.run(None, tensors[:n_inputs], tensors[n_inputs:], replay=False)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, call, n_inputs, *tensors = inputs
-        ctx.mark_non_differentiable(*[o for o in output if not o.is_floating_point()])
-        ctx.save_for_backward(*tensors)
-        ctx.call, ctx.n_inputs = call, n_inputs
-        ctx.set_materialize_grads(False)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        tensors, n = ctx.saved_tensors, ctx.n_inputs
-        outputs, vjp = autograd_vjp(lambda ins, res: ctx.call.run(None, ins, res, replay=True),
-                                    tuple(tensors[:n]), tuple(tensors[n:]))
-        grad_inputs, grad_resident = vjp(_cotangents(outputs, grads))
-        ctx.call.deliver(None, [unwrapped(g) for g in grad_resident])
-        return (torch.zeros(()), None, None) + tuple(grad_inputs) + (None,) * (len(tensors) - n)
+        return (torch.zeros(()), None, None, None) + tuple(grad_inputs) + (None,) * (ctx.count - ctx.n_inputs)
 
 
 class _GatheredParams(torch.autograd.Function):
@@ -299,7 +250,7 @@ class UnitOps(DenseOps):
                  trace: Optional[UnitTrace] = None):
         self.layout, self.data, self.sink, self.anchor = layout, data, sink, anchor
         self.device, self.dtype, self.to_device = device, dtype, to_device
-        self.recompute = layout.zero.recompute_blocks
+        self.recompute = Remat() if layout.zero.recompute_blocks else None  # ZeRO-3's own switch: full remat
         self.prefetch = layout.zero.prefetch
         self.trace = trace if trace is not None else UnitTrace()
         self.units: dict[int, UnitParams] = {}
@@ -360,24 +311,26 @@ class UnitOps(DenseOps):
             raise TypeError(f"unit {p.unit.name!r} is not a subtree of the parameters; it cannot be taken whole")
         return tree_unflatten(p.unit.tree, self.take(p))
 
-    def call(self, p: Any, fn: Callable, *args: Any, _hint: Optional[int] = None, **kwargs: Any) -> Any:
+    def call(self, p: Any, fn: Callable, *args: Any, _hint: Optional[int] = None, _remat: Any = None,
+             **kwargs: Any) -> Any:
         """`fn(params, *args, **kwargs)` with the unit's parameters: a sharded unit is gathered
-        for this call only (and again for its backward), with `recompute_blocks` the call keeps
-        only its inputs; a unit taken whole is taken once per micro-batch."""
-        if not isinstance(p, UnitParams) or self.sink is None or p.unit.index in self._taken:
+        for this call only (and again for its backward); with remat (`_remat`, else
+        `zero.recompute_blocks`) the call is checkpointed; a unit taken whole is taken once per
+        micro-batch."""
+        remat = _remat if _remat is not None else self.recompute
+        if self.sink is None or not torch.is_grad_enabled():
+            remat = None  # evaluation: nothing is kept for a backward
+        if remat is not None:
+            fn = functools.partial(checkpointed, remat, fn)
+        if not isinstance(p, UnitParams) or self.sink is None or p.unit.index in self._taken or p.shard is None:
             out = fn(self.param(p), *args, **kwargs)
             if self.sink is None and isinstance(p, UnitParams):
                 self._taken.pop(p.unit.index, None)  # evaluation keeps no gathered unit
             return out
-        if p.shard is None and not self.recompute:
-            return fn(self.param(p), *args, **kwargs)
         call = _UnitCall(self, fn, p.unit, args, kwargs)
         call.hint = _hint
         inputs = call.tensors
-        if p.shard is not None:
-            outputs = _GatheredUnit.apply(self.anchor, p.shard, call, self.recompute, len(inputs), *inputs, *p.resident)
-        else:
-            outputs = _RecomputedUnit.apply(self.anchor, call, len(inputs), *inputs, *p.resident)
+        outputs = _GatheredUnit.apply(self.anchor, p.shard, call, len(inputs), *inputs, *p.resident)
         return call.result(outputs)
 
     def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor,
