@@ -1,0 +1,155 @@
+"""fspeed.remat: activation checkpointing gives the no-remat gradients, keeps less, on any model."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fspeed as fs
+from fspeed.host_memory import live_host_bytes
+from tests.hf_models import SEQ, VOCAB, hf_gpt2, hf_llama
+
+
+def lm_loss(outputs, batch):
+    return outputs.loss
+
+
+def gradient(model, params, batch, precision="fp32", seed=0):
+    """One micro-batch's gradient (flat, fp32) and loss through make_train_step."""
+    opt = fs.optim.sgd(0.0)
+    state = fs.init_train_state(params, opt, precision=getattr(fs.precision, precision)(), seed=seed,
+                                model=model if model.init_buffers is not None else None)
+    step = fs.make_train_step(model.loss, opt)
+    s = step.begin(state)
+    step.micro(s, state, batch)
+    return s.runtime.finish().buffer.float().clone(), float(s.losses[0])
+
+
+def gpt(n_layer, dropout=0.1):
+    cfg = fs.models.GPTConfig(vocab_size=VOCAB, n_layer=n_layer, n_head=2, d_model=16, seq_len=SEQ, dropout=dropout)
+    return fs.models.gpt(cfg)
+
+
+def gpt_batch(rows, seq, seed):
+    x = torch.randint(0, VOCAB, (rows, seq), generator=torch.Generator().manual_seed(seed))
+    return {"inputs": x, "targets": x.roll(-1, 1)}
+
+
+def hf_batch(rows, seed, **extra):
+    """use_cache=False: remat turns the cache off (a recompute would append to it), and the
+    cached path rounds differently, so the reference runs without it too."""
+    x = torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": x, "labels": x, "use_cache": False, **extra}
+
+
+@settings(max_examples=8, deadline=None)
+@given(n_layer=st.integers(1, 4), every=st.integers(1, 3), policy=st.sampled_from(["full", "save_matmuls"]),
+       rows=st.integers(1, 3), seq=st.integers(2, SEQ), seed=st.integers(0, 100))
+def test_gpt_remat_gradients_equal_no_remat_exactly(n_layer, every, policy, rows, seq, seed):
+    model = gpt(n_layer)
+    params = model.init(torch.Generator().manual_seed(seed))
+    batch = gpt_batch(rows, seq, seed)
+    want, want_loss = gradient(model, params, batch, seed=seed)
+    got, loss = gradient(fs.remat(model, policy, every), params, batch, seed=seed)
+    assert loss == want_loss
+    assert torch.equal(got, want)  # the same ops in the same order, the same dropout masks
+
+
+@pytest.mark.parametrize("policy", ["full", "save_matmuls", fs.remat_policies.save_named("nothing-tagged")])
+def test_hf_gpt2_with_dropout_remat_equals_no_remat(policy):
+    module = hf_gpt2(dropout=0.1, layers=3)
+    model = fs.functionalize(module, lm_loss)
+    batch = hf_batch(2, 1)
+    want, want_loss = gradient(model, model.init(), batch, seed=3)
+    got, loss = gradient(fs.remat(model, policy, every=2), model.init(), batch, seed=3)
+    assert loss == want_loss and torch.equal(got, want)
+
+
+def test_remat_turns_the_cache_off_so_the_recompute_matches():
+    module = hf_gpt2(dropout=0.1, layers=2)
+    model = fs.functionalize(module, lm_loss)
+    batch = hf_batch(2, 5)
+    want, _ = gradient(model, model.init(), batch, seed=2)
+    del batch["use_cache"]  # the model's default (True) would grow the cache in the recompute
+    got, _ = gradient(fs.remat(model, "save_matmuls"), model.init(), batch, seed=2)
+    assert torch.equal(got, want)
+
+
+def test_bf16_remat_within_bf16_tolerance():
+    module = hf_llama(layers=2)
+    model = fs.functionalize(module, lm_loss)
+    batch = hf_batch(2, 2)
+    want, _ = gradient(model, model.init(), batch, "bf16")
+    got, _ = gradient(fs.remat(model, "save_matmuls"), model.init(), batch, "bf16")
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
+
+
+def test_hugging_face_gradient_checkpointing_gets_fspeed_remat():
+    """A layer's own torch.utils.checkpoint would recompute on the module's own (stale) weights
+    after functional_call has put them back: fspeed's remat takes its place, exactly."""
+    module = hf_gpt2(dropout=0.1, layers=2)
+    model = fs.functionalize(module, lm_loss)
+    batch = hf_batch(2, 4)
+    params = {k: v for k, v in model.init().items()}
+    want, _ = gradient(model, params, batch, seed=1)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.mul_(0.5)  # the module's own weights differ from the state's from here on
+    module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    got, _ = gradient(model, params, batch, seed=1)
+    assert torch.equal(got, want)
+    assert all(m.gradient_checkpointing for m in module.transformer.h)  # the user's switch is left on
+
+
+def test_remat_patterns_must_name_units():
+    model = fs.functionalize(hf_gpt2(), lm_loss)
+    with pytest.raises(ValueError, match=r"match no unit.*transformer\.h\.0"):
+        fs.remat(model, where=["transformer.h.*.attn"])
+    with pytest.raises(ValueError, match="policy 'everything' is not one of"):
+        fs.remat(model, "everything")
+    with pytest.raises(ValueError, match="every=0"):
+        fs.remat(model, every=0)
+    with pytest.raises(ValueError, match="path patterns apply to functionalize"):
+        fs.remat(gpt(2), where=["blocks.*"])
+
+
+def forward_kept_bytes(model, params, batch):
+    """Host bytes the forward keeps alive for backward (malloc's in-use bytes around it)."""
+    from fspeed.parallel.runtime import ParallelRuntime  # noqa: F401  (warm imports before measuring)
+
+    opt = fs.optim.sgd(0.0)
+    state = fs.init_train_state(params, opt)
+    step = fs.make_train_step(model.loss, opt)
+    state, _ = step(state, batch)  # warm up
+    s = step.begin(state)
+    kept = []
+    real = torch.autograd.backward
+
+    def measuring(tensors, *args, **kwargs):
+        kept.append(live_host_bytes() - before)
+        return real(tensors, *args, **kwargs)
+    before = live_host_bytes()
+    torch.autograd.backward = measuring
+    try:
+        step.micro(s, state, batch)
+    finally:
+        torch.autograd.backward = real
+    return kept[0]
+
+
+@pytest.mark.skipif(live_host_bytes() is None, reason="counts malloc's bytes (glibc)")
+def test_policies_keep_what_they_promise():
+    """full keeps block inputs only; save_matmuls keeps the matmul outputs too; no remat keeps all."""
+    model = gpt(4, dropout=0.0)
+    cfg = fs.models.GPTConfig(vocab_size=VOCAB, n_layer=4, n_head=2, d_model=64, seq_len=128)
+    model = fs.models.gpt(cfg)
+    params = model.init(torch.Generator().manual_seed(0))
+    batch = gpt_batch(8, 128, 0)
+    none = forward_kept_bytes(model, params, batch)
+    matmuls = forward_kept_bytes(fs.remat(model, "save_matmuls"), params, batch)
+    full = forward_kept_bytes(fs.remat(model, "full"), params, batch)
+    block_input = 8 * 128 * 64 * 4
+    logits = 8 * 128 * VOCAB * 4
+    assert full < none / 4, (full, none)
+    assert full < 4 * block_input + 4 * logits + 12 * block_input + (1 << 20)  # inputs + head + one block's
+    assert full < matmuls < none, (full, matmuls, none)
