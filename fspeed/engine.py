@@ -161,7 +161,9 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
     `nn.Module`'s loss (default: `outputs.loss`, as a Hugging Face model given labels returns, or a
     scalar output; a Model has its own). `model_parameters`: torch-style parameter groups
     (`deepspeed_groups`); `lr_scheduler`: the config's scheduler is used (an object is refused)."""
-    from .config.build import build_lr_schedule, build_optimizer, build_precision, build_zero_config  # noqa: PLC0415
+    from .config.build import (  # noqa: PLC0415
+        apply_activation_checkpointing, build_lr_schedule, build_optimizer, build_precision, build_zero_config,
+    )
     from .config.compose import compose_run_config  # noqa: PLC0415
 
     if lr_scheduler is not None:
@@ -181,6 +183,7 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
                               ("auto" if tensor > 1 else None))
     elif loss_fn is not None:
         raise ValueError("initialize: loss_fn is for nn.Modules; an fspeed Model brings its own loss")
+    model = apply_activation_checkpointing(run, model)
     precision = build_precision(run)
     schedule = build_lr_schedule(run) if optimizer is None else None
     optimizer = optimizer if optimizer is not None else build_optimizer(run)

@@ -153,3 +153,57 @@ def test_policies_keep_what_they_promise():
     assert full < none / 4, (full, none)
     assert full < 4 * block_input + 4 * logits + 12 * block_input + (1 << 20)  # inputs + head + one block's
     assert full < matmuls < none, (full, matmuls, none)
+
+
+def test_fspeed_train_with_activation_checkpointing_trains_the_same_run(tmp_path):
+    """activation_checkpointing.policy=full (with dropout) gives the no-remat run's losses exactly."""
+    import csv
+
+    from tests.test_cli import fspeed_train
+
+    losses = {}
+    for policy in ("none", "full"):
+        run_dir = tmp_path / policy
+        proc = fspeed_train("train.steps=4", "train.eval_every=0", "data.max_bytes=100000", "model.n_layer=2",
+                            "model.dropout=0.1", f"activation_checkpointing.policy={policy}", f"hydra.run.dir={run_dir}",
+                            "monitor.progress_bar=false", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with open(run_dir / "metrics.csv") as f:
+            losses[policy] = [r["loss"] for r in csv.DictReader(f)]
+    assert losses["full"] == losses["none"] and len(losses["none"]) == 5
+    proc = fspeed_train("activation_checkpointing.partition_activations=true", f"hydra.run.dir={tmp_path / 'bad'}",
+                        cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and "activation_checkpointing.partition_activations" in proc.stderr
+    assert "not implemented" in proc.stderr
+
+
+def remat_llama():
+    return fs.remat(fs.functionalize(hf_llama(layers=2), lm_loss), "save_matmuls")
+
+
+def remat_gpt2():
+    module = hf_gpt2(layers=2)  # no dropout: a data rank's micro-batches draw other masks than one process's
+    module.activation_checkpointing_enable()  # Hugging Face's switch: fspeed's remat takes its place
+    return fs.functionalize(module, lm_loss)
+
+
+def sgd():
+    return fs.optim.sgd(0.1)  # Adam would amplify the rounding noise of the key biases (true gradient 0)
+
+
+def llama_batch(rows, seed):
+    batch = hf_batch(rows, seed)
+    del batch["use_cache"]  # both sides remat, so both run without the cache
+    return batch
+
+
+@pytest.mark.parametrize("build, stage, tensor", [(remat_llama, 3, 1), (remat_gpt2, 3, 1),
+                                                  (remat_llama, 1, 2)])
+def test_remat_under_zero_and_tensor_slicing_matches_one_process(world2, build, stage, tensor):
+    """The recompute runs inside ZeRO-3's second gather, and on tensor-sliced layers."""
+    from fspeed.testing import assert_trains_like_one_process
+
+    plan = fs.zero(stage) | (fs.tensor_slicing(fs.models.module_tp_rules) if tensor > 1 else fs.Plan(()))
+    assert_trains_like_one_process(build, plan, make_batch=llama_batch, world_size=2, tensor=tensor, steps=2,
+                                   grad_accum=2, tp_plan="auto" if tensor > 1 else None, world=world2,
+                                   optimizer=sgd)

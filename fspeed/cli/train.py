@@ -37,7 +37,9 @@ from tqdm import tqdm
 from .. import checkpoint, data
 from ..checkpoint import CheckpointError
 from ..config import ConfigError, Problem, prepare_overrides, to_run_config
-from ..config.build import build_model_config, build_optimizer, build_precision, build_zero_config
+from ..config.build import (
+    apply_activation_checkpointing, build_model_config, build_optimizer, build_precision, build_zero_config,
+)
 from ..config.schema import Bf16Config, RunConfig
 from ..config.targets import TargetConfig
 from ..engine import fs_rules
@@ -136,7 +138,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     ckpt_dir = Path(run.checkpoint.dir)
     resume_tag = checkpoint.latest_tag(ckpt_dir) if run.checkpoint.resume else None
     job = _user_job(run) if isinstance(run.model, TargetConfig) else _corpus_job(run, ckpt_dir, resume_tag)
-    model = job.model
+    model = apply_activation_checkpointing(run, job.model)
     mesh, plan = _parallel_setup(run, job.rules)
     lead = mesh is None or mesh.rank == 0
     if not lead:

@@ -164,3 +164,13 @@ def build_model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
                      d_model=m.d_model, d_ff=m.d_ff, dropout=m.dropout, tie_embeddings=m.tie_embeddings,
                      init_std=m.init_std, attention=m.attention,
                      sparse_attention=run.sparse_attention.to_library() if m.attention == "sparse" else None)
+
+
+def apply_activation_checkpointing(run: RunConfig, model):
+    """`model` with the run's activation checkpointing (`fspeed.remat`), or unchanged (policy none)."""
+    import fspeed  # noqa: PLC0415
+
+    remat = run.activation_checkpointing.to_library()
+    if remat is None:
+        return model
+    return fspeed.remat(model, remat.policy, remat.every, offload=remat.offload)

@@ -575,6 +575,37 @@ def _comms_logger(ds: Mapping[str, Any], w: _Ledger) -> None:
                        "comms_logger block is present (it reads only the block's presence); fspeed follows enabled")
 
 
+def _activation_checkpointing(ds: Mapping[str, Any], w: _Ledger) -> None:
+    """`activation_checkpointing` -> fspeed's (fspeed.remat). In DeepSpeed the block configures the
+    checkpointing a model's code turns on; a block asking for CPU checkpointing turns fspeed's on
+    (policy full, every block) for the model fspeed trains. number_checkpoints sizes DeepSpeed's
+    contiguous buffers only, so it has no effect without contiguous_memory_optimization."""
+    block = w.block("activation_checkpointing", ds["activation_checkpointing"])
+    if block is None:
+        return
+    defaults = K.ACTIVATION_CHECKPOINTING_KEYS
+    for key, value in block.items():
+        if key not in defaults:
+            w.unknown(f"activation_checkpointing.{key}", value, defaults)
+    if all(key in defaults and _same(value, defaults[key]) for key, value in block.items()):
+        w.accept("activation_checkpointing", dict(block), K.ACTIVATION_CHECKPOINTING_DEFAULT_REASON)
+        return
+    for key in K.ACTIVATION_CHECKPOINTING_NOT_YET:
+        if key in block and not _same(block[key], False):
+            w.unsupported(f"activation_checkpointing.{key}", block[key], "false", "not implemented in fspeed yet")
+    if "synchronize_checkpoint_boundary" in block and not _same(block["synchronize_checkpoint_boundary"], False):
+        w.unsupported("activation_checkpointing.synchronize_checkpoint_boundary", block["synchronize_checkpoint_boundary"],
+                      "false", "not implemented in fspeed (a CUDA synchronize at each checkpoint boundary)")
+    if block.get("number_checkpoints") is not None:
+        w.accept("activation_checkpointing.number_checkpoints", block["number_checkpoints"],
+                 "sizes DeepSpeed's contiguous checkpoint buffers only; no effect without contiguous_memory_optimization")
+    if "cpu_checkpointing" in block:
+        w.emit("activation_checkpointing.cpu_checkpointing", "activation_checkpointing.cpu_checkpointing",
+               block["cpu_checkpointing"])
+        if block["cpu_checkpointing"] is True:
+            w.emit("activation_checkpointing (cpu_checkpointing: true)", "activation_checkpointing.policy", "full")
+
+
 def _csv_monitor(ds: Mapping[str, Any], w: _Ledger) -> None:
     block = w.block("csv_monitor", ds["csv_monitor"])
     if block is None:
@@ -694,6 +725,8 @@ def translate_deepspeed_config(ds: Mapping[str, Any]) -> DeepSpeedTranslation:
             _csv_monitor(ds, w)
         elif key == "sparse_attention":
             _sparse_attention(ds, w)
+        elif key == "activation_checkpointing":
+            _activation_checkpointing(ds, w)
         elif key not in _HANDLED:
             _other(key, value, w)
     if w.problems:

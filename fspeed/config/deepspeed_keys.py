@@ -200,10 +200,6 @@ ENABLED_BLOCKS = (  # accepted when absent, empty or {"enabled": false, ...}
 ENABLED_BLOCK_REASON = "disabled: DeepSpeed does not use the feature either"
 
 BLOCK_DEFAULTS: dict[str, tuple[dict[str, Any], str]] = {  # accepted when every key is at its default
-    "activation_checkpointing": ({
-        "partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
-        "number_checkpoints": None, "synchronize_checkpoint_boundary": False, "profile": False,
-    }, "DeepSpeed's defaults: checkpointed activations stay whole on the device, no extra syncs or profiling"),
     "pipeline": ({
         "stages": "auto", "partition": "best", "seed_layers": False, "activation_checkpoint_interval": 0,
         "pipe_partitioned": True, "grad_partitioned": True,
@@ -215,6 +211,15 @@ BLOCK_DEFAULTS: dict[str, tuple[dict[str, Any], str]] = {  # accepted when every
     "timers": ({"throughput": {"enabled": True, "synchronized": True}},
                "DeepSpeed's defaults: throughput reporting on; fspeed's log lines report tokens/s"),
 }
+ACTIVATION_CHECKPOINTING_KEYS: dict[str, Any] = {  # DeepSpeed's defaults
+    "partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
+    "number_checkpoints": None, "synchronize_checkpoint_boundary": False, "profile": False,
+}
+ACTIVATION_CHECKPOINTING_DEFAULT_REASON = (
+    "DeepSpeed's defaults: checkpointed activations stay whole on the device, no extra syncs or profiling; the block "
+    "only configures the checkpointing a model turns on (fspeed: activation_checkpointing.policy)")
+ACTIVATION_CHECKPOINTING_NOT_YET = ("partition_activations", "contiguous_memory_optimization", "profile")
+
 CSV_MONITOR_KEYS = {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"}
 CSV_MONITOR_DEFAULT_REASON = "DeepSpeed's default; fspeed writes metrics.csv in the run directory"
 
@@ -391,6 +396,7 @@ ZERO_KEYS = (  # zero_optimization keys (reference 2.3, DeepSpeedZeroConfig 0.19
 TRANSLATED_TOP_LEVEL = (
     *TRIAD, "gradient_clipping", "steps_per_print", "fp16", "bf16", "bfloat16", "data_types", "optimizer",
     "scheduler", "zero_optimization", "csv_monitor", "comms_logger", "tensor_parallel", "sparse_attention",
+    "activation_checkpointing",
 )
 ALL_TOP_LEVEL = tuple(sorted({*TRANSLATED_TOP_LEVEL, *NO_EFFECT, "zero_allow_untested_optimizer", *SCALAR_DEFAULTS,
                               *ENABLED_BLOCKS, *BLOCK_DEFAULTS}))

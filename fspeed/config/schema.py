@@ -497,6 +497,37 @@ SCHEDULERS: dict[str, type] = {
 }
 PRECISIONS: dict[str, type] = {"fp32": Fp32Config, "bf16": Bf16Config, "fp16": Fp16Config}
 
+@dataclass(frozen=True, kw_only=True)
+class ActivationCheckpointingConfig(ValidatedConfig):
+    """Activation checkpointing (`fspeed.remat`): which blocks keep only what `policy` saves and are
+    recomputed in backward; DeepSpeed's `activation_checkpointing` block translates here."""
+
+    policy: Literal["none", "full", "save_matmuls"] = "none"  # none: every activation is kept
+    every: int = setting(1, POSITIVE)  # checkpoint every k-th block
+    cpu_checkpointing: bool = False  # DeepSpeed's: the saved block inputs live in host memory
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    profile: bool = False
+
+    def relation_problems(self) -> list[Problem]:
+        problems = [Problem(key, "is not implemented in fspeed yet", True, "false")
+                    for key in ("partition_activations", "contiguous_memory_optimization", "profile")
+                    if getattr(self, key)]
+        if self.policy == "none" and (self.cpu_checkpointing or self.every != 1):
+            key = "cpu_checkpointing" if self.cpu_checkpointing else "every"
+            problems.append(Problem(key, "applies to checkpointed blocks, and activation_checkpointing.policy is none",
+                                    getattr(self, key), hint="set activation_checkpointing.policy=full (or save_matmuls)"))
+        return problems
+
+    def to_library(self):
+        """The `fspeed.Remat` these keys describe, or None (policy none)."""
+        import fspeed  # noqa: PLC0415 (the schema module stays free of torch imports)
+
+        if self.policy == "none":
+            return None
+        return fspeed.Remat(self.policy, self.every, self.cpu_checkpointing)
+
+
 KINDS: dict[str, dict[str, type]] = {"optimizer": OPTIMIZERS, "scheduler": SCHEDULERS, "precision": PRECISIONS}
 """Config groups whose option is picked by the node's `name` field, and the class for each name."""
 
@@ -513,6 +544,7 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "comms_logger": CommsLoggerConfig,
     "sparse_attention": SparseAttentionSection,
+    "activation_checkpointing": ActivationCheckpointingConfig,
 }
 """Sections with one fixed class (model and data are Hydra groups, but every packaged option is a
 ModelConfig / DataConfig; their option `custom` is a user's callable, a `TargetConfig`)."""
@@ -542,6 +574,7 @@ class RunConfig(ValidatedConfig):
     parallel: ParallelConfig
     comms_logger: CommsLoggerConfig
     sparse_attention: SparseAttentionSection
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     deepspeed_config: Optional[str] = None
     dp_world_size: int = setting(1, POSITIVE)
     batch: BatchTriad = field(init=False)
