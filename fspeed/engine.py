@@ -183,7 +183,7 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
                               ("auto" if tensor > 1 else None))
     elif loss_fn is not None:
         raise ValueError("initialize: loss_fn is for nn.Modules; an fspeed Model brings its own loss")
-    model = apply_activation_checkpointing(run, model)
+    model, _ = apply_activation_checkpointing(run, model)  # its profile: fspeed-train reports it
     precision = build_precision(run)
     schedule = build_lr_schedule(run) if optimizer is None else None
     optimizer = optimizer if optimizer is not None else build_optimizer(run)

@@ -278,11 +278,11 @@ def test_unsupported_keys_error_only_when_not_default():
                 "tensorboard", "zero_allow_untested_optimizer", "pipeline"):
         assert any(item.startswith(f"{key} = ") for item in no_effect), key
     message = problems_of({"wall_clock_breakdown": True, "zero_optimization": {"stage": 3, "offload_optimizer":
-                           {"device": "nvme"}}, "activation_checkpointing": {"partition_activations": True},
+                           {"device": "nvme"}}, "activation_checkpointing": {"synchronize_checkpoint_boundary": True},
                            "tensorboard": {"enabled": True}, "prescale_gradients": True})
     assert "5 problems" in message
     for key in ("wall_clock_breakdown = true", "zero_optimization.offload_optimizer.device = 'nvme'",
-                "partition_activations = true", "tensorboard.enabled = true", "prescale_gradients = true"):
+                "synchronize_checkpoint_boundary = true", "tensorboard.enabled = true", "prescale_gradients = true"):
         assert key in message
 
 
@@ -617,3 +617,17 @@ scalars = (st.none() | st.booleans() | st.integers(-10**12, 10**12)
 def test_override_values_read_back_exactly(value):
     parsed = OverridesParser.create().parse_override(format_override("train.x", value)).value()
     assert parsed == value and type(parsed) is type(value)
+
+
+def test_activation_checkpointing_block_translates():
+    run = run_from({**BASE, "activation_checkpointing": {"cpu_checkpointing": True, "number_checkpoints": 4,
+                                                         "profile": True}})
+    ac = run.activation_checkpointing
+    assert (ac.policy, ac.cpu_checkpointing, ac.profile, ac.partition_activations) == ("full", True, True, False)
+    run = run_from({**BASE, "activation_checkpointing": {"partition_activations": False}})
+    assert run.activation_checkpointing.policy == "none"  # DeepSpeed's defaults turn nothing on
+    with pytest.raises(ConfigError, match="partition_activations.*parallel.tensor is 1"):
+        run_from({**BASE, "activation_checkpointing": {"partition_activations": True}})
+    run = run_from({**BASE, "activation_checkpointing": {"partition_activations": True},
+                    "tensor_parallel": {"autotp_size": 2}}, dp_world_size=1)
+    assert run.activation_checkpointing.partition_activations and run.parallel.tensor == 2

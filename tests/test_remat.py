@@ -1,4 +1,4 @@
-"""fspeed.remat: activation checkpointing gives the no-remat gradients, keeps less, on any model."""
+"""fspeed.activation_checkpointing: activation checkpointing gives the no-remat gradients, keeps less, on any model."""
 
 import pytest
 import torch
@@ -164,17 +164,22 @@ def test_fspeed_train_with_activation_checkpointing_trains_the_same_run(tmp_path
     losses = {}
     for policy in ("none", "full"):
         run_dir = tmp_path / policy
+        extra = ["activation_checkpointing.profile=true", "train.log_every=2"] if policy == "full" else []
         proc = fspeed_train("train.steps=4", "train.eval_every=0", "data.max_bytes=100000", "model.n_layer=2",
                             "model.dropout=0.1", f"activation_checkpointing.policy={policy}", f"hydra.run.dir={run_dir}",
-                            "monitor.progress_bar=false", cwd=tmp_path)
+                            "monitor.progress_bar=false", *extra, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         with open(run_dir / "metrics.csv") as f:
             losses[policy] = [r["loss"] for r in csv.DictReader(f)]
+        if policy == "full":
+            assert "activation checkpointing, ms per step" in proc.stdout + proc.stderr
+            assert "blocks.1" in proc.stdout + proc.stderr
     assert losses["full"] == losses["none"] and len(losses["none"]) == 5
-    proc = fspeed_train("activation_checkpointing.partition_activations=true", f"hydra.run.dir={tmp_path / 'bad'}",
+    proc = fspeed_train("activation_checkpointing.policy=full", "activation_checkpointing.partition_activations=true",
+                        f"hydra.run.dir={tmp_path / 'bad'}",
                         cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and "activation_checkpointing.partition_activations" in proc.stderr
-    assert "not implemented" in proc.stderr
+    assert "parallel.tensor is 1" in proc.stderr
 
 
 def remat_llama():
@@ -207,3 +212,82 @@ def test_remat_under_zero_and_tensor_slicing_matches_one_process(world2, build, 
     assert_trains_like_one_process(build, plan, make_batch=llama_batch, world_size=2, tensor=tensor, steps=2,
                                    grad_accum=2, tp_plan="auto" if tensor > 1 else None, world=world2,
                                    optimizer=sgd)
+
+
+def partitioned_case(partition):
+    """On a tensor=2 world: the bytes a fully rematerialized GPT keeps for backward, and its gradient."""
+    cfg = fs.models.GPTConfig(vocab_size=VOCAB, n_layer=4, n_head=2, d_model=64, seq_len=128)
+    model = fs.remat(fs.models.gpt(cfg), "full", partition=partition)
+    mesh = fs.Mesh(data=1, model=2)
+    plan = fs.tensor_slicing(fs.models.gpt_rules)
+    params = model.init(torch.Generator().manual_seed(0))
+    batch = gpt_batch(8, 128, 0)
+    opt = fs.optim.sgd(0.0)
+    state = fs.init_train_state(params, opt, plan=plan, mesh=mesh, model=model)
+    step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)
+    state, _ = step(state, batch)  # warm up
+    s = step.begin(state)
+    real, kept = torch.autograd.backward, []
+
+    def measuring(tensors, *args, **kwargs):
+        kept.append(live_host_bytes() - before)
+        return real(tensors, *args, **kwargs)
+    before = live_host_bytes()
+    torch.autograd.backward = measuring
+    try:
+        step.micro(s, state, batch)
+    finally:
+        torch.autograd.backward = real
+    return kept[0], s.runtime.finish().buffer.clone()
+
+
+@pytest.mark.skipif(live_host_bytes() is None, reason="counts malloc's bytes (glibc)")
+def test_partitioned_activations_keep_half_the_block_inputs_on_tensor_2(world2):
+    whole = world2.run(partitioned_case, False)
+    parts = world2.run(partitioned_case, True)
+    block_inputs = 4 * 8 * 128 * 64 * 4
+    for (kept_whole, grad_whole), (kept_part, grad_part) in zip(whole, parts):
+        assert torch.equal(grad_part, grad_whole)  # the recompute sees the gathered input, bit for bit
+        saved = kept_whole - kept_part
+        assert 0.4 * block_inputs < saved < 0.6 * block_inputs, (saved, block_inputs)
+
+
+def test_partition_needs_tensor_slicing():
+    model = fs.remat(gpt(2), "full", partition=True)
+    with pytest.raises(ValueError, match="no tensor slicing"):
+        gradient(model, model.init(torch.Generator().manual_seed(0)), gpt_batch(2, 8, 0))
+
+
+def test_contiguous_inputs_and_profile_keep_the_numbers():
+    """contiguous: every kept input in one buffer, allocated once after the first step; profile:
+    forward, recompute and backward time per block; the gradient is unchanged by either."""
+    model = gpt(3)
+    params = model.init(torch.Generator().manual_seed(0))
+    batch = gpt_batch(2, 12, 0)
+    want, _ = gradient(model, params, batch)
+    profile = fs.RematProfile()
+    remat_model = fs.remat(model, "full", profile=profile, contiguous=True)
+    for _ in range(3):
+        got, _ = gradient(remat_model, params, batch)
+        assert torch.equal(got, want)
+    sums = profile.take()
+    assert sorted(sums) == ["blocks.0", "blocks.1", "blocks.2"]
+    for row in sums.values():
+        assert row["forward"] > 0 and row["recompute"] > 0 and row["backward"] > 0
+    assert "total" in profile.table(sums) and profile.take() == {}
+
+
+def test_contiguous_arena_reuses_one_buffer():
+    from fspeed.activation_checkpointing import ContiguousArena
+
+    arena = ContiguousArena()
+    for _ in range(3):
+        views = [arena.take(torch.full((5, 7), float(i))) for i in range(4)]
+        assert all(torch.equal(v, torch.full((5, 7), float(i))) for i, v in enumerate(views))
+        for _ in views:
+            arena.release()
+    assert arena.allocations <= 3  # grows while the first forward asks, then reuses
+    allocations = arena.allocations
+    for _ in range(4):
+        arena.take(torch.ones(5, 7))
+    assert arena.allocations == allocations

@@ -138,7 +138,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     ckpt_dir = Path(run.checkpoint.dir)
     resume_tag = checkpoint.latest_tag(ckpt_dir) if run.checkpoint.resume else None
     job = _user_job(run) if isinstance(run.model, TargetConfig) else _corpus_job(run, ckpt_dir, resume_tag)
-    model = apply_activation_checkpointing(run, job.model)
+    model, remat_profile = apply_activation_checkpointing(run, job.model)
     mesh, plan = _parallel_setup(run, job.rules)
     lead = mesh is None or mesh.rank == 0
     if not lead:
@@ -223,6 +223,8 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
                     bar.update(1)
                 if lead and (state.step % print_every == 0 or last or "val_loss" in row):
                     _log_line(row, bar)
+                    if remat_profile is not None:
+                        _log_remat_profile(remat_profile, window_steps, bar)
                     window_start, window_steps = time.perf_counter(), 0
                 if run.checkpoint.save_every and state.step % run.checkpoint.save_every == 0 and not last:
                     save(state)
@@ -316,6 +318,14 @@ def _progress_bar(run: RunConfig, start: int):
         return None
     return tqdm(total=run.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                 mininterval=0.5, file=sys.stderr)
+
+
+def _log_remat_profile(profile, steps: int, bar) -> None:
+    """activation_checkpointing.profile: the checkpointed blocks' times per step since the last line."""
+    sums = profile.take()
+    per_step = {block: {phase: ms / max(steps, 1) for phase, ms in row.items()} for block, row in sums.items()}
+    text = "activation checkpointing, ms per step:\n" + profile.table(per_step)
+    (bar.write if bar is not None else log.info)(text)
 
 
 def _log_line(row: dict[str, Any], bar) -> None:

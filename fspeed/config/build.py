@@ -167,10 +167,14 @@ def build_model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
 
 
 def apply_activation_checkpointing(run: RunConfig, model):
-    """`model` with the run's activation checkpointing (`fspeed.remat`), or unchanged (policy none)."""
+    """(`model` with the run's activation checkpointing (`fspeed.activation_checkpointing`), its
+    timing profile or None); `model` unchanged with policy none."""
     import fspeed  # noqa: PLC0415
 
-    remat = run.activation_checkpointing.to_library()
+    ac = run.activation_checkpointing
+    remat = ac.to_library()
     if remat is None:
-        return model
-    return fspeed.remat(model, remat.policy, remat.every, offload=remat.offload)
+        return model, None
+    profile = fspeed.RematProfile() if ac.profile else None
+    return fspeed.remat(model, remat.policy, remat.every, offload=remat.offload, partition=remat.partition,
+                        profile=profile, contiguous=ac.contiguous_memory_optimization), profile

@@ -576,7 +576,7 @@ def _comms_logger(ds: Mapping[str, Any], w: _Ledger) -> None:
 
 
 def _activation_checkpointing(ds: Mapping[str, Any], w: _Ledger) -> None:
-    """`activation_checkpointing` -> fspeed's (fspeed.remat). In DeepSpeed the block configures the
+    """`activation_checkpointing` -> fspeed's (fspeed.activation_checkpointing). In DeepSpeed the block configures the
     checkpointing a model's code turns on; a block asking for CPU checkpointing turns fspeed's on
     (policy full, every block) for the model fspeed trains. number_checkpoints sizes DeepSpeed's
     contiguous buffers only, so it has no effect without contiguous_memory_optimization."""
@@ -590,20 +590,17 @@ def _activation_checkpointing(ds: Mapping[str, Any], w: _Ledger) -> None:
     if all(key in defaults and _same(value, defaults[key]) for key, value in block.items()):
         w.accept("activation_checkpointing", dict(block), K.ACTIVATION_CHECKPOINTING_DEFAULT_REASON)
         return
-    for key in K.ACTIVATION_CHECKPOINTING_NOT_YET:
-        if key in block and not _same(block[key], False):
-            w.unsupported(f"activation_checkpointing.{key}", block[key], "false", "not implemented in fspeed yet")
     if "synchronize_checkpoint_boundary" in block and not _same(block["synchronize_checkpoint_boundary"], False):
         w.unsupported("activation_checkpointing.synchronize_checkpoint_boundary", block["synchronize_checkpoint_boundary"],
                       "false", "not implemented in fspeed (a CUDA synchronize at each checkpoint boundary)")
     if block.get("number_checkpoints") is not None:
         w.accept("activation_checkpointing.number_checkpoints", block["number_checkpoints"],
-                 "sizes DeepSpeed's contiguous checkpoint buffers only; no effect without contiguous_memory_optimization")
-    if "cpu_checkpointing" in block:
-        w.emit("activation_checkpointing.cpu_checkpointing", "activation_checkpointing.cpu_checkpointing",
-               block["cpu_checkpointing"])
-        if block["cpu_checkpointing"] is True:
-            w.emit("activation_checkpointing (cpu_checkpointing: true)", "activation_checkpointing.policy", "full")
+                 "sizes DeepSpeed's contiguous checkpoint buffers; fspeed's buffer grows to what a step keeps")
+    for key in K.ACTIVATION_CHECKPOINTING_TRANSLATED:
+        if key in block:
+            w.emit(f"activation_checkpointing.{key}", f"activation_checkpointing.{key}", block[key])
+    if any(block.get(key) is True for key in K.ACTIVATION_CHECKPOINTING_TRANSLATED):
+        w.emit("activation_checkpointing (a setting on)", "activation_checkpointing.policy", "full")
 
 
 def _csv_monitor(ds: Mapping[str, Any], w: _Ledger) -> None:

@@ -218,7 +218,8 @@ ACTIVATION_CHECKPOINTING_KEYS: dict[str, Any] = {  # DeepSpeed's defaults
 ACTIVATION_CHECKPOINTING_DEFAULT_REASON = (
     "DeepSpeed's defaults: checkpointed activations stay whole on the device, no extra syncs or profiling; the block "
     "only configures the checkpointing a model turns on (fspeed: activation_checkpointing.policy)")
-ACTIVATION_CHECKPOINTING_NOT_YET = ("partition_activations", "contiguous_memory_optimization", "profile")
+ACTIVATION_CHECKPOINTING_TRANSLATED = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                                      "profile")  # -> activation_checkpointing.<key>
 
 CSV_MONITOR_KEYS = {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"}
 CSV_MONITOR_DEFAULT_REASON = "DeepSpeed's default; fspeed writes metrics.csv in the run directory"

@@ -499,24 +499,30 @@ PRECISIONS: dict[str, type] = {"fp32": Fp32Config, "bf16": Bf16Config, "fp16": F
 
 @dataclass(frozen=True, kw_only=True)
 class ActivationCheckpointingConfig(ValidatedConfig):
-    """Activation checkpointing (`fspeed.remat`): which blocks keep only what `policy` saves and are
+    """Activation checkpointing (`fspeed.activation_checkpointing`): which blocks keep only what `policy` saves and are
     recomputed in backward; DeepSpeed's `activation_checkpointing` block translates here."""
 
     policy: Literal["none", "full", "save_matmuls"] = "none"  # none: every activation is kept
     every: int = setting(1, POSITIVE)  # checkpoint every k-th block
     cpu_checkpointing: bool = False  # DeepSpeed's: the saved block inputs live in host memory
-    partition_activations: bool = False
-    contiguous_memory_optimization: bool = False
-    profile: bool = False
+    partition_activations: bool = False  # with parallel.tensor > 1: each rank keeps 1/t of each kept input
+    contiguous_memory_optimization: bool = False  # kept inputs in one reused buffer
+    profile: bool = False  # forward, recompute and backward time per checkpointed block
 
     def relation_problems(self) -> list[Problem]:
-        problems = [Problem(key, "is not implemented in fspeed yet", True, "false")
-                    for key in ("partition_activations", "contiguous_memory_optimization", "profile")
-                    if getattr(self, key)]
-        if self.policy == "none" and (self.cpu_checkpointing or self.every != 1):
-            key = "cpu_checkpointing" if self.cpu_checkpointing else "every"
-            problems.append(Problem(key, "applies to checkpointed blocks, and activation_checkpointing.policy is none",
-                                    getattr(self, key), hint="set activation_checkpointing.policy=full (or save_matmuls)"))
+        problems = []
+        if self.policy == "none":
+            for key in ("cpu_checkpointing", "partition_activations", "contiguous_memory_optimization", "profile"):
+                if getattr(self, key):
+                    problems.append(Problem(key, "applies to checkpointed blocks, and activation_checkpointing.policy "
+                                            "is none", True, hint="set activation_checkpointing.policy=full (or "
+                                                                   "save_matmuls)"))
+            if self.every != 1:
+                problems.append(Problem("every", "applies to checkpointed blocks, and activation_checkpointing.policy "
+                                        "is none", self.every, hint="set activation_checkpointing.policy=full"))
+        if self.contiguous_memory_optimization and (self.cpu_checkpointing or self.partition_activations):
+            problems.append(Problem("contiguous_memory_optimization", "holds whole inputs on the device; with "
+                                    "cpu_checkpointing or partition_activations it is not implemented", True, "false"))
         return problems
 
     def to_library(self):
@@ -525,7 +531,7 @@ class ActivationCheckpointingConfig(ValidatedConfig):
 
         if self.policy == "none":
             return None
-        return fspeed.Remat(self.policy, self.every, self.cpu_checkpointing)
+        return fspeed.Remat(self.policy, self.every, self.cpu_checkpointing, self.partition_activations)
 
 
 KINDS: dict[str, dict[str, type]] = {"optimizer": OPTIMIZERS, "scheduler": SCHEDULERS, "precision": PRECISIONS}
@@ -580,6 +586,9 @@ class RunConfig(ValidatedConfig):
     batch: BatchTriad = field(init=False)
 
     def relation_problems(self) -> list[Problem]:
+        if self.activation_checkpointing.partition_activations and self.parallel.tensor == 1:
+            return [Problem("activation_checkpointing.partition_activations", "splits each kept block input over the "
+                            "tensor-slicing ranks, and parallel.tensor is 1", True, "false, or parallel.tensor > 1")]
         sched, lr = self.scheduler, getattr(self.optimizer, "lr", None)
         targets = [isinstance(self.model, TargetConfig), isinstance(self.data, TargetConfig)]
         if any(targets) and not all(targets):

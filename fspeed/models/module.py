@@ -130,12 +130,12 @@ class ModuleLoss:
             self.members.setdefault(unit, []).append(name)
         self.shapes = {n: p.shape for n, p in module.named_parameters()}
         self.takes_use_cache = "use_cache" in inspect.signature(module.forward).parameters
-        self.remat: Any = None  # fspeed.remat.Remat for the units in remat_units
+        self.remat: Any = None  # fspeed.activation_checkpointing.Remat for the units in remat_units
         self.remat_units: frozenset = frozenset()
 
     def with_remat(self, remat: Any, where: Optional[Sequence[str]] = None) -> "ModuleLoss":
         """A copy whose units matching `where` (default: the repeated blocks) are checkpointed
-        with `remat` (`fspeed.remat`): every `remat.every`-th of them in forward order."""
+        with `remat` (`fspeed.activation_checkpointing`): every `remat.every`-th of them in forward order."""
         order = list(dict.fromkeys(self.units.values()))  # units in parameter (= forward) order
         if where is None:
             blocks = set(repeated_blocks(self.module))
@@ -271,7 +271,7 @@ class ModuleLoss:
                    and any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
         if not flagged:
             return {}
-        from ..remat import Remat  # noqa: PLC0415 (remat imports the models package)
+        from ..activation_checkpointing import Remat  # noqa: PLC0415 (remat imports the models package)
 
         unit_paths = set(self.members)
         outside = [p for p in flagged if p not in unit_paths]

@@ -61,14 +61,14 @@ class DenseOps:
         return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
     def call(self, p: Any, fn: Callable[..., Any], *args: Any, _remat: Any = None, _hint: Optional[int] = None,
-             **kwargs: Any) -> Any:
+             _label: str = "block", **kwargs: Any) -> Any:
         """`fn(params, *args, **kwargs)` with one unit's parameters (the unit of ZeRO-3 gathering,
-        recompute and gradient delivery under a plan); `_remat` (`fspeed.remat.Remat`) checkpoints
+        recompute and gradient delivery under a plan); `_remat` (`fspeed.activation_checkpointing.Remat`) checkpoints
         the call when autograd records it."""
         if _remat is not None and torch.is_grad_enabled():
-            from ..remat import checkpointed  # noqa: PLC0415 (remat imports this module)
+            from ..activation_checkpointing import checkpointed  # noqa: PLC0415 (remat imports this module)
 
-            return checkpointed(_remat, fn, self.param(p), *args, **kwargs)
+            return checkpointed(_remat, fn, self.param(p), *args, label=_label, **kwargs)
         return fn(self.param(p), *args, **kwargs)
 
     def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor,

@@ -11,7 +11,7 @@ becomes tensors, right where the model uses it:
 - a ZeRO-3 sharded unit is gathered just in time (`_GatheredUnit`): its all-gather starts one
   unit ahead (`prefetch`), its gathered weights are freed after its forward and gathered again
   for its backward, whose gradient is reduce-scattered into the shard;
-- a call with remat (`fspeed.remat`, or `zero.recompute_blocks`) keeps only what its policy saves and
+- a call with remat (`fspeed.activation_checkpointing`, or `zero.recompute_blocks`) keeps only what its policy saves and
   is recomputed in backward (inside the unit's second gather under ZeRO-3).
 
 A model that is not parallel-aware (or whose units are not subtrees, like `functionalize`'s flat
@@ -28,7 +28,7 @@ import torch
 
 from ..models.ops import BlockFn, DenseOps
 from ..pytree import PyTree, tree_flatten, tree_unflatten
-from ..remat import Remat, checkpointed
+from ..activation_checkpointing import Remat, checkpointed
 from ..torch_internals import below_functorch, unwrapped
 from .comm import AxisComm
 from .grads import GradSink, deliver_on_backward
@@ -138,7 +138,7 @@ class _GatheredUnit(torch.autograd.Function):
     gathered storage: the graph keeps views of it, which hold no memory while it is empty.
     Backward gathers again into that same storage (no version bump: the bits are what the graph
     saw), runs the recorded vjp and delivers the unit's gradients. With remat the recorded graph
-    is a checkpoint's (`fspeed.remat`): the vjp recomputes inside that same gather.
+    is a checkpoint's (`fspeed.activation_checkpointing`): the vjp recomputes inside that same gather.
     """
 
     @staticmethod
@@ -251,6 +251,7 @@ class UnitOps(DenseOps):
         self.layout, self.data, self.sink, self.anchor = layout, data, sink, anchor
         self.device, self.dtype, self.to_device = device, dtype, to_device
         self.recompute = Remat() if layout.zero.recompute_blocks else None  # ZeRO-3's own switch: full remat
+        self.model_comm: Optional[AxisComm] = None  # the tensor-slicing axis (remat's partitioned inputs)
         self.prefetch = layout.zero.prefetch
         self.trace = trace if trace is not None else UnitTrace()
         self.units: dict[int, UnitParams] = {}
@@ -312,7 +313,7 @@ class UnitOps(DenseOps):
         return tree_unflatten(p.unit.tree, self.take(p))
 
     def call(self, p: Any, fn: Callable, *args: Any, _hint: Optional[int] = None, _remat: Any = None,
-             **kwargs: Any) -> Any:
+             _label: Optional[str] = None, **kwargs: Any) -> Any:
         """`fn(params, *args, **kwargs)` with the unit's parameters: a sharded unit is gathered
         for this call only (and again for its backward); with remat (`_remat`, else
         `zero.recompute_blocks`) the call is checkpointed; a unit taken whole is taken once per
@@ -321,7 +322,8 @@ class UnitOps(DenseOps):
         if self.sink is None or not torch.is_grad_enabled():
             remat = None  # evaluation: nothing is kept for a backward
         if remat is not None:
-            fn = functools.partial(checkpointed, remat, fn)
+            label = p.unit.name if isinstance(p, UnitParams) else (_label or "block")
+            fn = functools.partial(checkpointed, remat, fn, model_comm=self.model_comm, label=label)
         if not isinstance(p, UnitParams) or self.sink is None or p.unit.index in self._taken or p.shard is None:
             out = fn(self.param(p), *args, **kwargs)
             if self.sink is None and isinstance(p, UnitParams):

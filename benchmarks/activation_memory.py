@@ -1,0 +1,149 @@
+"""Activation memory and step time per remat policy, against torch.utils.checkpoint in a plain loop.
+
+The reference GPT (12 layers, sequence 512 by default) trained one step at a time:
+
+    fspeed, no remat           make_train_step on the model
+    fspeed, full               fs.remat(model, "full")         (keeps each block's input)
+    fspeed, save_matmuls       fs.remat(model, "save_matmuls") (keeps matmul outputs too)
+    fspeed, full every 2       fs.remat(model, "full", every=2)
+    torch, no checkpoint       GPTModule (same math) in a plain AdamW loop
+    torch.utils.checkpoint     the same loop, each block under checkpoint(use_reentrant=False)
+
+Saved bytes: malloc's in-use bytes (glibc `mallinfo2`) when backward starts, over those before the
+forward: what the forward keeps for backward. Theory for full remat: one block input per block
+plus one block's activations (the recompute's) and the head's.
+
+    python benchmarks/activation_memory.py [--layers 12] [--seq 512] [--batch 4] [--width 256] [--steps 3]
+
+Last lines: full_remat_saved_bytes_over_theory, full_remat_step_time_over_none,
+remat_vs_torch_checkpoint_step_time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import fspeed as fs
+from fspeed.host_memory import live_host_bytes
+from fspeed.models.gpt_module import GPTModule, load_params_into_module
+
+
+def kept_by_forward(run_backward):
+    """(bytes kept when backward starts, seconds) for one step whose backward is autograd's."""
+    real = torch.autograd.backward
+    seen = []
+
+    def measuring(tensors, *args, **kwargs):
+        seen.append(live_host_bytes())
+        return real(tensors, *args, **kwargs)
+    torch.autograd.backward = measuring
+    torch.Tensor.backward = lambda self, *a, **k: measuring(self, *a, **k)
+    try:
+        before = live_host_bytes()
+        t0 = time.perf_counter()
+        run_backward()
+        return seen[0] - before, time.perf_counter() - t0
+    finally:
+        torch.autograd.backward = real
+        del torch.Tensor.backward  # back to the class's own
+
+
+def fspeed_variant(model, params, batch):
+    opt = fs.optim.adamw(1e-4)
+    state = {"s": fs.init_train_state(params, opt)}
+    step = fs.make_train_step(model.loss, opt)
+
+    def run():
+        state["s"], _ = step(state["s"], batch)
+    return run
+
+
+def torch_variant(cfg, params, batch, use_checkpoint):
+    module = GPTModule(cfg)
+    load_params_into_module(module, params)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
+    if use_checkpoint:
+        for i, block in enumerate(module.blocks):
+            module.blocks[i] = _Checkpointed(block)
+
+    def run():
+        logits = module(batch["inputs"])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), batch["targets"].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)  # here, so the next forward's measurement does not count the free
+    return run
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        return checkpoint(self.block, *args, use_reentrant=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    fs.retain_freed_host_memory()
+    if live_host_bytes() is None:
+        raise SystemExit("this benchmark counts malloc's bytes: it needs glibc")
+    cfg = fs.models.GPTConfig(vocab_size=256, seq_len=args.seq, n_layer=args.layers, n_head=args.width // 64,
+                              d_model=args.width)
+    model = fs.models.gpt(cfg)
+    params = model.init(torch.Generator().manual_seed(0))
+    x = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    batch = {"inputs": x, "targets": x.roll(-1, 1)}
+    variants = {
+        "fspeed, no remat": fspeed_variant(model, params, batch),
+        "fspeed, full": fspeed_variant(fs.remat(model, "full"), params, batch),
+        "fspeed, save_matmuls": fspeed_variant(fs.remat(model, "save_matmuls"), params, batch),
+        "fspeed, full every 2": fspeed_variant(fs.remat(model, "full", every=2), params, batch),
+        "torch, no checkpoint": torch_variant(cfg, params, batch, False),
+        "torch.utils.checkpoint": torch_variant(cfg, params, batch, True),
+    }
+    kept = {k: [] for k in variants}
+    times = {k: [] for k in variants}
+    for step in range(args.steps + 1):  # the first round warms up
+        names = list(variants) if step % 2 == 0 else list(reversed(variants))
+        for name in names:
+            nbytes, seconds = kept_by_forward(variants[name])
+            if step:
+                kept[name].append(nbytes)
+                times[name].append(seconds)
+    print(f"GPT {args.layers} layers, width {args.width}, seq {args.seq}, batch {args.batch}; fp32, {args.threads} "
+          f"threads; median of {args.steps} steps")
+    print(f"{'variant':<26} {'kept for backward':>18} {'step time':>10}")
+    med = {k: (statistics.median(kept[k]), statistics.median(times[k])) for k in variants}
+    for name, (nbytes, seconds) in med.items():
+        print(f"{name:<26} {nbytes / 2**20:15.1f} MiB {seconds * 1e3:8.0f} ms")
+    block_input = args.batch * args.seq * args.width * 4
+    # the head keeps the final LayerNorm's input and output, the logits and their log-softmax (fp32)
+    head = 2 * block_input + 2 * args.batch * args.seq * cfg.vocab_size * 4
+    theory = args.layers * block_input + head
+    print(f"theory for full remat, kept when backward starts: {args.layers} block inputs ({block_input / 2**20:.2f} "
+          f"MiB each) + the head's {head / 2**20:.1f} MiB = {theory / 2**20:.1f} MiB (the recompute adds one block's "
+          "activations at a time during backward)")
+    print(f"full_remat_saved_bytes_over_theory={med['fspeed, full'][0] / theory:.3f}")
+    print(f"full_remat_saved_bytes_over_none={med['fspeed, full'][0] / med['fspeed, no remat'][0]:.3f}")
+    print(f"save_matmuls_saved_bytes_over_none={med['fspeed, save_matmuls'][0] / med['fspeed, no remat'][0]:.3f}")
+    print(f"full_remat_step_time_over_none={med['fspeed, full'][1] / med['fspeed, no remat'][1]:.3f}")
+    print(f"remat_vs_torch_checkpoint_step_time={med['fspeed, full'][1] / med['torch.utils.checkpoint'][1]:.3f}")
+
+
+if __name__ == "__main__":
+    main()

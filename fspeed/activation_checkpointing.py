@@ -1,0 +1,350 @@
+"""Activation checkpointing (remat): a block keeps only what its policy saves; backward recomputes the rest.
+
+    model = fs.remat(model, policy=fs.remat_policies.save_matmuls, every=2)   # any Model
+    model = fs.functionalize(hf_model, loss_fn, remat="transformer.h.*")       # by submodule path
+
+One mechanism for every model and plan: a unit's call (`ops.call`, `ops.scan`'s blocks) runs
+under `checkpointed`, which is `torch.utils.checkpoint` (non-reentrant; the step differentiates
+with plain autograd) with torch's selective-checkpoint contexts for the policies, as JAX's
+`checkpoint_policies`:
+
+- `full`: save only the block's inputs (and parameters); recompute everything;
+- `save_matmuls`: also save the outputs of matmuls (mm, addmm, bmm, linear, attention), so the
+  recompute redoes only the cheap elementwise ops;
+- `save_named(*names)`: save the tensors tagged `fs.checkpoint_name(x, "name")`.
+
+`every=k` checkpoints every k-th block (DeepSpeed's interval), the others keep their activations.
+`offload=True` (DeepSpeed's `cpu_checkpointing`) keeps the saved block inputs in host memory
+(pinned where CUDA exists). Randomness replays: torch's generators by `preserve_rng_state`, an
+explicit `torch.Generator` argument (the reference GPT's dropout) by its saved state. Under ZeRO-3
+the recompute runs inside the unit's gather (`fspeed.parallel.ops`), so its weights are gathered
+again for it and freed after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from .models.model import Model
+from .models.ops import DENSE, BlockFn
+
+aten = torch.ops.aten
+MATMUL_OPS = frozenset({
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_cudnn_attention.default,
+})
+
+
+@torch.library.custom_op("fspeed::checkpoint_name", mutates_args=())
+def _name_op(x: torch.Tensor, name: str) -> torch.Tensor:
+    return x.clone()
+
+
+@_name_op.register_fake
+def _(x, name):
+    return torch.empty_like(x)
+
+
+_name_op.register_autograd(lambda ctx, grad: (grad, None))
+
+
+def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
+    """`x`, tagged `name` for `remat_policies.save_named(name)` (JAX's `checkpoint_name`); outside
+    a remat block it is only a copy."""
+    return _name_op(x, name)
+
+
+@dataclass(frozen=True)
+class RematPolicy:
+    """Which tensors a checkpointed block saves: `full` none but its inputs, else the outputs of
+    `saved_ops`, or of the `checkpoint_name` tags in `names`."""
+
+    name: str
+    saved_ops: frozenset = frozenset()
+    names: tuple[str, ...] = ()
+
+    def context_fn(self) -> Optional[Callable]:
+        if not self.saved_ops and not self.names:
+            return None
+        saved, names = self.saved_ops, set(self.names)
+
+        def policy(ctx, op, *args, **kwargs):
+            if op in saved or (op is torch.ops.fspeed.checkpoint_name.default and args[1] in names):
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return lambda: create_selective_checkpoint_contexts(policy)
+
+    def __repr__(self) -> str:
+        return f"remat_policies.{self.name}" + (f"{self.names}" if self.names else "")
+
+
+def save_named(*names: str) -> RematPolicy:
+    """Save the tensors tagged with `checkpoint_name(x, name)` for one of `names`; recompute the rest."""
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"save_named needs one or more non-empty tag names, got {names!r}")
+    return RematPolicy("save_named", names=tuple(names))
+
+
+remat_policies = SimpleNamespace(
+    full=RematPolicy("full"),
+    save_matmuls=RematPolicy("save_matmuls", MATMUL_OPS),
+    save_named=save_named,
+)
+POLICIES = {"full": remat_policies.full, "save_matmuls": remat_policies.save_matmuls}
+
+
+PHASES = ("forward", "recompute", "backward")
+
+
+class RematProfile:
+    """Per checkpointed block (its unit's name), forward, recompute and backward seconds, summed
+    since the last `take()` (DeepSpeed's activation-checkpoint timing, `profile=true`)."""
+
+    def __init__(self):
+        self.seconds: dict[str, dict[str, float]] = {}
+
+    def add(self, phase: str, block: str, seconds: float) -> None:
+        row = self.seconds.setdefault(block, dict.fromkeys(PHASES, 0.0))
+        row[phase] += seconds
+
+    def take(self) -> dict[str, dict[str, float]]:
+        """The sums so far in milliseconds ({block: {phase: ms}}), and a fresh start."""
+        out = {block: {phase: s * 1e3 for phase, s in row.items()} for block, row in self.seconds.items()}
+        self.seconds = {}
+        return out
+
+    def table(self, sums: dict[str, dict[str, float]]) -> str:
+        """`sums` (from `take`) as a table, one row per block and a total."""
+        lines = [f"{'block':<24} {'forward ms':>11} {'recompute ms':>13} {'backward ms':>12}"]
+        for block, row in sums.items():
+            lines.append(f"{block:<24} " + " ".join(f"{row[p]:{w}.1f}" for p, w in zip(PHASES, (11, 13, 12))))
+        total = {p: sum(row[p] for row in sums.values()) for p in PHASES}
+        lines.append(f"{'total':<24} " + " ".join(f"{total[p]:{w}.1f}" for p, w in zip(PHASES, (11, 13, 12))))
+        return "\n".join(lines)
+
+
+class ContiguousArena:
+    """One buffer that every kept block input of a forward is copied into (DeepSpeed's
+    `contiguous_memory_optimization`): a bump allocator, back to its start once every input it
+    holds has been recomputed, grown (a new buffer) when a forward needs more."""
+
+    def __init__(self):
+        self.buffer: Optional[torch.Tensor] = None
+        self.offset = self.used = 0
+        self.outstanding = 0
+        self.allocations = 0  # buffers created so far (one per growth)
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        if self.outstanding == 0:
+            self.offset = self.used = 0
+        need = -(-like.numel() * like.element_size() // 64) * 64  # 64-byte aligned slots
+        if self.buffer is None or self.buffer.device != like.device or self.offset + need > self.buffer.numel():
+            # big enough for this forward so far and this input: the next forward fits in it
+            size = max(self.used + need, 2 * (self.buffer.numel() if self.buffer is not None else 0))
+            self.buffer = torch.empty(size, dtype=torch.uint8, device=like.device)
+            self.allocations += 1
+            self.offset = 0
+        view = self.buffer[self.offset:self.offset + like.numel() * like.element_size()]
+        view = view.view(like.dtype).view(like.shape)
+        self.offset += need
+        self.used += need
+        self.outstanding += 1
+        view.copy_(like.detach())
+        return view
+
+    def release(self) -> None:
+        self.outstanding -= 1
+
+
+@dataclass(frozen=True)
+class Remat:
+    """How checkpointed blocks run: the policy, every k-th block; the kept block inputs on the
+    host (`offload`), or 1/t of each on every tensor-slicing rank (`partition`); timing (`profile`)."""
+
+    policy: RematPolicy = remat_policies.full
+    every: int = 1
+    offload: bool = False
+    partition: bool = False
+    profile: Optional[RematProfile] = None
+    contiguous: Optional[ContiguousArena] = None
+
+    def __post_init__(self):
+        if isinstance(self.policy, str):
+            if self.policy not in POLICIES:
+                raise ValueError(f"remat policy {self.policy!r} is not one of {sorted(POLICIES)} (or save_named(...))")
+            object.__setattr__(self, "policy", POLICIES[self.policy])
+        if not isinstance(self.policy, RematPolicy):
+            raise TypeError(f"remat policy must be a RematPolicy (fs.remat_policies.*) or its name, got {self.policy!r}")
+        if self.contiguous is not None and (self.partition or self.offload):
+            raise ValueError("remat: contiguous buffers hold whole inputs on the device; with partition or offload "
+                             "(partition_activations, cpu_checkpointing) they are not implemented")
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"remat every={self.every!r}: checkpoint every k-th block needs an integer k >= 1")
+
+    def chosen(self, index: int) -> bool:
+        """Whether the block at `index` (0-based, in forward order) is checkpointed."""
+        return index % self.every == 0
+
+
+def checkpointed(remat: Remat, fn: Callable, *args: Any, model_comm: Any = None, label: str = "block",
+                 **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` keeping only what `remat.policy` saves (module docstring). Every
+    tensor `fn` computes with must come in through its arguments: a recompute in backward sees
+    nothing else of the forward's context. The floating tensors among `args[1:]` are the block's
+    inputs (`args[0]` is its parameters): kept as they are, on the host (`offload`), or 1/t of them
+    on each rank of `model_comm` (`partition`), gathered again for the recompute."""
+    states = {i: a.get_state() for i, a in enumerate(args) if isinstance(a, torch.Generator)}
+    held = [_HeldInput(a) if i and isinstance(a, torch.Tensor) and a.is_floating_point() else None
+            for i, a in enumerate(args)]
+    runs = [0]
+    profile, index = remat.profile, label
+    clock: dict[str, float] = {}
+
+    def replayed(*a, **kw):
+        recompute = runs[0] > 0
+        runs[0] += 1
+        a = [h.value() if h is not None else x for h, x in zip(held, a)]
+        if recompute and states:  # fresh generators in the state of the first run
+            for i, state in states.items():
+                g = torch.Generator(device=a[i].device)
+                g.set_state(state)
+                a[i] = g
+        if profile is None:
+            return fn(*a, **kw)
+        start = _now()
+        try:
+            return fn(*a, **kw)
+        finally:  # a recompute ends early (by an exception) once it has what backward needs
+            profile.add("recompute" if recompute else "forward", index, _now() - start)
+            if recompute:
+                clock["recomputed"] = _now()
+
+    context_fn = remat.policy.context_fn()
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    passed = [h if h is not None else a for h, a in zip(held, args)]
+    out = checkpoint(replayed, *passed, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+    for h, a in zip(held, args):
+        if h is None:
+            continue
+        if profile is not None and a.requires_grad:  # the block's backward ends when its input's gradient is done
+            a.register_hook(lambda g: (profile.add("backward", index, _now() - clock.get("recomputed", _now())), g)[1])
+        if remat.partition:
+            h.partition(model_comm, remat.offload)
+        elif remat.offload:
+            h.offload()
+        elif remat.contiguous is not None:
+            h.into(remat.contiguous)
+    return out
+
+
+class _HeldInput:
+    """A checkpointed block's input as the recompute will see it: the tensor itself during the
+    forward, then (after it) only its host copy or this rank's 1/t slice. The recompute needs the
+    values only: autograd's graph of the forward, which the gradient flows through, keeps the
+    tensor's identity without its memory."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor: Optional[torch.Tensor] = tensor
+        self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
+        self.host: Optional[torch.Tensor] = None
+        self.part: Optional[torch.Tensor] = None
+        self.comm: Any = None
+        self.arena: Optional[ContiguousArena] = None
+
+    def value(self) -> torch.Tensor:
+        if self.arena is not None:  # the slot stays valid through this backward; the next forward reuses it
+            self.arena = self.arena.release()
+        if self.tensor is not None:
+            return self.tensor
+        if self.host is not None:
+            return self.host.to(self.device, non_blocking=True)
+        full = self.comm.gathered(self.part.to(self.device, non_blocking=True))
+        return full[: self.shape.numel()].view(self.shape)
+
+    def offload(self) -> None:
+        pin = self.device.type == "cuda"
+        self.host = torch.empty(self.shape, dtype=self.dtype, device="cpu", pin_memory=pin)
+        self.host.copy_(self.tensor.detach(), non_blocking=pin)
+        self.tensor = None
+
+    def into(self, arena: ContiguousArena) -> None:
+        self.tensor, self.arena = arena.take(self.tensor), arena
+
+    def partition(self, comm: Any, offload: bool) -> None:
+        if comm is None or comm.size == 1:
+            raise ValueError("remat partition=True (partition_activations) splits checkpointed inputs over the "
+                             "'model' axis, and this run has no tensor slicing (model axis size 1)")
+        flat = self.tensor.detach().reshape(-1)
+        per = -(-flat.numel() // comm.size)
+        padded = torch.nn.functional.pad(flat, (0, per * comm.size - flat.numel()))
+        part = padded[comm.rank * per:(comm.rank + 1) * per]
+        self.part = part.to("cpu", copy=True) if offload else part.clone()  # DeepSpeed: partitioned, then on the host
+        self.comm, self.tensor = comm, None
+
+
+def _now() -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+class RematOps:
+    """Ops whose `scan` checkpoints every `remat.every`-th block; everything else goes to `inner`."""
+
+    def __init__(self, inner: Any, remat: Remat):
+        self.inner, self.remat = inner, remat
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor,
+             rng: Optional[torch.Generator] = None) -> torch.Tensor:
+        for i, block in enumerate(blocks):
+            after = blocks[i + 1] if i + 1 < len(blocks) else None
+            hint = getattr(getattr(after, "unit", None), "index", None)
+            x = self.inner.call(block, fn, x, rng, _hint=hint, _remat=self.remat if self.remat.chosen(i) else None,
+                                _label=f"blocks.{i}")
+        return x
+
+
+def remat(model: Model, policy: Any = "full", every: int = 1, *, offload: bool = False, partition: bool = False,
+          profile: Optional[RematProfile] = None, contiguous: bool = False,
+          where: Optional[Sequence[str]] = None) -> Model:
+    """`model` whose blocks are activation-checkpointed (module docstring).
+
+    A `functionalize`d module checkpoints its repeated blocks (or the submodules matching the
+    `where` path patterns); any other model checkpoints the blocks it runs through `ops.scan`.
+    """
+    config = Remat(policy, every, offload, partition, profile, ContiguousArena() if contiguous else None)
+    module_loss = getattr(model.loss, "with_remat", None)
+    if module_loss is not None:
+        loss = model.loss.with_remat(config, where)
+        return dataclasses.replace(model, loss=loss, apply=loss.apply)
+    if where is not None:
+        raise ValueError(f"remat(where={where!r}): path patterns apply to functionalize()d modules; "
+                         f"{model.name} checkpoints the blocks it runs through ops.scan")
+
+    def wrapped(fn):
+        @functools.wraps(fn)  # its signature: the step passes only the keywords `fn` takes
+        def call(params, *args, ops=DENSE, **kwargs):
+            return fn(params, *args, ops=RematOps(ops, config), **kwargs)
+        return call
+    return dataclasses.replace(model, loss=wrapped(model.loss), apply=wrapped(model.apply))
+
+
+def matching(paths: Sequence[str], patterns: Sequence[str]) -> list[str]:
+    """The paths matching any of the fnmatch `patterns`, in order."""
+    return [p for p in paths if any(fnmatch.fnmatchcase(p, pat) for pat in patterns)]
+
+
+__all__ = ["ContiguousArena", "Remat", "RematOps", "RematPolicy", "RematProfile", "checkpoint_name", "checkpointed", "remat", "remat_policies"]
