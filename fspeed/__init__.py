@@ -15,6 +15,7 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from . import parallel
 from .flat import Flat, FlatLayout
 from .host_memory import retain_freed_host_memory
+from .activation_budget import BudgetChoice, measure_activations, remat_within_budget
 from .activation_checkpointing import Remat, RematPolicy, RematProfile, checkpoint_name, remat, remat_policies
 from .parallel import (
     CommError, CommLog, MemoryEstimate, Mesh, OffloadOptimizerConfig, OffloadParamConfig, P, PartitionSpec, Plan,
@@ -38,5 +39,5 @@ __all__ = [
     "CheckpointError", "checkpoint", "data", "load_checkpoint", "save_checkpoint", "sparse",
     "DonatedStateError", "Flat", "FlatLayout", "LossScaleAtMinimumError", "LossScaleState", "Model",
     "Engine", "TrainState", "functionalize", "initialize", "init_train_state", "make_eval_step", "make_train_step", "models",
-    "optim", "precision", "Remat", "RematPolicy", "RematProfile", "checkpoint_name", "remat", "remat_policies", "retain_freed_host_memory", "to_module", "tp_plan_from", "tree_flatten_with_paths", "tree_map", "tree_paths",
+    "optim", "precision", "BudgetChoice", "measure_activations", "remat_within_budget", "Remat", "RematPolicy", "RematProfile", "checkpoint_name", "remat", "remat_policies", "retain_freed_host_memory", "to_module", "tp_plan_from", "tree_flatten_with_paths", "tree_map", "tree_paths",
 ]

@@ -114,27 +114,7 @@ def test_remat_patterns_must_name_units():
 
 
 def forward_kept_bytes(model, params, batch):
-    """Host bytes the forward keeps alive for backward (malloc's in-use bytes around it)."""
-    from fspeed.parallel.runtime import ParallelRuntime  # noqa: F401  (warm imports before measuring)
-
-    opt = fs.optim.sgd(0.0)
-    state = fs.init_train_state(params, opt)
-    step = fs.make_train_step(model.loss, opt)
-    state, _ = step(state, batch)  # warm up
-    s = step.begin(state)
-    kept = []
-    real = torch.autograd.backward
-
-    def measuring(tensors, *args, **kwargs):
-        kept.append(live_host_bytes() - before)
-        return real(tensors, *args, **kwargs)
-    before = live_host_bytes()
-    torch.autograd.backward = measuring
-    try:
-        step.micro(s, state, batch)
-    finally:
-        torch.autograd.backward = real
-    return kept[0]
+    return fs.measure_activations(model, params, batch)[0]
 
 
 @pytest.mark.skipif(live_host_bytes() is None, reason="counts malloc's bytes (glibc)")
@@ -164,16 +144,19 @@ def test_fspeed_train_with_activation_checkpointing_trains_the_same_run(tmp_path
     losses = {}
     for policy in ("none", "full"):
         run_dir = tmp_path / policy
-        extra = ["activation_checkpointing.profile=true", "train.log_every=2"] if policy == "full" else []
+        extra = ["activation_checkpointing.profile=true", "train.log_every=2"] if policy == "full" else \
+            ["activation_checkpointing.budget_mib=1000"]  # roomy: measured, and no remat chosen
         proc = fspeed_train("train.steps=4", "train.eval_every=0", "data.max_bytes=100000", "model.n_layer=2",
                             "model.dropout=0.1", f"activation_checkpointing.policy={policy}", f"hydra.run.dir={run_dir}",
                             "monitor.progress_bar=false", *extra, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         with open(run_dir / "metrics.csv") as f:
             losses[policy] = [r["loss"] for r in csv.DictReader(f)]
+        logs = proc.stdout + proc.stderr
         if policy == "full":
-            assert "activation checkpointing, ms per step" in proc.stdout + proc.stderr
-            assert "blocks.1" in proc.stdout + proc.stderr
+            assert "activation checkpointing, ms per step" in logs and "blocks.1" in logs
+        else:
+            assert "none               1" in logs and "<- chosen" in logs and "activations" in logs
     assert losses["full"] == losses["none"] and len(losses["none"]) == 5
     proc = fspeed_train("activation_checkpointing.policy=full", "activation_checkpointing.partition_activations=true",
                         f"hydra.run.dir={tmp_path / 'bad'}",
@@ -291,3 +274,25 @@ def test_contiguous_arena_reuses_one_buffer():
     for _ in range(4):
         arena.take(torch.ones(5, 7))
     assert arena.allocations == allocations
+
+
+@pytest.mark.skipif(live_host_bytes() is None, reason="counts malloc's bytes (glibc)")
+def test_budget_picks_the_cheapest_policy_that_fits():
+    cfg = fs.models.GPTConfig(vocab_size=VOCAB, n_layer=4, n_head=2, d_model=64, seq_len=128)
+    model = fs.models.gpt(cfg)
+    params = model.init(torch.Generator().manual_seed(0))
+    batch = gpt_batch(8, 128, 0)
+    none, _ = fs.measure_activations(model, params, batch)
+    full, _ = fs.measure_activations(fs.remat(model, "full"), params, batch)
+    assert full < none / 4
+    chosen, choice = fs.remat_within_budget(model, params, batch, budget_bytes=none // 2)
+    policy, every = choice.chosen
+    assert policy is not None and choice.tried[-1][2] <= none // 2 and all(t[2] > none // 2 for t in choice.tried[:-1])
+    assert "<- chosen" in str(choice)
+    got, _ = gradient(chosen, params, batch)
+    want, _ = gradient(model, params, batch)
+    assert torch.equal(got, want)
+    roomy, choice = fs.remat_within_budget(model, params, batch, budget_bytes=2 * none)
+    assert choice.chosen == (None, 1) and roomy is model
+    with pytest.raises(ValueError, match="no activation checkpointing fits"):
+        fs.remat_within_budget(model, params, batch, budget_bytes=full // 4)

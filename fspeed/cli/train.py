@@ -43,6 +43,7 @@ from ..config.build import (
 from ..config.schema import Bf16Config, RunConfig
 from ..config.targets import TargetConfig
 from ..engine import fs_rules
+from ..activation_budget import remat_within_budget
 from ..host_memory import retain_freed_host_memory
 from ..loss_scale import LossScaleAtMinimumError
 from ..models import GPT_RULES, Model, count_params, gpt
@@ -50,7 +51,7 @@ from ..monitor import CSVMonitor
 from ..parallel import CommLog, Mesh, Plan, estimate_memory, init_distributed, shutdown_distributed, tensor_slicing, zero
 from ..parallel.memory import state_bytes_per_parameter
 from ..train_init import init_train_state
-from ..train_step import NonFiniteError, make_eval_step, make_train_step
+from ..train_step import NonFiniteError, make_eval_step, make_train_step, split_micro_batches
 from .run_data import prepare_data
 from .stop_requests import StopRequests, TrainingStopped
 from .user_errors import DEBUG_ENV, USER_ERRORS, debug_requested, exit_with_user_error, raised_on_every_rank
@@ -153,6 +154,12 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     optimizer = build_optimizer(run)
     precision = build_precision(run)
     params = model.init(torch.Generator().manual_seed(t.seed))
+    activations = 0
+    if run.activation_checkpointing.budget_mib is not None:  # every rank measures the same, on its own
+        micro = split_micro_batches(loader.batch(0), triad.grad_accum)[0]
+        model, choice = remat_within_budget(model, params, micro, int(run.activation_checkpointing.budget_mib * 2**20))
+        activations = choice.tried[-1][2]
+        log.info("%s", choice)
     state = init_train_state(params, optimizer, precision=precision, seed=t.seed, plan=plan, mesh=mesh, model=model)
     try:  # before the first step: can every rank save, and is there room for one checkpoint?
         checkpoint.preflight(ckpt_dir, state, mesh=mesh)
@@ -169,7 +176,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
 
     log.info("%s", estimate_memory(params, plan or Plan(), mesh.sizes if mesh else {"data": 1}, precision,
                                    optimizer_state_bytes=state_bytes_per_parameter(optimizer),
-                                   logical_axes=model.logical_axes))
+                                   logical_axes=model.logical_axes, activations=activations))
     train_step = make_train_step(model.loss, optimizer, grad_accum=triad.grad_accum, plan=plan, mesh=mesh,
                                  on_nonfinite=on_nonfinite_policy(run))
     eval_step = make_eval_step(model.loss, plan=plan, mesh=mesh)

@@ -508,6 +508,7 @@ class ActivationCheckpointingConfig(ValidatedConfig):
     partition_activations: bool = False  # with parallel.tensor > 1: each rank keeps 1/t of each kept input
     contiguous_memory_optimization: bool = False  # kept inputs in one reused buffer
     profile: bool = False  # forward, recompute and backward time per checkpointed block
+    budget_mib: Optional[float] = setting(None, POSITIVE)  # policy none: pick the cheapest remat keeping <= this
 
     def relation_problems(self) -> list[Problem]:
         problems = []
@@ -520,6 +521,9 @@ class ActivationCheckpointingConfig(ValidatedConfig):
             if self.every != 1:
                 problems.append(Problem("every", "applies to checkpointed blocks, and activation_checkpointing.policy "
                                         "is none", self.every, hint="set activation_checkpointing.policy=full"))
+        if self.budget_mib is not None and self.policy != "none":
+            problems.append(Problem("budget_mib", "chooses the policy itself (the cheapest that fits); leave "
+                                    "activation_checkpointing.policy at none", self.budget_mib))
         if self.contiguous_memory_optimization and (self.cpu_checkpointing or self.partition_activations):
             problems.append(Problem("contiguous_memory_optimization", "holds whole inputs on the device; with "
                                     "cpu_checkpointing or partition_activations it is not implemented", True, "false"))
@@ -586,6 +590,10 @@ class RunConfig(ValidatedConfig):
     batch: BatchTriad = field(init=False)
 
     def relation_problems(self) -> list[Problem]:
+        if self.activation_checkpointing.budget_mib is not None and (self.zero.stage == 3 or self.parallel.tensor > 1):
+            return [Problem("activation_checkpointing.budget_mib", "measures the policies on one process with the whole "
+                            "model, which zero.stage=3 and tensor slicing do not hold", self.activation_checkpointing.budget_mib,
+                            hint="choose activation_checkpointing.policy and every yourself")]
         if self.activation_checkpointing.partition_activations and self.parallel.tensor == 1:
             return [Problem("activation_checkpointing.partition_activations", "splits each kept block input over the "
                             "tensor-slicing ranks, and parallel.tensor is 1", True, "false, or parallel.tensor > 1")]

@@ -21,6 +21,7 @@ Two accounts, side by side:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Mapping, Union
@@ -112,15 +113,20 @@ def _layout(params_or_numel: Union[PyTree, int], plan: Plan, mesh_sizes: Mapping
 
 def estimate_memory(params_or_numel: Union[PyTree, int], plan: Plan, mesh_sizes: Mapping[str, int],
                     precision: Union[Precision, str] = "bf16", *, optimizer_state_bytes: int = ADAM_STATE_BYTES,
-                    logical_axes=None) -> MemoryEstimate:
+                    logical_axes=None, activations: int = 0) -> MemoryEstimate:
     """Per-rank device and CPU bytes of the model states `plan` gives (see the module docstring).
 
     `params_or_numel`: the parameter tree (global shapes; meta tensors are fine) or a parameter
     count (one flat tensor: stage 3 then has a single unit). `mesh_sizes`: {"data": N, "model": M}.
     `optimizer_state_bytes`: per parameter, 8 for Adam's two fp32 moments, 4 for SGD momentum.
+    `activations`: bytes a micro-batch's forward keeps for backward (`fs.measure_activations`, under
+    the run's activation checkpointing), counted among the transients of a step.
     """
-    return layout_memory(_layout(params_or_numel, plan, mesh_sizes, logical_axes), _precision(precision),
-                         optimizer_state_bytes)
+    estimate = layout_memory(_layout(params_or_numel, plan, mesh_sizes, logical_axes), _precision(precision),
+                             optimizer_state_bytes)
+    if activations:
+        estimate = dataclasses.replace(estimate, peak={**estimate.peak, "activations": activations})
+    return estimate
 
 
 def layout_memory(layout: Layout, policy: Precision, optimizer_state_bytes: int = ADAM_STATE_BYTES) -> MemoryEstimate:
