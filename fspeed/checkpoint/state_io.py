@@ -8,9 +8,11 @@ Layout of `dir/tag/`:
                           (tensors replaced by references), file sizes and sha256 (see `meta`)
 
 A sharded state (a ZeRO / tensor-slicing plan over several ranks) is saved by every rank
-together (`mesh=`): each rank streams its own part to `rank_00000.safetensors`, ... (its local
-flat buffers: a shard for ZeRO, a slice for tensor slicing), `meta.json` records the layout, and
-only the same plan on the same mesh sizes loads it back (resharding is not built yet).
+together (`mesh=`): each rank streams the boxes of global tensors it holds to
+`rank_00000.safetensors`, ... (a box several ranks hold equally is written once; padding never),
+and `meta.json`'s `index` says which box of which tensor is where (`universal`). Any checkpoint
+loads into any plan on any mesh, or into one process: each rank reads only the slices it needs.
+State that belongs to one rank (1-bit error buffers) is reset, with a warning, in another layout.
 
 A save is refused when a tensor holds inf/NaN (a diverged state never becomes `latest`), and a
 failed save (a full disk, a failing rank) raises a CheckpointError naming the path and the cause
@@ -42,6 +44,9 @@ from .directory import (
 from .errors import CheckpointError, os_error_text
 from .meta import FORMAT, META_FILE, read_meta_file, verify_files, write_meta
 from .tensor_file import file_info, nonfinite_keys, open_tensor_file, write_tensor_file
+from .universal import (
+    ChunkReader, assign_chunks, build_index, chunk_tensors, describe, file_index, fill_from_index, state_slots,
+)
 
 log = logging.getLogger("fspeed")
 
@@ -241,7 +246,8 @@ def _save_sharded_files(directory: Path, state: TrainState, tag: str, client_sta
     if not ok:
         raise CheckpointError(detail, on_every_rank=True)
     tmp = Path(detail)
-    tensors, scalars = state_entries(state)
+    slots, scalars = state_slots(state)
+    tensors, entries = chunk_tensors(assign_chunks(slots, rank, all_gather_objects))
     client_json = _split_client_state(client_state or {}, "", tensors) if rank == 0 else None
     file = tmp / _rank_file(rank)
     try:  # a failure is told to the other ranks before raising, so nobody waits or publishes
@@ -250,7 +256,7 @@ def _save_sharded_files(directory: Path, state: TrainState, tag: str, client_sta
             report = (False, _nonfinite_cause(bad))
         else:
             write_tensor_file(file, tensors, FORMAT)
-            report = (True, file_info(file))
+            report = (True, (file_info(file), entries, describe(slots, state)))
     except Exception as e:
         report = (False, _error_text(e, file))
     reports = all_gather_objects(report, "checkpoint files")
@@ -262,9 +268,10 @@ def _save_sharded_files(directory: Path, state: TrainState, tag: str, client_sta
                 raise CheckpointError(_save_failed(directory, tag, f"{len(failed)} rank(s) failed: "
                                                    + "; ".join(failed)))
             meta = _meta(tag, state, scalars, client_json,
-                         {_rank_file(r): info for r, (_, info) in enumerate(reports)})
+                         {_rank_file(r): info[0] for r, (_, info) in enumerate(reports)})
             meta["layout"] = layout_signature(state.layout)
             meta["client_file"] = _rank_file(0)
+            meta["index"] = build_index([(_rank_file(r), info[1], info[2]) for r, (_, info) in enumerate(reports)])
             write_meta(tmp, meta)
             final = publish(directory, tmp, tag)
             if save_latest:
@@ -326,10 +333,13 @@ def load_checkpoint(
     tag = _tag_or_latest(directory, tag)
     path = checkpoint_path(directory, tag)
     meta = read_meta_file(path)
+    if "index" in meta:
+        return _load_universal(path, meta, template, load_optimizer_states, 0, 1)
     if "layout" in meta:
         raise CheckpointError(f"{path} was saved by {len(meta['files'])} ranks (zero stage "
-                              f"{meta['layout']['stage']}, mesh {meta['layout']['mesh']}); load it with the same "
-                              "plan and mesh (mesh=...); converting it to one process is not supported yet")
+                              f"{meta['layout']['stage']}, mesh {meta['layout']['mesh']}) in format "
+                              f"{meta['format']}, which loads only with the same plan and mesh (mesh=...); "
+                              "checkpoints saved by this fspeed load into any layout")
     verify_files(path, meta, [TENSORS_FILE])
     reader = open_tensor_file(path / TENSORS_FILE)
     state = _fill(template, meta, reader, path / TENSORS_FILE, load_optimizer_states)
@@ -341,7 +351,7 @@ def _load_sharded(directory: Path, template: TrainState, tag: Optional[str], loa
     all_gather_objects = mesh.all_gather_objects
     if rank == 0:
         tidy(directory)
-    all_gather_objects(None, "checkpoint cleanup")  # the others look only once rank 0 has tidied
+    world = len(all_gather_objects(None, "checkpoint cleanup"))  # the others look only once rank 0 has tidied
     result, client, error = None, None, None
     where = directory / tag if tag else directory
     try:
@@ -351,20 +361,21 @@ def _load_sharded(directory: Path, template: TrainState, tag: Optional[str], loa
         meta = read_meta_file(path)
         saved = meta.get("layout")
         wanted = layout_signature(template.layout)
-        if saved != wanted:
-            if saved is None:
-                raise CheckpointError(f"{path} was saved by one process; loading it into a sharded state "
-                                      f"(zero stage {wanted['stage']}, mesh {wanted['mesh']}) is not supported yet")
+        if "index" in meta or saved is None:  # layout-free: a format-3 sharded or a one-process checkpoint
+            result, client = _load_universal(path, meta, template, load_optimizer_states, rank, world)
+        elif saved != wanted:
             diff = [k for k in wanted if saved.get(k) != wanted[k]]
             raise CheckpointError(
                 f"{path} was saved with another layout ({', '.join(diff)} differ: saved zero stage "
                 f"{saved['stage']} on mesh {saved['mesh']}, this state has zero stage {wanted['stage']} on mesh "
-                f"{wanted['mesh']}); resume with the plan and mesh it was saved with")
-        name = _rank_file(rank)
-        verify_files(path, meta, [name])
-        result = _fill(template, meta, open_tensor_file(path / name), path / name, load_optimizer_states)
-        client_file = path / meta["client_file"]
-        client = _join_client_state(meta["client_state"], open_tensor_file(client_file), client_file)
+                f"{wanted['mesh']}) in format {meta['format']}, which loads only into its own layout; resume "
+                "with the plan and mesh it was saved with (checkpoints saved by this fspeed load into any layout)")
+        else:
+            name = _rank_file(rank)
+            verify_files(path, meta, [name])
+            result = _fill(template, meta, open_tensor_file(path / name), path / name, load_optimizer_states)
+            client_file = path / meta["client_file"]
+            client = _join_client_state(meta["client_state"], open_tensor_file(client_file), client_file)
     except (CheckpointError, OSError) as e:
         error = _error_text(e, where)
     errors = [f"rank {r}: {err}" for r, err in enumerate(all_gather_objects(error, "checkpoint load")) if err]
@@ -417,6 +428,41 @@ def _fill(template: TrainState, meta: dict, reader, file: Path, load_optimizer_s
         with torch.no_grad():
             target.copy_(value)
 
+    return _restore_scalars(template, meta, path, scalars, converting, weights_only)
+
+
+def _load_universal(path: Path, meta: dict, template: TrainState, load_optimizer_states: bool, rank: int,
+                    world: int) -> tuple[TrainState, Any]:
+    """Fill `template` (any layout) from a layout-free checkpoint; this rank verifies every
+    `world`-th file (each file's checksum is checked once, by one rank) and reads only its slices."""
+    names = sorted(meta["files"])
+    verify_files(path, meta, names[rank::world])
+    client_file = path / meta.get("client_file", TENSORS_FILE)
+    index = meta["index"] if "index" in meta else file_index(open_tensor_file(client_file), TENSORS_FILE)
+    weights_only = not load_optimizer_states
+    converting = meta["precision"] != template.precision.name
+    _, scalars = state_entries(template)
+    same_layout = meta.get("layout") == layout_signature(template.layout)
+    reset = fill_from_index(template, index, ChunkReader(path), same_layout=same_layout, weights_only=weights_only,
+                            converting=converting)
+    if converting:
+        log.warning("%s was saved with precision %s; converting it to this state's %s: the weights come from its "
+                    "fp32 %s%s", path, meta["precision"], template.precision.name,
+                    "masters" if any(k.startswith("master/") for k in index) else "weights",
+                    "" if weights_only else ", the loss scaler keeps this state's initial value")
+    if reset:
+        saved = meta.get("layout")
+        log.warning("%s: %s belonged to each saving rank (%s); in this layout (%s) they restart from their initial "
+                    "values, as with DeepSpeed's universal checkpoints", path, ", ".join(reset),
+                    f"zero stage {saved['stage']} on mesh {saved['mesh']}" if saved else "one process",
+                    template.layout.describe())
+    state = _restore_scalars(template, meta, path, scalars, converting, weights_only)
+    return state, _join_client_state(meta["client_state"], open_tensor_file(client_file), client_file)
+
+
+def _restore_scalars(template: TrainState, meta: dict, path: Path, scalars: dict, converting: bool,
+                     weights_only: bool) -> TrainState:
+    """`template` with the saved non-tensor leaves (counters, loss scaler) unless only weights load."""
     state = template
     if not weights_only:
         saved_scalars = dict(meta["scalars"])
