@@ -154,3 +154,39 @@ def test_range_boxes_cover_a_flat_range_exactly():
     assert len(range_boxes(shape, 3, 57)) <= 2 * len(shape) - 1
     assert Box((0, 2), (2, 2)).intersect(Box((1, 3), (5, 5))) == Box((1, 3), (1, 1))
     assert Box((0,), (2,)).intersect(Box((2,), (2,))) is None
+
+
+def onebit_run(directory, steps, save, world_size=None):
+    """1-bit Adam (stage 0) on this world: `steps` steps, then save (or load `directory` first)."""
+    cfg, model, params = gpt_setup(SEED)
+    mesh = fs.Mesh(data=-1) if world_size else None
+    opt = fs.optim.onebit_adam(1e-2, freeze_step=1, world_size=world_size)
+    plan = fs.zero(0) if mesh else None
+    state = fs.init_train_state(params, opt, plan=plan, mesh=mesh)
+    step = fs.make_train_step(model.loss, opt, grad_accum=1, plan=plan, mesh=mesh)
+    start = 0
+    if not save:
+        state, _ = ck.load_checkpoint(directory, state, mesh=mesh)
+        start = state.step
+    state, _ = run(state, step, cfg, mesh, start, start + steps)
+    if save:
+        ck.save_checkpoint(directory, state, mesh=mesh)
+    return ([t.clone() for t in ck.state_entries(state)[0].values()], ck.state_entries(state)[1],
+            state.opt_state.worker_error.clone(), state.params.buffer.clone())
+
+
+def test_state_of_one_rank_resumes_exactly_in_its_layout_and_is_reset_with_a_warning_in_another(worlds, tmp_path,
+                                                                                               caplog):
+    """1-bit Adam's error buffers differ per rank: the same layout restores each rank's own; one
+    process restarts them at zero and says so."""
+    straight = worlds[2].run(onebit_run, str(tmp_path / "straight"), 4, True, 2)
+    saved = worlds[2].run(onebit_run, str(tmp_path), 2, True, 2)
+    assert not torch.equal(saved[0][2], saved[1][2])  # the error buffers are per rank
+    resumed = worlds[2].run(onebit_run, str(tmp_path), 2, False, 2)
+    for a, b in zip(straight, resumed):  # bit exact, error buffers included
+        assert all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and a[1] == b[1]
+    with caplog.at_level("WARNING", logger="fspeed"):
+        _, scalars, error, params = onebit_run(str(tmp_path), 0, False)
+    assert "opt_state.worker_error, opt_state.server_error restart from their initial values" in caplog.text
+    assert scalars["step"] == 2 and torch.equal(error, torch.zeros_like(error))
+    assert torch.equal(params, saved[0][3])  # the weights are shared by every rank

@@ -443,19 +443,21 @@ def _load_universal(path: Path, meta: dict, template: TrainState, load_optimizer
     converting = meta["precision"] != template.precision.name
     _, scalars = state_entries(template)
     same_layout = meta.get("layout") == layout_signature(template.layout)
-    reset = fill_from_index(template, index, ChunkReader(path), same_layout=same_layout, weights_only=weights_only,
-                            converting=converting)
+    reset, synced = fill_from_index(template, index, ChunkReader(path), same_layout=same_layout,
+                                    weights_only=weights_only, converting=converting)
     if converting:
         log.warning("%s was saved with precision %s; converting it to this state's %s: the weights come from its "
                     "fp32 %s%s", path, meta["precision"], template.precision.name,
                     "masters" if any(k.startswith("master/") for k in index) else "weights",
                     "" if weights_only else ", the loss scaler keeps this state's initial value")
-    if reset:
+    if reset or synced:
         saved = meta.get("layout")
-        log.warning("%s: %s belonged to each saving rank (%s); in this layout (%s) they restart from their initial "
-                    "values, as with DeepSpeed's universal checkpoints", path, ", ".join(reset),
-                    f"zero stage {saved['stage']} on mesh {saved['mesh']}" if saved else "one process",
-                    template.layout.describe())
+        log.warning("%s: state that belonged to each saving rank (%s) does not carry over to this layout (%s): %s%s",
+                    path, f"zero stage {saved['stage']} on mesh {saved['mesh']}" if saved else "one process",
+                    template.layout.describe(),
+                    f"{', '.join(reset)} restart from their initial values (as DeepSpeed's universal checkpoints "
+                    "drop them)" if reset else "",
+                    f"{'; ' if reset else ''}{', '.join(synced)} take the lowest saving rank's copy" if synced else "")
     state = _restore_scalars(template, meta, path, scalars, converting, weights_only)
     return state, _join_client_state(meta["client_state"], open_tensor_file(client_file), client_file)
 

@@ -168,15 +168,20 @@ def source_key(key: str, index: dict, prefer_master: bool) -> Optional[str]:
     return None
 
 
-def fill_from_index(template: TrainState, index: dict, chunks: ChunkReader, *, same_layout: bool,
-                    weights_only: bool, converting: bool) -> list[str]:
-    """Copy every box `template` holds from the saved chunks into its buffers; returns the keys of
-    state that belonged to the saving ranks and was left at its fresh value (another layout)."""
+def fill_from_index(template: TrainState, index: dict, chunks: ChunkReader, *,
+                    same_layout: bool, weights_only: bool, converting: bool) -> tuple[list[str], list[str]]:
+    """Copy every box `template` holds from the saved chunks into its buffers. State that belonged
+    to each saving rank is restored from this rank's own copy in the same layout; in another, a
+    parameter-shaped tensor (0/1 Adam's local weights and moments) takes the lowest saving rank's
+    copy and anything else (error buffers) keeps the template's fresh value. Returns (the keys
+    reset, the keys taken from one rank)."""
     slots, _ = state_slots(template)
     wanted = [s for s in slots if not weights_only or s.key.startswith(("params/", "master/"))]
     prefer_master = template.master is None or converting
-    shapes = {s.key: global_shape(s, template) for s in wanted}
-    sources = {key: source_key(key, index, prefer_master) for key in shapes}
+    by_key: dict[str, list[Slot]] = {}
+    for slot in wanted:
+        by_key.setdefault(slot.key, []).append(slot)
+    sources = {key: source_key(key, index, prefer_master) for key in by_key}
     missing = sorted(k for k, src in sources.items() if src is None)
     if missing:
         raise CheckpointError(
@@ -185,45 +190,60 @@ def fill_from_index(template: TrainState, index: dict, chunks: ChunkReader, *, s
             "Use load_optimizer_states=False to load only the weights.")
     my_rank = _global_rank(template)
     reset: list[str] = []
-    for key, shape in shapes.items():
-        entry = index[sources[key]]
-        if list(shape) != entry["shape"]:
-            raise CheckpointError(f"{chunks.path}: tensor {sources[key]!r} has global shape {entry['shape']}, the "
-                                  f"state expects {list(shape)}")
-        saved_dtype = _DTYPE_OF[entry["dtype"]]
-        target_dtype = next(s.view.dtype for s in wanted if s.key == key)
-        if saved_dtype != target_dtype and not (key.startswith("params/") and saved_dtype == torch.float32
-                                                 and target_dtype in _CAST_FROM_FP32):
-            raise CheckpointError(
-                f"{chunks.path}: tensor {sources[key]!r} is {saved_dtype}, the state's {key!r} is {target_dtype}; the "
-                "only conversion is fp32 weights cast to a bf16/fp16 compute copy (was it saved with another "
-                "precision or optimizer?)")
-        if any(c[4] != SHARED for c in entry["chunks"]) and not same_layout:
-            reset.append(key)
-    by_key: dict[str, list] = {}
-    for slot in wanted:
-        by_key.setdefault(slot.key, []).append(slot)
+    synced: list[str] = []
     for key, key_slots in by_key.items():
-        if key in reset:
-            continue
         source = sources[key]
-        usable = [c for c in index[source]["chunks"] if c[4] in (SHARED, my_rank)]
+        entry = index[source]
+        usable = [c for c in entry["chunks"] if c[4] in (SHARED, my_rank)]
+        if not same_layout and any(c[4] != SHARED for c in entry["chunks"]):
+            if key.partition("/")[2] not in template.layout.info:
+                reset.append(key)
+                continue
+            synced.append(key)
+            usable = _lowest_rank_copies(entry["chunks"])
+        _check_fits(key, source, entry, key_slots[0], template, chunks.path)
         for slot in key_slots:
-            covered = 0
-            for chunk in usable:
-                part = slot.box.intersect(Box(tuple(chunk[2]), tuple(chunk[3])))
-                if part is None:
-                    continue
-                value = chunks.read(chunk, part)
-                with torch.no_grad():
-                    slot.view[part.within(slot.box)].copy_(value)
-                covered += part.numel
-            if covered != slot.box.numel:
-                raise CheckpointError(
-                    f"{chunks.path}: tensor {source!r} is incomplete: the saved chunks cover {covered} of the "
-                    f"{slot.box.numel} elements at {list(slot.box.start)} (shape {list(slot.box.shape)}) this rank "
-                    "needs")
-    return reset
+            _fill_slot(slot, source, usable, chunks)
+    return reset, synced
+
+
+def _lowest_rank_copies(chunks: list) -> list:
+    """The shared chunks, and of each box saved per rank the copy of the lowest rank."""
+    best: dict[tuple, list] = {}
+    for c in chunks:
+        box = (tuple(c[2]), tuple(c[3]))
+        held = best.get(box)
+        if held is None or (held[4] != SHARED and (c[4] == SHARED or c[4] < held[4])):
+            best[box] = c
+    return list(best.values())
+
+
+def _check_fits(key: str, source: str, entry: dict, slot: Slot, template: TrainState, path: Path) -> None:
+    shape = global_shape(slot, template)
+    if list(shape) != entry["shape"]:
+        raise CheckpointError(f"{path}: tensor {source!r} has global shape {entry['shape']}, the state expects "
+                              f"{list(shape)}")
+    saved, target = _DTYPE_OF[entry["dtype"]], slot.view.dtype
+    if saved != target and not (key.startswith("params/") and saved == torch.float32 and target in _CAST_FROM_FP32):
+        raise CheckpointError(
+            f"{path}: tensor {source!r} is {saved}, the state's {key!r} is {target}; the only conversion is fp32 "
+            "weights cast to a bf16/fp16 compute copy (was it saved with another precision or optimizer?)")
+
+
+def _fill_slot(slot: Slot, source: str, usable: list, chunks: ChunkReader) -> None:
+    covered = 0
+    for chunk in usable:
+        part = slot.box.intersect(Box(tuple(chunk[2]), tuple(chunk[3])))
+        if part is None:
+            continue
+        value = chunks.read(chunk, part)
+        with torch.no_grad():
+            slot.view[part.within(slot.box)].copy_(value)
+        covered += part.numel
+    if covered != slot.box.numel:
+        raise CheckpointError(
+            f"{chunks.path}: tensor {source!r} is incomplete: the saved chunks cover {covered} of the "
+            f"{slot.box.numel} elements at {list(slot.box.start)} (shape {list(slot.box.shape)}) this rank needs")
 
 
 def _global_rank(state: TrainState) -> int:
