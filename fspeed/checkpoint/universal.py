@@ -139,9 +139,9 @@ def file_index(reader: Any, file: str) -> dict:
 class ChunkReader:
     """Lazily opened tensor files of one checkpoint; reads a box's intersection with a chunk."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, readers: Optional[dict[str, Any]] = None):
         self.path = path
-        self.readers: dict[str, Any] = {}
+        self.readers: dict[str, Any] = dict(readers or {})  # file name -> open reader
 
     def read(self, chunk: list, box: Box) -> torch.Tensor:
         file, name, start, shape, _ = chunk
@@ -200,14 +200,14 @@ def fill_from_index(template: TrainState, index: dict, chunks: ChunkReader, *,
                 reset.append(key)
                 continue
             synced.append(key)
-            usable = _lowest_rank_copies(entry["chunks"])
+            usable = lowest_rank_copies(entry["chunks"])
         _check_fits(key, source, entry, key_slots[0], template, chunks.path)
         for slot in key_slots:
-            _fill_slot(slot, source, usable, chunks)
+            fill_slot(slot, source, usable, chunks)
     return reset, synced
 
 
-def _lowest_rank_copies(chunks: list) -> list:
+def lowest_rank_copies(chunks: list) -> list:
     """The shared chunks, and of each box saved per rank the copy of the lowest rank."""
     best: dict[tuple, list] = {}
     for c in chunks:
@@ -230,7 +230,7 @@ def _check_fits(key: str, source: str, entry: dict, slot: Slot, template: TrainS
             "weights cast to a bf16/fp16 compute copy (was it saved with another precision or optimizer?)")
 
 
-def _fill_slot(slot: Slot, source: str, usable: list, chunks: ChunkReader) -> None:
+def fill_slot(slot: Slot, source: str, usable: list, chunks: ChunkReader) -> None:
     covered = 0
     for chunk in usable:
         part = slot.box.intersect(Box(tuple(chunk[2]), tuple(chunk[3])))
@@ -256,4 +256,4 @@ def _global_rank(state: TrainState) -> int:
 
 
 __all__ = ["SHARED", "ChunkReader", "assign_chunks", "build_index", "chunk_tensors", "describe", "file_index",
-           "fill_from_index", "source_key", "state_slots"]
+           "fill_from_index", "fill_slot", "global_shape", "lowest_rank_copies", "source_key", "state_slots"]
