@@ -117,3 +117,22 @@ def test_init_from_weights_that_do_not_fit_lists_every_problem(tmp_path):
     with pytest.raises(ck.CheckpointError, match="does not exist"):
         ck.init_from_weights(state, tmp_path / "nothing.safetensors")
     assert export_main([str(tmp_path), str(tmp_path / "x.safetensors")]) == 1
+
+
+def test_init_from_a_torch_distributed_checkpoint_of_the_same_module(tmp_path):
+    """DCP interop: `dcp.save(module.state_dict())` (keys under `model.` too) initialises a state."""
+    import torch.distributed.checkpoint as dcp
+
+    build, loss_fn, _ = MODELS["cnn"]
+    trained = build(3)
+    for k, v in trained.state_dict().items():  # distinct buffers too
+        if v.is_floating_point():
+            v.add_(0.5)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({f"model.{k}": v for k, v in trained.state_dict().items()}, checkpoint_id=str(tmp_path / "dcp"),
+                 no_dist=True)
+    model = fs.functionalize(build(0), loss_fn=loss_fn)
+    state = ck.init_from_weights(fs.init_train_state(model.init(), fs.optim.adamw(1e-3), model=model), tmp_path / "dcp")
+    out = fs.to_module(state, build(0))
+    for k, v in trained.state_dict().items():
+        assert torch.equal(out.state_dict()[k], v), k

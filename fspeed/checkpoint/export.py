@@ -13,8 +13,9 @@ the output into `model-00001-of-0000N.safetensors` files and a `model.safetensor
 as Hugging Face does.
 
 `init_from_weights` fills a state's parameters (and buffers) in any layout from such a file or
-directory (a single `.safetensors`, or a directory with one or an HF index), each rank reading
-only its own slices; a missing, unexpected or mis-shaped key is an error listing all of them.
+directory (a single `.safetensors`, a directory with one or an HF index, or a
+`torch.distributed.checkpoint` directory: `dcp_interop`), each rank reading only its own slices;
+a missing, unexpected or mis-shaped key is an error listing all of them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import torch
 
 from ..train_state import TrainState
+from .dcp_interop import DcpWeights, is_dcp
 from .directory import checkpoint_path, latest_tag
 from .errors import CheckpointError
 from .meta import read_meta_file, verify_files
@@ -202,13 +204,20 @@ def init_from_weights(state: TrainState, source: str | os.PathLike) -> TrainStat
     """`state` (any layout) with its parameters, fp32 masters and buffers taken from the weights at
     `source` (module docstring); the optimizer state and counters stay fresh. Each rank reads only
     the slices it holds. Raises CheckpointError listing every missing, unexpected or mis-shaped key."""
-    files = weight_files(source)
-    readers = {file: open_tensor_file(file) for file in set(files.values())}
-    aliases = set()
-    for reader in readers.values():
-        extra = (reader.metadata() or {}).get(_ALIASES_FIELD)
-        if extra:
-            aliases.update(a for held, every in json.loads(extra).items() for a in every if a != held)
+    if is_dcp(Path(source)):
+        dcp = DcpWeights(Path(source))
+        shapes, chunks, files, aliases = dcp.shapes, dcp, {name: Path(name) for name in dcp.shapes}, set()
+    else:
+        files = weight_files(source)
+        readers = {file: open_tensor_file(file) for file in set(files.values())}
+        aliases = set()
+        for reader in readers.values():
+            extra = (reader.metadata() or {}).get(_ALIASES_FIELD)
+            if extra:
+                aliases.update(a for held, every in json.loads(extra).items() for a in every if a != held)
+        shapes = {name: tuple(readers[files[name]].get_slice(name).get_shape()) for name in files}
+        chunks = ChunkReader(Path(source) if Path(source).is_dir() else Path(source).parent,
+                             {file.name: reader for file, reader in readers.items()})
     slots, _ = state_slots(state)
     wanted: dict[str, list[Slot]] = {}
     for slot in slots:
@@ -217,12 +226,9 @@ def init_from_weights(state: TrainState, source: str | os.PathLike) -> TrainStat
             wanted.setdefault(rest, []).append(slot)
         elif slot.key.startswith("buffers."):
             wanted.setdefault(slot.key[len("buffers."):], []).append(slot)
-    shapes = {name: tuple(readers[files[name]].get_slice(name).get_shape()) for name in files}
     problems = _name_problems(wanted, shapes, state, aliases)
     if problems:
         raise CheckpointError(f"checkpoint.init_from={source} does not fit this model: " + "; ".join(problems))
-    chunks = ChunkReader(Path(source) if Path(source).is_dir() else Path(source).parent,
-                         {file.name: reader for file, reader in readers.items()})
     for name, name_slots in wanted.items():
         chunk = [files[name].name, name, [0] * len(shapes[name]), list(shapes[name]), SHARED]
         for slot in name_slots:
