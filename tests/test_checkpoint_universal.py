@@ -190,3 +190,16 @@ def test_state_of_one_rank_resumes_exactly_in_its_layout_and_is_reset_with_a_war
     assert "opt_state.worker_error, opt_state.server_error restart from their initial values" in caplog.text
     assert scalars["step"] == 2 and torch.equal(error, torch.zeros_like(error))
     assert torch.equal(params, saved[0][3])  # the weights are shared by every rank
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_corrupt_rank_file_is_named_when_loading_into_another_layout(worlds, tmp_path, damage):
+    on(worlds, (2, 1, False, 2), train_and_save, str(tmp_path), (2, 1, False, 2), 1)
+    file = tmp_path / "global_step1" / "rank_00001.safetensors"
+    data = bytearray(file.read_bytes())
+    if damage == "flip":
+        data[-5] ^= 0xFF
+    file.write_bytes(bytes(data) if damage == "flip" else bytes(data[:-100]))
+    expected = "is corrupted: its sha256 does not match" if damage == "flip" else "is truncated or corrupted"
+    with pytest.raises(ck.CheckpointError, match=f"rank_00001.safetensors {expected}"):
+        one_process_state(tmp_path, "fp32")
