@@ -26,6 +26,7 @@ from .engine import Engine, initialize
 from .train_init import init_train_state
 from .train_state import DonatedStateError, TrainState
 from .train_step import make_eval_step, make_train_step
+from .checkpoint import export_weights, import_deepspeed, init_from_weights  # universal checkpoints
 
 __version__ = "0.1.0"
 
@@ -37,4 +38,5 @@ __all__ = [
     "DonatedStateError", "Flat", "FlatLayout", "LossScaleAtMinimumError", "LossScaleState", "Model",
     "Engine", "TrainState", "functionalize", "initialize", "init_train_state", "make_eval_step", "make_train_step", "models",
     "optim", "precision", "to_module", "tp_plan_from", "tree_flatten_with_paths", "tree_map", "tree_paths",
+    "export_weights", "import_deepspeed", "init_from_weights",
 ]

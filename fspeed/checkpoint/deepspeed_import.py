@@ -18,8 +18,10 @@ plus the counters (`global_steps`, `global_samples`, `skipped_steps`, Adam's `st
 The files are pickles holding a few DeepSpeed objects (its loss scaler, `ZeroStageEnum`,
 `fragment_address`): they are read with a restricted unpickler that admits torch's
 weights-only globals and turns DeepSpeed's classes into inert records, and refuses anything else,
-naming it. The full tensors of one parameter are assembled at a time into memory (a DeepSpeed
-checkpoint holds per-rank flat buffers; this reads them all once).
+naming it. Not streamed: every rank reads all of DeepSpeed's files once and holds the whole
+model's fp32 weights and both moments in host memory while it fills its own part (DeepSpeed's
+per-rank flat buffers cut parameters anywhere); converting once with `fspeed-import-deepspeed`
+and loading the result streams as any fspeed checkpoint does.
 """
 
 from __future__ import annotations

@@ -45,14 +45,14 @@ from .errors import CheckpointError, os_error_text
 from .meta import FORMAT, META_FILE, read_meta_file, verify_files, write_meta
 from .tensor_file import file_info, nonfinite_keys, open_tensor_file, write_tensor_file
 from .universal import (
-    ChunkReader, assign_chunks, build_index, chunk_tensors, describe, file_index, fill_from_index, state_slots,
+    CAST_FROM_FP32, ChunkReader, assign_chunks, build_index, chunk_tensors, describe, file_index, fill_from_index,
+    source_key, state_slots,
 )
 
 log = logging.getLogger("fspeed")
 
 TENSORS_FILE = "tensors.safetensors"
 _SCALARS = (bool, int, float, str, type(None))
-_CAST_FROM_FP32 = (torch.bfloat16, torch.float16)
 
 
 def state_entries(state: TrainState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -395,7 +395,7 @@ def _fill(template: TrainState, meta: dict, reader, file: Path, load_optimizer_s
     wanted = {k: v for k, v in tensors.items()
               if not weights_only or k.startswith(("params/", "master/"))}
     prefer_master = template.master is None or converting
-    sources = {key: _source_key(key, saved_keys, prefer_master) for key in wanted}
+    sources = {key: source_key(key, saved_keys, prefer_master) for key in wanted}
     missing = sorted(k for k, source in sources.items() if source is None)
     if missing:
         raise CheckpointError(
@@ -409,19 +409,19 @@ def _fill(template: TrainState, meta: dict, reader, file: Path, load_optimizer_s
                     "masters" if any(k.startswith("master/") for k in saved_keys) else "weights",
                     "" if weights_only else ", the loss scaler keeps this state's initial value")
     for key, target in wanted.items():
-        source_key = sources[key]
+        saved_key = sources[key]
         try:
-            value = reader.get_tensor(source_key)
+            value = reader.get_tensor(saved_key)
         except Exception as e:  # safetensors' own error types
-            raise CheckpointError(f"{file}: cannot read tensor {source_key!r} ({e})") from None
+            raise CheckpointError(f"{file}: cannot read tensor {saved_key!r} ({e})") from None
         if tuple(value.shape) != tuple(target.shape):
             raise CheckpointError(
-                f"{file}: tensor {source_key!r} has shape {list(value.shape)}, the state expects {list(target.shape)}"
+                f"{file}: tensor {saved_key!r} has shape {list(value.shape)}, the state expects {list(target.shape)}"
             )
         if value.dtype != target.dtype and not (key.startswith("params/") and value.dtype == torch.float32
-                                                and target.dtype in _CAST_FROM_FP32):
+                                                and target.dtype in CAST_FROM_FP32):
             raise CheckpointError(
-                f"{file}: tensor {source_key!r} is {value.dtype}, the state's {key!r} is {target.dtype}; the only "
+                f"{file}: tensor {saved_key!r} is {value.dtype}, the state's {key!r} is {target.dtype}; the only "
                 "conversion is fp32 weights cast to a bf16/fp16 compute copy (was it saved with another precision "
                 "or optimizer?)"
             )
@@ -488,18 +488,6 @@ def _same_kind(saved: Any, current: Any) -> bool:
     if type(saved) is type(current):
         return True
     return isinstance(current, float) and isinstance(saved, int) and not isinstance(saved, bool)
-
-
-def _source_key(key: str, saved_keys: set[str], prefer_master: bool) -> Optional[str]:
-    """Which saved tensor fills `key`: fp32 masters are preferred for weights, across precisions."""
-    head, _, rest = key.partition("/")
-    if head == "params" and prefer_master and f"master/{rest}" in saved_keys:
-        return f"master/{rest}"
-    if key in saved_keys:
-        return key
-    if head == "master" and f"params/{rest}" in saved_keys:
-        return f"params/{rest}"
-    return None
 
 
 def _replace_scalars(template: TrainState, saved: dict[str, Any]) -> TrainState:
