@@ -203,3 +203,28 @@ def test_a_corrupt_rank_file_is_named_when_loading_into_another_layout(worlds, t
     expected = "is corrupted: its sha256 does not match" if damage == "flip" else "is truncated or corrupted"
     with pytest.raises(ck.CheckpointError, match=f"rank_00001.safetensors {expected}"):
         one_process_state(tmp_path, "fp32")
+
+
+def zero_one_save(directory):
+    """0/1 Adam (stage 0) for 4 steps, the last a local step: each rank's weights differ; saved."""
+    cfg, model, params = gpt_setup(SEED)
+    mesh = fs.Mesh(data=-1)
+    opt = fs.optim.zero_one_adam(1e-2, var_freeze_step=2, var_update_scaler=1, local_step_scaler=1,
+                                 local_step_clipper=2, world_size=2)
+    state = fs.init_train_state(params, opt, plan=fs.zero(0), mesh=mesh)
+    state, _ = run(state, fs.make_train_step(model.loss, opt, plan=fs.zero(0), mesh=mesh), cfg, mesh, 0, 4)
+    ck.save_checkpoint(directory, state, mesh=mesh)
+    return state.params.buffer.clone()
+
+
+def test_zero_one_adams_local_weights_take_the_lowest_ranks_copy_in_another_layout(worlds, tmp_path, caplog):
+    per_rank = worlds[2].run(zero_one_save, str(tmp_path))
+    assert not torch.equal(per_rank[0], per_rank[1])  # a local step: the ranks' weights differ
+    _, model, params = gpt_setup(SEED)
+    template = fs.init_train_state(params, fs.optim.zero_one_adam(1e-2, var_freeze_step=2, var_update_scaler=1,
+                                                                   local_step_scaler=1, local_step_clipper=2))
+    with caplog.at_level("WARNING", logger="fspeed"):
+        state, _ = ck.load_checkpoint(tmp_path, template)
+    assert torch.equal(state.params.buffer, per_rank[0]) and state.step == 4
+    assert "opt_state.worker_error" in caplog.text and "restart from their initial values" in caplog.text
+    assert "params/* (25 tensors) take" in caplog.text and "take the lowest saving rank's copy" in caplog.text

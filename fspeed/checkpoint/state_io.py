@@ -455,11 +455,20 @@ def _load_universal(path: Path, meta: dict, template: TrainState, load_optimizer
         log.warning("%s: state that belonged to each saving rank (%s) does not carry over to this layout (%s): %s%s",
                     path, f"zero stage {saved['stage']} on mesh {saved['mesh']}" if saved else "one process",
                     template.layout.describe(),
-                    f"{', '.join(reset)} restart from their initial values (as DeepSpeed's universal checkpoints "
+                    f"{_grouped(reset)} restart from their initial values (as DeepSpeed's universal checkpoints "
                     "drop them)" if reset else "",
-                    f"{'; ' if reset else ''}{', '.join(synced)} take the lowest saving rank's copy" if synced else "")
+                    f"{'; ' if reset else ''}{_grouped(synced)} take the lowest saving rank's copy" if synced else "")
     state = _restore_scalars(template, meta, path, scalars, converting, weights_only)
     return state, _join_client_state(meta["client_state"], open_tensor_file(client_file), client_file)
+
+
+def _grouped(keys: list[str]) -> str:
+    """State keys named briefly: `params/*` (12 tensors) rather than every parameter."""
+    counts: dict[str, int] = {}
+    for key in keys:
+        head, slash, _ = key.partition("/")
+        counts[head + ("/*" if slash else "")] = counts.get(head + ("/*" if slash else ""), 0) + 1
+    return ", ".join(f"{k} ({n} tensors)" if k.endswith("/*") else k for k, n in counts.items())
 
 
 def _restore_scalars(template: TrainState, meta: dict, path: Path, scalars: dict, converting: bool,
