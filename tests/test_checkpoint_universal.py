@@ -3,7 +3,6 @@ offload, one process) loads into any other holding exactly the same numbers, and
 there continues as an uninterrupted run would (up to reduction order)."""
 
 import tempfile
-import warnings
 from pathlib import Path
 
 import pytest
@@ -88,8 +87,7 @@ def on(worlds, layout, fn, *args):
 
 def one_process_state(directory, precision):
     _, _, state, _ = build(None, precision)
-    with warnings.catch_warnings():
-        return ck.load_checkpoint(directory, state)[0]
+    return ck.load_checkpoint(directory, state)[0]
 
 
 @pytest.fixture(scope="module")

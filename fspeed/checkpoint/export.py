@@ -86,7 +86,8 @@ def write_streamed(path: Path, specs: Sequence[tuple[str, torch.dtype, tuple[int
     offset = 0
     for name, dtype, shape in specs:
         nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
@@ -123,7 +124,8 @@ def export_weights(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dty
     names = {name: key for name, key in weights.items()}
     for held, every in (aliases or {}).items():
         if held not in weights:
-            raise CheckpointError(f"aliases names {held!r}, which {path} does not hold; it holds {list(weights)[:5]}...")
+            raise CheckpointError(f"aliases names {held!r}, which {path} does not hold; it holds "
+                                  f"{list(weights)[:5]}...")
         names.update({alias: weights[held] for alias in every})
     names = dict(sorted(names.items()))
     chunks = ChunkReader(path)

@@ -163,7 +163,8 @@ def _check_schema(meta: dict, meta_path: Path) -> None:
     if "index" in meta:
         unlisted = sorted({c[0] for e in meta["index"].values() for c in e["chunks"]} - set(meta["files"]))
         if unlisted:
-            raise CheckpointError(f"{meta_path}: field 'index' names file(s) {unlisted[:3]} that are not among its files")
+            raise CheckpointError(f"{meta_path}: field 'index' names file(s) {unlisted[:3]} that are not among its "
+                                  "files")
     if "client_file" in meta and meta["client_file"] not in meta["files"]:
         raise CheckpointError(f"{meta_path}: field 'client_file' names {meta['client_file']!r}, which is not "
                               "among its files")

@@ -164,10 +164,5 @@ def flat_slots(prefix: str, flat: Flat, layout: Layout) -> list[Slot]:
     return slots
 
 
-def global_shapes(layout: Layout) -> dict[str, tuple[int, ...]]:
-    """The global shape of every parameter, by path."""
-    return {p.path: tuple(p.shape) for p in layout.params}
-
-
-__all__ = ["Box", "Piece", "Slot", "block_start", "box_view", "flat_pieces", "flat_slots", "global_shapes",
+__all__ = ["Box", "Piece", "Slot", "block_start", "box_view", "flat_pieces", "flat_slots",
            "range_boxes"]
