@@ -29,6 +29,7 @@ from .engine import Engine, initialize
 from .train_init import init_train_state
 from .train_state import DonatedStateError, TrainState
 from .train_step import make_eval_step, make_train_step
+from .checkpoint import export_weights, import_deepspeed, init_from_weights  # universal checkpoints
 
 __version__ = "0.1.0"
 
@@ -39,5 +40,8 @@ __all__ = [
     "CheckpointError", "checkpoint", "data", "load_checkpoint", "save_checkpoint", "sparse",
     "DonatedStateError", "Flat", "FlatLayout", "LossScaleAtMinimumError", "LossScaleState", "Model",
     "Engine", "TrainState", "functionalize", "initialize", "init_train_state", "make_eval_step", "make_train_step", "models",
-    "optim", "precision", "BudgetChoice", "measure_activations", "remat_within_budget", "Remat", "RematPolicy", "RematProfile", "checkpoint_name", "remat", "remat_policies", "retain_freed_host_memory", "to_module", "tp_plan_from", "tree_flatten_with_paths", "tree_map", "tree_paths",
+    "optim", "precision", "to_module", "tp_plan_from", "tree_flatten_with_paths", "tree_map", "tree_paths",
+    "BudgetChoice", "Remat", "RematPolicy", "RematProfile", "checkpoint_name", "measure_activations", "remat",
+    "remat_policies", "remat_within_budget", "retain_freed_host_memory",
+    "export_weights", "import_deepspeed", "init_from_weights",
 ]

@@ -103,7 +103,8 @@ def test_launch_runs_zero3_on_two_ranks(tmp_path):
     assert sorted(p.name for p in (ckpt / "global_step4").iterdir()) == [
         "meta.json", "rank_00000.safetensors", "rank_00001.safetensors"]
 
-    proc = fspeed_train("--launch", "zero.stage=3", "zero.param_persistence_threshold=1000", "parallel.data=2",
+    # resumed in another layout (ZeRO-1), then its weights exported and a one-process run started from them
+    proc = fspeed_train("--launch", "zero.stage=1", "parallel.data=2",
                         "train.steps=6", "train.eval_every=2", "data.max_bytes=300000", "model.n_layer=2",
                         "checkpoint.resume=true", f"checkpoint.dir={ckpt}", f"hydra.run.dir={tmp_path / 'resumed'}",
                         "monitor.progress_bar=false", cwd=tmp_path)
@@ -111,6 +112,14 @@ def test_launch_runs_zero3_on_two_ranks(tmp_path):
     assert "resumed from" in proc.stdout + proc.stderr and "at step 4" in proc.stdout + proc.stderr
     with open(tmp_path / "resumed" / "metrics.csv") as f:
         assert [r["step"] for r in csv.DictReader(f)] == ["4", "5", "6"]
+    export = subprocess.run([shutil.which("fspeed-export") or "fspeed-export", str(ckpt / "latest"),
+                             str(tmp_path / "model.safetensors"), "--dtype", "bf16"], capture_output=True, text=True)
+    assert export.returncode == 0 and "model.safetensors" in export.stdout, export.stderr
+    proc = fspeed_train("train.steps=1", "train.eval_every=0", "data.max_bytes=300000", "model.n_layer=2",
+                        f"checkpoint.init_from={tmp_path / 'model.safetensors'}", f"hydra.run.dir={tmp_path / 'tuned'}",
+                        "monitor.progress_bar=false", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "weights from" in proc.stdout + proc.stderr
 
     proc = fspeed_train("--launch", "zero.stage=1", "train.steps=2", cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and "--launch needs the number of data-parallel ranks" in proc.stderr

@@ -1,6 +1,6 @@
 """meta.json: what a checkpoint holds besides tensors, with a schema and its own checksum.
 
-    format        "fspeed-checkpoint/2"
+    format        "fspeed-checkpoint/3"
     tag, step     the checkpoint's name and the state's step
     precision     the precision policy's name (fp32, bf16, fp16)
     scalars       the state's non-tensor leaves by tree path (counters, loss scaler, lrs)
@@ -8,10 +8,13 @@
     files         name -> {bytes, sha256} of every tensor file
     layout        (sharded states) what must match for each rank's file to fit: stage, mesh, params
     client_file   (sharded states) the file holding client_state's tensors
+    index         (sharded states, format 3) per tensor key its global shape, dtype and saved boxes:
+                  {"shape", "dtype", "chunks": [[file, name, start, shape, rank], ...]} (`universal`)
     meta_sha256   sha256 of all of the above, in canonical JSON
 
 Reading checks the checksum, then every field's type, and names the file and the field on any
-problem. Format 1 (before the checksum) is still read, without that check.
+problem. Format 1 (before the checksum) is still read, without that check; format 2's sharded
+checkpoints (one file per rank, no index) load only into their own layout.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from typing import Any, Callable
 
 from .errors import CheckpointError
 
-FORMAT = "fspeed-checkpoint/2"
-READABLE_FORMATS = ("fspeed-checkpoint/1", FORMAT)
+FORMAT = "fspeed-checkpoint/3"
+READABLE_FORMATS = ("fspeed-checkpoint/1", "fspeed-checkpoint/2", FORMAT)
 META_FILE = "meta.json"
 CHECKSUM_FIELD = "meta_sha256"
 _SCALAR_TYPES = (bool, int, float, str, type(None))
@@ -98,6 +101,23 @@ def _is_layout(v: Any) -> bool:
             and isinstance(v["params"], dict) and isinstance(v["sharded_units"], dict))
 
 
+def _is_chunk(c: Any) -> bool:
+    return (isinstance(c, list) and len(c) == 5 and _is_file_name(c[0]) and isinstance(c[1], str)
+            and all(isinstance(x, list) and all(_is_int(i) and i >= 0 for i in x) for x in c[2:4])
+            and len(c[2]) == len(c[3]) and _is_int(c[4]) and c[4] >= -1)
+
+
+def _is_index(v: Any) -> bool:
+    from .tensor_file import SAFETENSORS_DTYPES
+
+    dtypes = set(SAFETENSORS_DTYPES.values())
+    return isinstance(v, dict) and all(
+        isinstance(e, dict) and set(e) == {"shape", "dtype", "chunks"} and isinstance(e["shape"], list)
+        and all(_is_int(n) and n >= 0 for n in e["shape"]) and e["dtype"] in dtypes
+        and isinstance(e["chunks"], list) and all(_is_chunk(c) for c in e["chunks"])
+        for e in v.values())
+
+
 def _dict_of(check: Callable[[Any], bool], keys: Callable[[Any], bool] = lambda k: isinstance(k, str)):
     return lambda v: isinstance(v, dict) and all(keys(k) and check(x) for k, x in v.items())
 
@@ -114,6 +134,7 @@ _SCHEMA: dict[str, tuple[bool, Callable[[Any], bool], str]] = {
               "a non-empty object of file name -> {bytes, sha256}"),
     "layout": (False, _is_layout, "an object with stage, mesh, params, sharded_units"),
     "client_file": (False, _is_file_name, "a file name"),
+    "index": (False, _is_index, "an object of tensor key -> {shape, dtype, chunks}"),
 }
 
 
@@ -139,6 +160,11 @@ def _check_schema(meta: dict, meta_path: Path) -> None:
                               f"({_shown(meta['scalars']['step'])})")
     if ("layout" in meta) != ("client_file" in meta):
         raise CheckpointError(f"{meta_path}: fields 'layout' and 'client_file' go together (a sharded checkpoint)")
+    if "index" in meta:
+        unlisted = sorted({c[0] for e in meta["index"].values() for c in e["chunks"]} - set(meta["files"]))
+        if unlisted:
+            raise CheckpointError(f"{meta_path}: field 'index' names file(s) {unlisted[:3]} that are not among its "
+                                  "files")
     if "client_file" in meta and meta["client_file"] not in meta["files"]:
         raise CheckpointError(f"{meta_path}: field 'client_file' names {meta['client_file']!r}, which is not "
                               "among its files")

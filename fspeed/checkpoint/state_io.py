@@ -8,9 +8,11 @@ Layout of `dir/tag/`:
                           (tensors replaced by references), file sizes and sha256 (see `meta`)
 
 A sharded state (a ZeRO / tensor-slicing plan over several ranks) is saved by every rank
-together (`mesh=`): each rank streams its own part to `rank_00000.safetensors`, ... (its local
-flat buffers: a shard for ZeRO, a slice for tensor slicing), `meta.json` records the layout, and
-only the same plan on the same mesh sizes loads it back (resharding is not built yet).
+together (`mesh=`): each rank streams the boxes of global tensors it holds to
+`rank_00000.safetensors`, ... (a box several ranks hold equally is written once; padding never),
+and `meta.json`'s `index` says which box of which tensor is where (`universal`). Any checkpoint
+loads into any plan on any mesh, or into one process: each rank reads only the slices it needs.
+State that belongs to one rank (1-bit error buffers) is reset, with a warning, in another layout.
 
 A save is refused when a tensor holds inf/NaN (a diverged state never becomes `latest`), and a
 failed save (a full disk, a failing rank) raises a CheckpointError naming the path and the cause
@@ -42,12 +44,15 @@ from .directory import (
 from .errors import CheckpointError, os_error_text
 from .meta import FORMAT, META_FILE, read_meta_file, verify_files, write_meta
 from .tensor_file import file_info, nonfinite_keys, open_tensor_file, write_tensor_file
+from .universal import (
+    CAST_FROM_FP32, ChunkReader, assign_chunks, build_index, chunk_tensors, describe, file_index, fill_from_index,
+    source_key, state_slots,
+)
 
 log = logging.getLogger("fspeed")
 
 TENSORS_FILE = "tensors.safetensors"
 _SCALARS = (bool, int, float, str, type(None))
-_CAST_FROM_FP32 = (torch.bfloat16, torch.float16)
 
 
 def state_entries(state: TrainState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -241,7 +246,8 @@ def _save_sharded_files(directory: Path, state: TrainState, tag: str, client_sta
     if not ok:
         raise CheckpointError(detail, on_every_rank=True)
     tmp = Path(detail)
-    tensors, scalars = state_entries(state)
+    slots, scalars = state_slots(state)
+    tensors, entries = chunk_tensors(assign_chunks(slots, rank, all_gather_objects))
     client_json = _split_client_state(client_state or {}, "", tensors) if rank == 0 else None
     file = tmp / _rank_file(rank)
     try:  # a failure is told to the other ranks before raising, so nobody waits or publishes
@@ -250,7 +256,7 @@ def _save_sharded_files(directory: Path, state: TrainState, tag: str, client_sta
             report = (False, _nonfinite_cause(bad))
         else:
             write_tensor_file(file, tensors, FORMAT)
-            report = (True, file_info(file))
+            report = (True, (file_info(file), entries, describe(slots, state)))
     except Exception as e:
         report = (False, _error_text(e, file))
     reports = all_gather_objects(report, "checkpoint files")
@@ -262,9 +268,10 @@ def _save_sharded_files(directory: Path, state: TrainState, tag: str, client_sta
                 raise CheckpointError(_save_failed(directory, tag, f"{len(failed)} rank(s) failed: "
                                                    + "; ".join(failed)))
             meta = _meta(tag, state, scalars, client_json,
-                         {_rank_file(r): info for r, (_, info) in enumerate(reports)})
+                         {_rank_file(r): info[0] for r, (_, info) in enumerate(reports)})
             meta["layout"] = layout_signature(state.layout)
             meta["client_file"] = _rank_file(0)
+            meta["index"] = build_index([(_rank_file(r), info[1], info[2]) for r, (_, info) in enumerate(reports)])
             write_meta(tmp, meta)
             final = publish(directory, tmp, tag)
             if save_latest:
@@ -326,10 +333,13 @@ def load_checkpoint(
     tag = _tag_or_latest(directory, tag)
     path = checkpoint_path(directory, tag)
     meta = read_meta_file(path)
+    if "index" in meta:
+        return _load_universal(path, meta, template, load_optimizer_states, 0, 1)
     if "layout" in meta:
         raise CheckpointError(f"{path} was saved by {len(meta['files'])} ranks (zero stage "
-                              f"{meta['layout']['stage']}, mesh {meta['layout']['mesh']}); load it with the same "
-                              "plan and mesh (mesh=...); converting it to one process is not supported yet")
+                              f"{meta['layout']['stage']}, mesh {meta['layout']['mesh']}) in format "
+                              f"{meta['format']}, which loads only with the same plan and mesh (mesh=...); "
+                              "checkpoints saved by this fspeed load into any layout")
     verify_files(path, meta, [TENSORS_FILE])
     reader = open_tensor_file(path / TENSORS_FILE)
     state = _fill(template, meta, reader, path / TENSORS_FILE, load_optimizer_states)
@@ -341,7 +351,7 @@ def _load_sharded(directory: Path, template: TrainState, tag: Optional[str], loa
     all_gather_objects = mesh.all_gather_objects
     if rank == 0:
         tidy(directory)
-    all_gather_objects(None, "checkpoint cleanup")  # the others look only once rank 0 has tidied
+    world = len(all_gather_objects(None, "checkpoint cleanup"))  # the others look only once rank 0 has tidied
     result, client, error = None, None, None
     where = directory / tag if tag else directory
     try:
@@ -351,20 +361,21 @@ def _load_sharded(directory: Path, template: TrainState, tag: Optional[str], loa
         meta = read_meta_file(path)
         saved = meta.get("layout")
         wanted = layout_signature(template.layout)
-        if saved != wanted:
-            if saved is None:
-                raise CheckpointError(f"{path} was saved by one process; loading it into a sharded state "
-                                      f"(zero stage {wanted['stage']}, mesh {wanted['mesh']}) is not supported yet")
+        if "index" in meta or saved is None:  # layout-free: a format-3 sharded or a one-process checkpoint
+            result, client = _load_universal(path, meta, template, load_optimizer_states, rank, world)
+        elif saved != wanted:
             diff = [k for k in wanted if saved.get(k) != wanted[k]]
             raise CheckpointError(
                 f"{path} was saved with another layout ({', '.join(diff)} differ: saved zero stage "
                 f"{saved['stage']} on mesh {saved['mesh']}, this state has zero stage {wanted['stage']} on mesh "
-                f"{wanted['mesh']}); resume with the plan and mesh it was saved with")
-        name = _rank_file(rank)
-        verify_files(path, meta, [name])
-        result = _fill(template, meta, open_tensor_file(path / name), path / name, load_optimizer_states)
-        client_file = path / meta["client_file"]
-        client = _join_client_state(meta["client_state"], open_tensor_file(client_file), client_file)
+                f"{wanted['mesh']}) in format {meta['format']}, which loads only into its own layout; resume "
+                "with the plan and mesh it was saved with (checkpoints saved by this fspeed load into any layout)")
+        else:
+            name = _rank_file(rank)
+            verify_files(path, meta, [name])
+            result = _fill(template, meta, open_tensor_file(path / name), path / name, load_optimizer_states)
+            client_file = path / meta["client_file"]
+            client = _join_client_state(meta["client_state"], open_tensor_file(client_file), client_file)
     except (CheckpointError, OSError) as e:
         error = _error_text(e, where)
     errors = [f"rank {r}: {err}" for r, err in enumerate(all_gather_objects(error, "checkpoint load")) if err]
@@ -384,7 +395,7 @@ def _fill(template: TrainState, meta: dict, reader, file: Path, load_optimizer_s
     wanted = {k: v for k, v in tensors.items()
               if not weights_only or k.startswith(("params/", "master/"))}
     prefer_master = template.master is None or converting
-    sources = {key: _source_key(key, saved_keys, prefer_master) for key in wanted}
+    sources = {key: source_key(key, saved_keys, prefer_master) for key in wanted}
     missing = sorted(k for k, source in sources.items() if source is None)
     if missing:
         raise CheckpointError(
@@ -398,25 +409,71 @@ def _fill(template: TrainState, meta: dict, reader, file: Path, load_optimizer_s
                     "masters" if any(k.startswith("master/") for k in saved_keys) else "weights",
                     "" if weights_only else ", the loss scaler keeps this state's initial value")
     for key, target in wanted.items():
-        source_key = sources[key]
+        saved_key = sources[key]
         try:
-            value = reader.get_tensor(source_key)
+            value = reader.get_tensor(saved_key)
         except Exception as e:  # safetensors' own error types
-            raise CheckpointError(f"{file}: cannot read tensor {source_key!r} ({e})") from None
+            raise CheckpointError(f"{file}: cannot read tensor {saved_key!r} ({e})") from None
         if tuple(value.shape) != tuple(target.shape):
             raise CheckpointError(
-                f"{file}: tensor {source_key!r} has shape {list(value.shape)}, the state expects {list(target.shape)}"
+                f"{file}: tensor {saved_key!r} has shape {list(value.shape)}, the state expects {list(target.shape)}"
             )
         if value.dtype != target.dtype and not (key.startswith("params/") and value.dtype == torch.float32
-                                                and target.dtype in _CAST_FROM_FP32):
+                                                and target.dtype in CAST_FROM_FP32):
             raise CheckpointError(
-                f"{file}: tensor {source_key!r} is {value.dtype}, the state's {key!r} is {target.dtype}; the only "
+                f"{file}: tensor {saved_key!r} is {value.dtype}, the state's {key!r} is {target.dtype}; the only "
                 "conversion is fp32 weights cast to a bf16/fp16 compute copy (was it saved with another precision "
                 "or optimizer?)"
             )
         with torch.no_grad():
             target.copy_(value)
 
+    return _restore_scalars(template, meta, path, scalars, converting, weights_only)
+
+
+def _load_universal(path: Path, meta: dict, template: TrainState, load_optimizer_states: bool, rank: int,
+                    world: int) -> tuple[TrainState, Any]:
+    """Fill `template` (any layout) from a layout-free checkpoint; this rank verifies every
+    `world`-th file (each file's checksum is checked once, by one rank) and reads only its slices."""
+    names = sorted(meta["files"])
+    verify_files(path, meta, names[rank::world])
+    client_file = path / meta.get("client_file", TENSORS_FILE)
+    index = meta["index"] if "index" in meta else file_index(open_tensor_file(client_file), TENSORS_FILE)
+    weights_only = not load_optimizer_states
+    converting = meta["precision"] != template.precision.name
+    _, scalars = state_entries(template)
+    same_layout = meta.get("layout") == layout_signature(template.layout)
+    reset, synced = fill_from_index(template, index, ChunkReader(path), same_layout=same_layout,
+                                    weights_only=weights_only, converting=converting)
+    if converting:
+        log.warning("%s was saved with precision %s; converting it to this state's %s: the weights come from its "
+                    "fp32 %s%s", path, meta["precision"], template.precision.name,
+                    "masters" if any(k.startswith("master/") for k in index) else "weights",
+                    "" if weights_only else ", the loss scaler keeps this state's initial value")
+    if reset or synced:
+        saved = meta.get("layout")
+        log.warning("%s: state that belonged to each saving rank (%s) does not carry over to this layout (%s): %s%s",
+                    path, f"zero stage {saved['stage']} on mesh {saved['mesh']}" if saved else "one process",
+                    template.layout.describe(),
+                    f"{_grouped(reset)} restart from their initial values (as DeepSpeed's universal checkpoints "
+                    "drop them)" if reset else "",
+                    f"{'; ' if reset else ''}{_grouped(synced)} take the lowest saving rank's copy" if synced else "")
+    state = _restore_scalars(template, meta, path, scalars, converting, weights_only)
+    return state, _join_client_state(meta["client_state"], open_tensor_file(client_file), client_file)
+
+
+def _grouped(keys: list[str]) -> str:
+    """State keys named briefly: `params/*` (12 tensors) rather than every parameter."""
+    counts: dict[str, int] = {}
+    for key in keys:
+        head, slash, _ = key.partition("/")
+        counts[head + ("/*" if slash else "")] = counts.get(head + ("/*" if slash else ""), 0) + 1
+    return ", ".join(f"{k} ({n} tensors)" if k.endswith("/*") else k for k, n in counts.items())
+
+
+def _restore_scalars(template: TrainState, meta: dict, path: Path, scalars: dict, converting: bool,
+                     weights_only: bool) -> TrainState:
+    """`template` with the saved non-tensor leaves (counters, loss scaler) unless only weights load."""
     state = template
     if not weights_only:
         saved_scalars = dict(meta["scalars"])
@@ -440,18 +497,6 @@ def _same_kind(saved: Any, current: Any) -> bool:
     if type(saved) is type(current):
         return True
     return isinstance(current, float) and isinstance(saved, int) and not isinstance(saved, bool)
-
-
-def _source_key(key: str, saved_keys: set[str], prefer_master: bool) -> Optional[str]:
-    """Which saved tensor fills `key`: fp32 masters are preferred for weights, across precisions."""
-    head, _, rest = key.partition("/")
-    if head == "params" and prefer_master and f"master/{rest}" in saved_keys:
-        return f"master/{rest}"
-    if key in saved_keys:
-        return key
-    if head == "master" and f"params/{rest}" in saved_keys:
-        return f"params/{rest}"
-    return None
 
 
 def _replace_scalars(template: TrainState, saved: dict[str, Any]) -> TrainState:

@@ -168,6 +168,12 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     if resume_tag is not None:
         state, _ = checkpoint.load_checkpoint(ckpt_dir, state, tag=resume_tag, mesh=mesh)
         log.info("resumed from %s at step %d", ckpt_dir / resume_tag, state.step)
+    elif run.checkpoint.init_from:  # fine-tuning: weights only, a fresh optimizer (a resume wins)
+        try:
+            state = checkpoint.init_from_weights(state, run.checkpoint.init_from)
+        except CheckpointError as e:
+            raise ConfigError([Problem("checkpoint.init_from", str(e))]) from None
+        log.info("weights from %s", run.checkpoint.init_from)
     log.info(
         "%s: %s parameters, %s, batch %s, optimizer %s, precision %s, %s; data ready in %.1fs",
         model.name, f"{count_params(params):,}", job.summary, triad.derivation, optimizer, precision.name,

@@ -363,6 +363,7 @@ class CheckpointConfig(ValidatedConfig):
     resume: bool = False
     keep_last: int = setting(0, NON_NEGATIVE)  # keep the N newest global_step<N> checkpoints; 0 = all
     save_on_failure: bool = True  # on SIGTERM/SIGINT or a divergence stop, save the last good step first
+    init_from: str = ""  # a safetensors file or directory (fspeed-export, HF): start from its weights (fine-tuning)
 
 
 @dataclass(frozen=True, kw_only=True)
