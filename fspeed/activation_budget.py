@@ -15,6 +15,7 @@ such mode: there the user picks `number_checkpoints` by hand).
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -58,8 +59,11 @@ def measure_activations(model: Model, params: PyTree, micro_batch: Any, *, seed:
         return real(tensors, *args, **kwargs)
 
     s = step.begin(state)
+    gc.collect()  # earlier garbage freed during the forward would hide what it keeps
+    gc.disable()
     before = _in_use(device)
     if before is None:
+        gc.enable()
         raise RuntimeError("measure_activations counts the allocator's bytes: CUDA's, or glibc's malloc on CPU")
     torch.autograd.backward = measuring
     start = time.perf_counter()
@@ -67,6 +71,7 @@ def measure_activations(model: Model, params: PyTree, micro_batch: Any, *, seed:
         step.micro(s, state, micro_batch)
     finally:
         torch.autograd.backward = real
+        gc.enable()
     return kept[0], time.perf_counter() - start
 
 
