@@ -92,3 +92,25 @@ def test_a_model_without_named_modules_is_a_clear_error():
     model = Model(init=lambda g=None: {"w": torch.ones(2)}, apply=None, loss=lambda p, b, *, rng=None: p["w"].sum())
     with pytest.raises(TypeError, match="functionalize'd nn.Module or a Model whose loss takes ops="):
         fs.profile.flops(model, {"w": torch.ones(2)}, {"x": torch.ones(1, 2)})
+
+
+def test_fspeed_train_profiles_at_profile_step_and_logs_tflops(tmp_path):
+    import csv
+
+    from tests.test_cli import fspeed_train
+
+    out = tmp_path / "prof" / "flops.txt"
+    proc = fspeed_train("train.steps=3", "train.eval_every=0", "data.max_bytes=200000", "model.n_layer=2",
+                        "model.d_model=32", "model.seq_len=32", "train.micro_batch_size=4", "train.grad_accum=2",
+                        "flops_profiler.enabled=true", "flops_profiler.profile_step=2", "flops_profiler.top_modules=2",
+                        "flops_profiler.peak_tflops=1.0", f"flops_profiler.output_file={out}",
+                        f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert "Profile Summary at step 2" in text and "batch size per GPU:" in text and "bwd latency:" in text
+    assert "'blocks.0': " in text and "'blocks.1': " in text and "of a 1 TFLOPS peak (given)" in text
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [bool(r["tflops"]) for r in rows] == [False, False, True, True]  # from the profiled step on
+    assert float(rows[3]["mfu"]) == pytest.approx(float(rows[3]["tflops"]))  # a 1 TFLOPS peak
+    assert all(float(r["fwd_ms"]) > 0 for r in rows[1:])  # the profiler turns the breakdown on, as in DeepSpeed

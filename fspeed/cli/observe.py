@@ -12,10 +12,15 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Optional
 
+
 from ..config import ConfigError, Problem
 from ..config.schema import RunConfig
+from ..models import Model
 from ..monitor import TRAIN_COLUMNS, CSVMonitor, MissingExtraError, Monitors, TensorBoardMonitor, WandbMonitor
+from ..parallel import gather_params
+from ..profile import FlopsProfile, flops, measure_peak_tflops, report, step_tflops
 from ..timers import METRIC_KEYS, StepTimers
+from ..train_step import split_micro_batches
 
 THROUGHPUT_COLUMNS = ("tflops", "mfu")
 
@@ -68,6 +73,58 @@ def open_monitors(run: RunConfig, out_dir: Path) -> Monitors:
     return Monitors(monitors)
 
 
+class FlopsWatch:
+    """The flops profiler in a run: at `flops_profiler.profile_step` rank 0 profiles one micro-batch's
+    forward (every rank joins the parameter gather of a sharded state), prints DeepSpeed's report
+    with that step's measured backward and optimizer latencies, and from then on adds each step's
+    model TFLOPS and MFU (against `peak_tflops`, or a peak measured then) to the metrics."""
+
+    def __init__(self, run: RunConfig, model: Model, mesh, lead: bool, grad_accum: int):
+        self.cfg, self.model, self.mesh, self.lead, self.grad_accum = run.flops_profiler, model, mesh, lead, grad_accum
+        self.profile: Optional[FlopsProfile] = None
+        self.peak: Optional[float] = run.flops_profiler.peak_tflops
+        self._report_pending = False
+
+    def before_step(self, state, batch) -> None:
+        if not self.cfg.enabled or state.step + 1 != self.cfg.profile_step:
+            return
+        params = state.params.tree() if state.layout.is_local else gather_params(state, self.mesh)
+        if not self.lead:
+            return
+        micro = split_micro_batches(batch, self.grad_accum)[0]
+        self.profile = flops(self.model, params, micro)
+        if self.peak is None:
+            leaf = state.params.buffer
+            self.peak = measure_peak_tflops(leaf.device, leaf.dtype)
+        self._report_pending = True
+
+    def after_step(self, state, metrics: dict[str, Any], row: dict[str, Any]) -> None:
+        """Add tflops / mfu to `row`; print the report after the profiled step."""
+        if self.profile is None:
+            return
+        step_s = (metrics["fwd_ms"] + metrics["bwd_ms"] + metrics["step_ms"]) / 1e3
+        row["tflops"] = step_tflops(self.profile.total_flops, self.grad_accum, step_s, self.cfg.recompute_fwd_factor)
+        row["mfu"] = row["tflops"] / self.peak
+        if not self._report_pending:
+            return
+        self._report_pending = False
+        world = self.mesh.world_size if self.mesh is not None else 1
+        text = report(self.profile, step=state.step, name=self.model.name, world_size=world,
+                      data_parallel=self.mesh.size("data") if self.mesh is not None else 1,
+                      model_parallel=self.mesh.size("model") if self.mesh is not None else 1,
+                      bwd_latency_s=metrics["bwd_ms"] / 1e3 / self.grad_accum,
+                      step_latency_s=metrics["step_ms"] / 1e3, recompute_fwd_factor=self.cfg.recompute_fwd_factor,
+                      module_depth=self.cfg.module_depth, top_modules=self.cfg.top_modules,
+                      detailed_profile=self.cfg.detailed)
+        text += (f"\nmodel TFLOPS per rank at step {state.step}: {row['tflops']:.4g}, MFU {row['mfu']:.2%} of a "
+                 f"{self.peak:.4g} TFLOPS peak ({'given' if self.cfg.peak_tflops else 'measured'})")
+        if self.cfg.output_file:
+            Path(self.cfg.output_file).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.cfg.output_file).write_text(text + "\n")
+        else:
+            print(text, flush=True)
+
+
 def metrics_csv_path(run: RunConfig, out_dir: Path) -> Optional[Path]:
     return Path(run.monitor.csv_dir or out_dir) / "metrics.csv" if run.monitor.csv else None
 
@@ -85,4 +142,4 @@ def _to_plain(value: Any) -> Any:
     return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
 
 
-__all__ = ["check_monitor_packages", "metric_columns", "metrics_csv_path", "open_monitors", "step_timers"]
+__all__ = ["FlopsWatch", "check_monitor_packages", "metric_columns", "metrics_csv_path", "open_monitors", "step_timers"]

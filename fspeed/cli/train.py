@@ -49,7 +49,7 @@ from ..parallel import CommLog, Mesh, Plan, estimate_memory, init_distributed, s
 from ..parallel.memory import state_bytes_per_parameter
 from ..train_init import init_train_state
 from ..train_step import NonFiniteError, make_eval_step, make_train_step
-from .observe import check_monitor_packages, metrics_csv_path, open_monitors, step_timers
+from .observe import FlopsWatch, check_monitor_packages, metrics_csv_path, open_monitors, step_timers
 from .run_data import prepare_data
 from .stop_requests import StopRequests, TrainingStopped
 from .user_errors import DEBUG_ENV, USER_ERRORS, debug_requested, exit_with_user_error, raised_on_every_rank
@@ -184,6 +184,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
 
     client_state = job.client_state
     monitor = open_monitors(run, out_dir) if lead else None
+    flops_watch = FlopsWatch(run, model, mesh, lead, triad.grad_accum)
     breakdowns: list[dict[str, float]] = []
     val_start = evaluate(state)
     if val_start is not None:
@@ -201,7 +202,9 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     with stops:
         try:
             while state.step < t.steps:
-                state, metrics = train_step(state, loader.batch(state.step))
+                batch = loader.batch(state.step)
+                flops_watch.before_step(state, batch)
+                state, metrics = train_step(state, batch)
                 window_steps += 1
                 elapsed = time.perf_counter() - window_start
                 samples_per_s = window_steps * samples_per_step / elapsed
@@ -213,6 +216,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
                 if timers is not None:
                     breakdowns.append({k: metrics[k] for k in METRIC_KEYS})
                     row.update(breakdowns[-1])
+                    flops_watch.after_step(state, metrics, row)
                 last = state.step == t.steps
                 if val_batches and ((t.eval_every and state.step % t.eval_every == 0) or last):
                     val_loss = evaluate(state)
@@ -339,6 +343,8 @@ def _log_line(row: dict[str, Any], bar) -> None:
         parts.append("SKIPPED (overflow)")
     if "val_loss" in row:
         parts.append(f"val_loss {row['val_loss']:.4f}")
+    if "tflops" in row:
+        parts.append(f"{row['tflops']:.3g} TFLOPS (MFU {row['mfu']:.1%})")
     if "fwd_ms" in row:
         parts.append(breakdown_line(row))
     line = " | ".join(parts)
