@@ -18,6 +18,7 @@ from ..config.schema import RunConfig
 from ..models import Model
 from ..monitor import TRAIN_COLUMNS, CSVMonitor, MissingExtraError, Monitors, TensorBoardMonitor, WandbMonitor
 from ..parallel import gather_params
+from ..plot import lr_range_test_pick, plot_lr_range_test
 from ..profile import FlopsProfile, flops, measure_peak_tflops, report, step_tflops
 from ..timers import METRIC_KEYS, StepTimers
 from ..train_step import split_micro_batches
@@ -125,6 +126,23 @@ class FlopsWatch:
             print(text, flush=True)
 
 
+def finish_lr_range_test(curve: list[tuple[float, float]], out_dir: Path) -> Optional[float]:
+    """The LR range test's end: print the suggested lr and write `lr_range_test.png` (loss vs lr, the
+    pick marked); without matplotlib the pick is still printed, with the extra to install."""
+    try:
+        lr, _ = lr_range_test_pick([c[0] for c in curve], [c[1] for c in curve])
+    except ValueError as err:
+        print(f"\nLR range test: no suggestion: {err}")
+        return None
+    try:
+        plot_lr_range_test([c[0] for c in curve], [c[1] for c in curve], out_dir / "lr_range_test.png")
+        where = f"curve: {out_dir / 'lr_range_test.png'}"
+    except MissingExtraError as err:
+        where = f"no curve: {err}"
+    print(f"\nLR range test: suggested lr {lr:.3g} (steepest descent of the smoothed loss before it diverges); {where}")
+    return lr
+
+
 def metrics_csv_path(run: RunConfig, out_dir: Path) -> Optional[Path]:
     return Path(run.monitor.csv_dir or out_dir) / "metrics.csv" if run.monitor.csv else None
 
@@ -142,4 +160,4 @@ def _to_plain(value: Any) -> Any:
     return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
 
 
-__all__ = ["FlopsWatch", "check_monitor_packages", "metric_columns", "metrics_csv_path", "open_monitors", "step_timers"]
+__all__ = ["FlopsWatch", "check_monitor_packages", "finish_lr_range_test", "metric_columns", "metrics_csv_path", "open_monitors", "step_timers"]

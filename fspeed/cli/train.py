@@ -49,7 +49,7 @@ from ..parallel import CommLog, Mesh, Plan, estimate_memory, init_distributed, s
 from ..parallel.memory import state_bytes_per_parameter
 from ..train_init import init_train_state
 from ..train_step import NonFiniteError, make_eval_step, make_train_step
-from .observe import FlopsWatch, check_monitor_packages, metrics_csv_path, open_monitors, step_timers
+from .observe import FlopsWatch, check_monitor_packages, finish_lr_range_test, metrics_csv_path, open_monitors, step_timers
 from .run_data import prepare_data
 from .stop_requests import StopRequests, TrainingStopped
 from .user_errors import DEBUG_ENV, USER_ERRORS, debug_requested, exit_with_user_error, raised_on_every_rank
@@ -186,6 +186,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     monitor = open_monitors(run, out_dir) if lead else None
     flops_watch = FlopsWatch(run, model, mesh, lead, triad.grad_accum)
     breakdowns: list[dict[str, float]] = []
+    lr_curve: list[tuple[float, float]] = []  # scheduler=lr_range_test: (lr, loss) of each applied step
     val_start = evaluate(state)
     if val_start is not None:
         log.info("step %d: val_loss %.4f", state.step, val_start)
@@ -213,6 +214,8 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
                            elapsed_s=time.perf_counter() - train_start)
                 if job.tokens_per_row:
                     row["tokens_per_s"] = samples_per_s * job.tokens_per_row
+                if run.scheduler.name == "lr_range_test" and not metrics["skipped"]:
+                    lr_curve.append((metrics["lr"], metrics["loss"]))
                 if timers is not None:
                     breakdowns.append({k: metrics[k] for k in METRIC_KEYS})
                     row.update(breakdowns[-1])
@@ -263,6 +266,8 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
         print("\ncommunication (rank 0):\n" + mesh.log.summary())
     if breakdowns:
         print("\n" + breakdown_summary(breakdowns))
+    if lr_curve:
+        summary["lr_range_test_lr"] = finish_lr_range_test(lr_curve, out_dir)
     if val_start is not None:
         print(f"\nval loss {val_start:.4f} -> {val_loss:.4f} ({drop:.0%} lower) after {state.step} steps "
               f"({state.skipped_steps} skipped) in {train_time:.0f}s")
