@@ -13,26 +13,36 @@ optimizer step alone on the same parameters, in this process.
 
     python benchmarks/train_step_overhead.py [--rounds 3] [--steps 4] [--batch 8] [--threads 2]
 
-Last line: overhead_ratio=<fspeed step time / plain PyTorch loop (AdamW foreach) step time>.
+A fourth variant is fspeed's step with the wall-clock breakdown on and every monitor (metrics.csv,
+TensorBoard, an offline W&B run) writing each step's metrics: monitor_overhead is the median over
+rounds of its median step time over plain fspeed's (needs `pip install 'fspeed[monitor]'`).
+
+Last lines: monitor_overhead=<monitored / plain fspeed step time>, overhead_ratio=<fspeed step time /
+plain PyTorch loop (AdamW foreach) step time>.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 import fspeed as fs
 from fspeed.models.gpt_module import GPTModule, params_from_module
+from fspeed.timers import METRIC_KEYS
 
 VARIANTS = {
     "fspeed": "fspeed train_step (flat fused AdamW)",
+    "fspeed_monitored": "  + breakdown, CSV/TensorBoard/W&B monitors",
     "torch_foreach": "PyTorch loop, AdamW foreach (default)",
     "torch_fused": "PyTorch loop, AdamW fused=True",
 }
@@ -40,21 +50,42 @@ CONFIG = fs.models.GPTConfig(vocab_size=256, seq_len=256, n_layer=6, n_head=6, d
 HPARAMS = dict(lr=3e-4, weight_decay=0.1)
 
 
+MONITOR_COLUMNS = ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped", *METRIC_KEYS)
+
+
+def every_monitor(stack: contextlib.ExitStack) -> "fs.monitor.Monitors":
+    """metrics.csv, TensorBoard event files and an offline W&B run in a temporary directory."""
+    out = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+    monitors = fs.monitor.Monitors([fs.monitor.CSVMonitor(out / "metrics.csv", MONITOR_COLUMNS),
+                                    fs.monitor.TensorBoardMonitor(out / "tb"),
+                                    fs.monitor.WandbMonitor(out, project="bench")])
+    stack.callback(monitors.close)
+    return monitors
+
+
 def run_variant(name: str, steps: int, warmup: int, batch_size: int) -> dict:
     """Train `steps + warmup` steps with one variant; per-step wall times and minor page faults."""
+    with contextlib.ExitStack() as stack:
+        return _run_variant(name, steps, warmup, batch_size, stack)
+
+
+def _run_variant(name: str, steps: int, warmup: int, batch_size: int, stack: contextlib.ExitStack) -> dict:
     torch.manual_seed(0)
     module = GPTModule(CONFIG)
     data = torch.randint(0, 256, (batch_size, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(1))
     batch = {"inputs": data[:, :-1], "targets": data[:, 1:]}
-    if name == "fspeed":
+    if name.startswith("fspeed"):
         model = fs.models.gpt(CONFIG)
         opt = fs.optim.adamw(**HPARAMS)
         state = fs.init_train_state(params_from_module(module), opt)
-        train_step = fs.make_train_step(model.loss, opt)
+        monitored = name == "fspeed_monitored"
+        train_step = fs.make_train_step(model.loss, opt, timers=fs.StepTimers() if monitored else None)
+        monitors = every_monitor(stack) if monitored else fs.monitor.Monitors()
 
         def step() -> float:
             nonlocal state
             state, metrics = train_step(state, batch)
+            monitors.write({k: v for k, v in metrics.items() if k in MONITOR_COLUMNS})
             return metrics["loss"]
     else:
         optimizer = torch.optim.AdamW(module.parameters(), foreach=name == "torch_foreach",
@@ -124,6 +155,9 @@ def main() -> None:
     optimizer_table(args.threads)
     print(f"\nfirst_step_loss_spread={spread:.3e}")
     print(f"fused_torch_loop_ratio={ratios['torch_fused']:.3f}")
+    monitor = statistics.median(statistics.median(m["times"]) / statistics.median(f["times"])
+                                for m, f in zip(results["fspeed_monitored"], results["fspeed"]))
+    print(f"monitor_overhead={monitor:.3f}")
     print(f"overhead_ratio={ratios['fspeed']:.3f}")
 
 
