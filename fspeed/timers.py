@@ -13,7 +13,10 @@ Phases (DeepSpeed's global timer names, summed over the step's micro-batches):
   reductions, the last buckets, ZeRO's partition hand-off);
 - `bwd` = `bwd_inner + bwd_allreduce`;
 - `step`: the rest of the boundary: overflow check and norm, clipping, the optimizer update, the
-  write-back (and ZeRO-1/2's start of the parameter all-gather).
+  write-back (and ZeRO-1/2's start of the parameter all-gather);
+- `allgather` (not a phase of its own: it lies inside `fwd` and `bwd_inner`): the time the step
+  waited for parameter all-gathers, ZeRO-3's per-unit gathers and ZeRO-1/2's in-flight gather of
+  the last update, read from the comm log (which keeps these waits whether or not it logs).
 
 A step's phases cover it up to the split of the batch and the runtime's set-up. Timers are
 `time.perf_counter` around each phase; on CUDA each start and stop synchronises the device
@@ -32,8 +35,8 @@ import torch
 PHASES = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")
 """DeepSpeed's global timer names, in its log line's order."""
 
-METRIC_KEYS = tuple(f"{name}_ms" for name in PHASES)
-"""The metric each phase becomes (milliseconds in this step)."""
+METRIC_KEYS = (*(f"{name}_ms" for name in PHASES), "allgather_ms")
+"""The metrics of the breakdown (milliseconds in this step)."""
 
 _MEASURED = ("fwd", "bwd_inner", "bwd_allreduce", "step")
 
@@ -49,6 +52,8 @@ class StepTimers:
         self.sync_cuda = sync_cuda
         self._totals = dict.fromkeys(_MEASURED, 0.0)
         self._started: dict[str, float] = {}
+        self._comm_log = None
+        self._gather_waited = 0.0
 
     def _synchronize(self) -> None:
         if self.sync_cuda is None:
@@ -66,23 +71,37 @@ class StepTimers:
         self._synchronize()
         self._totals[name] += time.perf_counter() - self._started.pop(name)
 
-    def end_step(self) -> dict[str, float]:
-        """The step's phases in milliseconds (`fwd_ms`, `bwd_ms`, ...), and a fresh start for the next."""
-        ms = {name: seconds * 1e3 for name, seconds in self._totals.items()}
-        ms["bwd"] = ms["bwd_inner"] + ms["bwd_allreduce"]
+    def begin_step(self, comm_log=None) -> None:
+        """A step starts: totals from zero (a step that raised leaves none behind), and the data
+        axis' `comm_log` all-gather waits so far, which `end_step` subtracts."""
         self._totals = dict.fromkeys(_MEASURED, 0.0)
         self._started.clear()
-        return {f"{name}_ms": ms[name] for name in PHASES}
+        self._comm_log = comm_log
+        self._gather_waited = _gather_wait(comm_log)
+
+    def end_step(self) -> dict[str, float]:
+        """The step's phases in milliseconds (`fwd_ms`, `bwd_ms`, ..., `allgather_ms`)."""
+        ms = {name: seconds * 1e3 for name, seconds in self._totals.items()}
+        ms["bwd"] = ms["bwd_inner"] + ms["bwd_allreduce"]
+        out = {f"{name}_ms": ms[name] for name in PHASES}
+        out["allgather_ms"] = (_gather_wait(self._comm_log) - self._gather_waited) * 1e3
+        return out
+
+
+def _gather_wait(comm_log) -> float:
+    return comm_log.blocked_by_op.get("all_gather", 0.0) if comm_log is not None else 0.0
 
 
 def breakdown_line(metrics: Mapping[str, float]) -> str:
-    """DeepSpeed's log line: `time (ms) | fwd: 1.23 | bwd: ... | step: ...`."""
-    return "time (ms) | " + " | ".join(f"{name}: {metrics[f'{name}_ms']:.2f}" for name in PHASES)
+    """DeepSpeed's log line: `time (ms) | fwd: 1.23 | bwd: ... | step: ...` (and the all-gather
+    wait when there was one)."""
+    line = "time (ms) | " + " | ".join(f"{name}: {metrics[f'{name}_ms']:.2f}" for name in PHASES)
+    return line + (f" | allgather: {metrics['allgather_ms']:.2f}" if metrics.get("allgather_ms") else "")
 
 
 def breakdown_summary(rows: Iterable[Mapping[str, float]], skip_first: int = 1) -> str:
     """A table of each phase's median and mean over steps (after `skip_first` warm-up steps) and
-    its share of fwd + bwd + step."""
+    its share of fwd + bwd + step (allgather lies within fwd and bwd)."""
     rows = [r for r in rows if "fwd_ms" in r]
     rows = rows[skip_first:] if len(rows) > skip_first else rows
     if not rows:
@@ -90,8 +109,8 @@ def breakdown_summary(rows: Iterable[Mapping[str, float]], skip_first: int = 1) 
     total = statistics.fmean(r["fwd_ms"] + r["bwd_ms"] + r["step_ms"] for r in rows)
     lines = [f"wall-clock breakdown over {len(rows)} steps (ms per step)",
              f"{'phase':<15}{'median':>10}{'mean':>10}{'share':>8}"]
-    for name in PHASES:
-        values = [r[f"{name}_ms"] for r in rows]
+    for name in (*PHASES, "allgather"):
+        values = [r.get(f"{name}_ms", 0.0) for r in rows]
         mean = statistics.fmean(values)
         lines.append(f"{name:<15}{statistics.median(values):>10.2f}{mean:>10.2f}{mean / total:>8.1%}")
     return "\n".join(lines)

@@ -126,7 +126,7 @@ def make_train_step(
     the precision's own rule (DeepSpeed's: fp16 and bf16 skip inf/NaN gradients, fp32 applies them).
 
     `timers` (a `fspeed.timers.StepTimers`) adds the wall-clock breakdown to the metrics (`fwd_ms`,
-    `bwd_ms`, `bwd_inner_ms`, `bwd_allreduce_ms`, `step_ms`); without it no timer is called.
+    `bwd_ms`, `bwd_inner_ms`, `bwd_allreduce_ms`, `step_ms`, `allgather_ms`); without it no timer is called.
     """
     if on_nonfinite is not None and on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite={on_nonfinite!r}; allowed: None, {', '.join(map(repr, ON_NONFINITE))}")
@@ -207,6 +207,8 @@ def make_train_step(
     def begin(state: TrainState) -> _Step:
         """A step's start: its runtime, whether its gradient is all-reduced, the shared buffers."""
         runtime = runtime_for(state)
+        if timers is not None:
+            timers.begin_step(runtime.data.log)
         runtime.broadcast_buffers(state.buffers)  # every data rank starts from rank 0's, as DDP does
         # optimizers that communicate themselves (1-bit family) may take the local gradient instead
         allreduce = needs_full_allreduce(rest, state.opt_state[1:] if clip_norm is not None else state.opt_state)
@@ -297,7 +299,8 @@ def make_train_step(
         gather = runtime.write_back(master, fields["params"], cast_to)  # cast/upload; ZeRO-1/2 start an all-gather
         fields["opt_state"] = opt_state
         metrics["grad_norm"] = grad_norm
-        return _next_state(state, fields, new_scaler, samples, skipped=0).with_params_in_flight(gather), timed(metrics)
+        return (_next_state(state, fields, new_scaler, samples, skipped=0).with_params_in_flight(gather),
+                timed(metrics))
 
     def timed(metrics: dict[str, Any]) -> dict[str, Any]:
         """The metrics, with the step's wall-clock breakdown when timers are on."""

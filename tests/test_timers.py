@@ -62,3 +62,36 @@ def test_off_means_no_timer_calls(monkeypatch):
     assert calls == [] and not set(METRIC_KEYS) & set(metrics)
     state, metrics = fs.make_train_step(model.loss, opt, grad_accum=2, timers=StepTimers())(state, batch)
     assert len(calls) == 2 * (2 * 2 + 2) and "sync" not in calls  # start+stop of 2 phases x 2 micro + 2; no CUDA sync
+
+
+def zero_steps_with_timers(stage: int, steps: int = 3):
+    """On each rank of a gloo world: the tiny GPT under ZeRO-`stage`, timed and untimed side by side."""
+    from tests.parallel_cases import gpt_setup, make_opt
+
+    mesh = fs.Mesh(data=-1)
+    cfg, model, params = gpt_setup(0, n_layer=2, d_model=32, n_head=4, vocab=32, seq=16)
+    opt, plan = make_opt("adamw"), fs.zero(stage, param_persistence_threshold=0)
+    states = [fs.init_train_state(params, opt, plan=plan, mesh=mesh, logical_axes=model.logical_axes) for _ in "ab"]
+    timed = fs.make_train_step(model.loss, opt, grad_accum=2, plan=plan, mesh=mesh, timers=StepTimers())
+    plain = fs.make_train_step(model.loss, opt, grad_accum=2, plan=plan, mesh=mesh)
+    out = []
+    for step in range(steps):
+        x = torch.randint(0, 32, (4, 17), generator=torch.Generator().manual_seed(step * 10 + mesh.rank))
+        batch = {"inputs": x[:, :-1], "targets": x[:, 1:]}
+        states[0], metrics = timed(states[0], batch)
+        states[1], reference = plain(states[1], batch)
+        out.append((metrics, reference["loss"]))
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_breakdown_under_zero_reports_the_parameter_all_gather_wait(world2, stage):
+    for rank_result in world2.run(zero_steps_with_timers, stage):
+        for metrics, reference_loss in rank_result:
+            assert metrics["loss"] == reference_loss
+            assert metrics["fwd_ms"] > 0 and metrics["bwd_allreduce_ms"] >= 0 and metrics["step_ms"] > 0
+            assert metrics["allgather_ms"] <= metrics["fwd_ms"] + metrics["bwd_inner_ms"]
+        if stage == 3:  # every unit is gathered in forward and again in backward
+            assert all(m["allgather_ms"] > 0 for m, _ in rank_result)
+        else:  # ZeRO-1: from the second step, the forward waits for the last update's gather
+            assert all(m["allgather_ms"] > 0 for m, _ in rank_result[1:])

@@ -27,6 +27,7 @@ TAGS = {
     "bwd_inner_ms": "Train/elapsed_time_ms_backward_inner",
     "bwd_allreduce_ms": "Train/elapsed_time_ms_backward_allreduce",
     "step_ms": "Train/elapsed_time_ms_step",
+    "allgather_ms": "Train/elapsed_time_ms_allgather",
 }
 """Metric column -> tag; columns not here (step, elapsed_s) are not logged as scalars."""
 
