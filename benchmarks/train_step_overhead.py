@@ -74,6 +74,7 @@ def _run_variant(name: str, steps: int, warmup: int, batch_size: int, stack: con
     module = GPTModule(CONFIG)
     data = torch.randint(0, 256, (batch_size, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(1))
     batch = {"inputs": data[:, :-1], "targets": data[:, 1:]}
+    writes: list[float] = []  # the monitors' share of each monitored step
     if name.startswith("fspeed"):
         model = fs.models.gpt(CONFIG)
         opt = fs.optim.adamw(**HPARAMS)
@@ -85,7 +86,9 @@ def _run_variant(name: str, steps: int, warmup: int, batch_size: int, stack: con
         def step() -> float:
             nonlocal state
             state, metrics = train_step(state, batch)
+            t0 = time.perf_counter()
             monitors.write({k: v for k, v in metrics.items() if k in MONITOR_COLUMNS})
+            writes.append(time.perf_counter() - t0)
             return metrics["loss"]
     else:
         optimizer = torch.optim.AdamW(module.parameters(), foreach=name == "torch_foreach",
@@ -106,7 +109,8 @@ def _run_variant(name: str, steps: int, warmup: int, batch_size: int, stack: con
         if i >= warmup:
             times.append(time.perf_counter() - t0)
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    return {"times": times, "faults": faults, "first_loss": losses[0], "last_loss": losses[-1]}
+    return {"times": times, "faults": faults, "first_loss": losses[0], "last_loss": losses[-1],
+            "monitor_write_s": statistics.median(writes[warmup:]) if writes[warmup:] else 0.0}
 
 
 def main() -> None:
@@ -157,6 +161,9 @@ def main() -> None:
     print(f"fused_torch_loop_ratio={ratios['torch_fused']:.3f}")
     monitor = statistics.median(statistics.median(m["times"]) / statistics.median(f["times"])
                                 for m, f in zip(results["fspeed_monitored"], results["fspeed"]))
+    write_ms = statistics.median(r["monitor_write_s"] for r in results["fspeed_monitored"]) * 1e3
+    print(f"\nmonitors' write per step (CSV + TensorBoard + W&B offline): {write_ms:.2f} ms")
+    print(f"monitor_write_ms={write_ms:.2f}")
     print(f"monitor_overhead={monitor:.3f}")
     print(f"overhead_ratio={ratios['fspeed']:.3f}")
 

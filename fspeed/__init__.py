@@ -38,5 +38,6 @@ __all__ = [
     "CheckpointError", "checkpoint", "data", "load_checkpoint", "save_checkpoint", "sparse",
     "DonatedStateError", "Flat", "FlatLayout", "LossScaleAtMinimumError", "LossScaleState", "Model",
     "Engine", "TrainState", "functionalize", "initialize", "init_train_state", "make_eval_step", "make_train_step", "models",
-    "monitor", "optim", "precision", "profile", "StepTimers", "to_module", "tp_plan_from", "tree_flatten_with_paths", "tree_map", "tree_paths",
+    "monitor", "optim", "precision", "profile", "StepTimers",
+    "to_module", "tp_plan_from", "tree_flatten_with_paths", "tree_map", "tree_paths",
 ]

@@ -96,5 +96,5 @@ def flop_counter_with_scopes(tracker) -> "torch.utils.flop_counter.FlopCounterMo
     return counter
 
 
-__all__ = ["AsyncCollectiveTensor", "below_functorch", "flop_counter_with_scopes", "foreach_norm", "funcol_all_gather", "funcol_all_reduce",
-           "funcol_reduce_scatter", "unwrapped"]
+__all__ = ["AsyncCollectiveTensor", "below_functorch", "flop_counter_with_scopes", "foreach_norm", "funcol_all_gather",
+           "funcol_all_reduce", "funcol_reduce_scatter", "unwrapped"]

@@ -122,6 +122,23 @@ def test_a_missing_package_names_the_extra(monkeypatch, tmp_path):
         TensorBoardMonitor(tmp_path)
 
 
+def test_every_rank_checks_the_monitor_packages_before_training(monkeypatch):
+    import importlib.util
+    from dataclasses import replace
+
+    from fspeed.cli.observe import check_monitor_packages
+    from fspeed.config import ConfigError
+    from fspeed.config.compose import compose_run_config
+
+    run, _ = compose_run_config(None, [])
+    run = replace(run, monitor=replace(run.monitor, tensorboard=True, wandb=True))
+    check_monitor_packages(run)  # both installed here
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"monitor.wandb = true: needs the 'wandb' package.*fspeed\[monitor\]"):
+        check_monitor_packages(run)
+
+
 def test_fspeed_train_writes_every_monitor_and_the_breakdown(tmp_path):
     run_dir = tmp_path / "run"
     proc = fspeed_train("train.steps=6", "train.eval_every=3", "train.log_every=2", "data.max_bytes=200000",

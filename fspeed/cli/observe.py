@@ -46,8 +46,10 @@ def check_monitor_packages(run: RunConfig) -> None:
     """A ConfigError when a configured monitor's package is missing (every rank checks, so all stop)."""
     wanted = {"monitor.tensorboard": (run.monitor.tensorboard, "tensorboard"),
               "monitor.wandb": (run.monitor.wandb, "wandb")}
+    missing = [(key, package) for key, (on, package) in wanted.items()
+               if on and importlib.util.find_spec(package) is None]
     problems = [Problem(key, f"needs the {package!r} package, which is not installed: pip install 'fspeed[monitor]'",
-                        True) for key, (on, package) in wanted.items() if on and importlib.util.find_spec(package) is None]
+                        True) for key, package in missing]
     if problems:
         raise ConfigError(problems)
 
@@ -160,4 +162,5 @@ def _to_plain(value: Any) -> Any:
     return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
 
 
-__all__ = ["FlopsWatch", "check_monitor_packages", "finish_lr_range_test", "metric_columns", "metrics_csv_path", "open_monitors", "step_timers"]
+__all__ = ["FlopsWatch", "check_monitor_packages", "finish_lr_range_test", "metric_columns", "metrics_csv_path",
+           "open_monitors", "step_timers"]

@@ -44,12 +44,13 @@ from ..engine import fs_rules
 from ..loss_scale import LossScaleAtMinimumError
 from ..models import GPT_RULES, Model, count_params, gpt
 from ..monitor import comm_scalars
-from ..timers import METRIC_KEYS, breakdown_line, breakdown_summary
 from ..parallel import CommLog, Mesh, Plan, estimate_memory, init_distributed, shutdown_distributed, tensor_slicing, zero
 from ..parallel.memory import state_bytes_per_parameter
 from ..train_init import init_train_state
+from ..timers import METRIC_KEYS, breakdown_line, breakdown_summary
 from ..train_step import NonFiniteError, make_eval_step, make_train_step
-from .observe import FlopsWatch, check_monitor_packages, finish_lr_range_test, metrics_csv_path, open_monitors, step_timers
+from .observe import (FlopsWatch, check_monitor_packages, finish_lr_range_test, metrics_csv_path, open_monitors,
+                      step_timers)
 from .run_data import prepare_data
 from .stop_requests import StopRequests, TrainingStopped
 from .user_errors import DEBUG_ENV, USER_ERRORS, debug_requested, exit_with_user_error, raised_on_every_rank
@@ -258,7 +259,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     summary = {
         "val_loss_start": val_start, "val_loss_end": val_loss, "val_loss_drop": drop,
         "steps": state.step, "skipped_steps": state.skipped_steps, "train_seconds": train_time,
-        "checkpoint": str(path), "metrics_csv": str(metrics_csv_path(run, out_dir)) if run.monitor.csv else None,
+        "checkpoint": str(path), "metrics_csv": str(metrics_csv_path(run, out_dir) or "") or None,
     }
     if not lead:
         return summary
