@@ -114,3 +114,6 @@ def test_fspeed_train_profiles_at_profile_step_and_logs_tflops(tmp_path):
     assert [bool(r["tflops"]) for r in rows] == [False, False, True, True]  # from the profiled step on
     assert float(rows[3]["mfu"]) == pytest.approx(float(rows[3]["tflops"]))  # a 1 TFLOPS peak
     assert all(float(r["fwd_ms"]) > 0 for r in rows[1:])  # the profiler turns the breakdown on, as in DeepSpeed
+    late = fspeed_train("train.steps=3", "flops_profiler.enabled=true", "flops_profiler.profile_step=4",
+                        "data.max_bytes=200000", f"hydra.run.dir={tmp_path / 'late'}", cwd=tmp_path)
+    assert late.returncode == 2 and "flops_profiler.profile_step = 4: is after the last step" in late.stderr

@@ -84,6 +84,10 @@ class FlopsWatch:
 
     def __init__(self, run: RunConfig, model: Model, mesh, lead: bool, grad_accum: int):
         self.cfg, self.model, self.mesh, self.lead, self.grad_accum = run.flops_profiler, model, mesh, lead, grad_accum
+        if self.cfg.enabled and self.cfg.profile_step > run.train.steps:
+            raise ConfigError([Problem("flops_profiler.profile_step", f"is after the last step (train.steps="
+                                       f"{run.train.steps}): the profiler would never run", self.cfg.profile_step,
+                                       f"1..{run.train.steps}")])
         self.profile: Optional[FlopsProfile] = None
         self.peak: Optional[float] = run.flops_profiler.peak_tflops
         self._report_pending = False

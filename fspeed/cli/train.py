@@ -184,8 +184,8 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
         return sum(eval_step(s, b) for b in val_batches) / len(val_batches) if val_batches else None
 
     client_state = job.client_state
-    monitor = open_monitors(run, out_dir) if lead else None
     flops_watch = FlopsWatch(run, model, mesh, lead, triad.grad_accum)
+    monitor = open_monitors(run, out_dir) if lead else None
     breakdowns: list[dict[str, float]] = []
     lr_curve: list[tuple[float, float]] = []  # scheduler=lr_range_test: (lr, loss) of each applied step
     val_start = evaluate(state)
