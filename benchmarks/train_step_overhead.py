@@ -14,8 +14,10 @@ optimizer step alone on the same parameters, in this process.
     python benchmarks/train_step_overhead.py [--rounds 3] [--steps 4] [--batch 8] [--threads 2]
 
 A fourth variant is fspeed's step with the wall-clock breakdown on and every monitor (metrics.csv,
-TensorBoard, an offline W&B run) writing each step's metrics: monitor_overhead is the median over
-rounds of its median step time over plain fspeed's (needs `pip install 'fspeed[monitor]'`).
+TensorBoard, an offline W&B run) writing each step's metrics (needs `pip install 'fspeed[monitor]'`).
+Its headline, monitor_overhead, is measured interleaved: plain and monitored steps alternate in one
+process, and the median over pairs of their ratio is taken (the separate-process ratio is printed too,
+but on a shared machine its rounds drift by more than the monitors cost).
 
 Last lines: monitor_overhead=<monitored / plain fspeed step time>, overhead_ratio=<fspeed step time /
 plain PyTorch loop (AdamW foreach) step time>.
@@ -120,6 +122,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--monitor-pairs", type=int, default=12, help="interleaved step pairs for monitor_overhead")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # child mode
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -162,10 +165,53 @@ def main() -> None:
     monitor = statistics.median(statistics.median(m["times"]) / statistics.median(f["times"])
                                 for m, f in zip(results["fspeed_monitored"], results["fspeed"]))
     write_ms = statistics.median(r["monitor_write_s"] for r in results["fspeed_monitored"]) * 1e3
-    print(f"\nmonitors' write per step (CSV + TensorBoard + W&B offline): {write_ms:.2f} ms")
+    print(f"\nmonitors' write per step (CSV + TensorBoard + W&B offline): {write_ms:.2f} ms; separate processes: "
+          f"monitored / plain fspeed {monitor:.3f}")
+    interleaved = monitor_overhead_interleaved(args.batch, args.monitor_pairs)
     print(f"monitor_write_ms={write_ms:.2f}")
-    print(f"monitor_overhead={monitor:.3f}")
+    print(f"monitor_overhead={interleaved:.3f}")
     print(f"overhead_ratio={ratios['fspeed']:.3f}")
+
+
+def monitor_overhead_interleaved(batch_size: int, pairs: int, warmup: int = 2) -> float:
+    """Plain and monitored fspeed steps alternating in one process (same weights and data, the
+    order flipped every pair): the median over pairs of monitored / plain step time. Both steps see
+    the same moment of a shared machine, so its drift cancels pair by pair."""
+    model, opt = fs.models.gpt(CONFIG), fs.optim.adamw(**HPARAMS)
+    params = params_from_module(GPTModule(CONFIG))
+    data = torch.randint(0, 256, (batch_size, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    batch = {"inputs": data[:, :-1], "targets": data[:, 1:]}
+    with contextlib.ExitStack() as stack:
+        monitors = every_monitor(stack)
+        runs = {"plain": [fs.init_train_state(params, opt), fs.make_train_step(model.loss, opt)],
+                "monitored": [fs.init_train_state(params, opt),
+                              fs.make_train_step(model.loss, opt, timers=fs.StepTimers())]}
+
+        writes: list[float] = []
+
+        def timed(name: str) -> float:
+            state, step = runs[name]
+            t0 = time.perf_counter()
+            runs[name][0], metrics = step(state, batch)
+            if name == "monitored":
+                t1 = time.perf_counter()
+                monitors.write({k: v for k, v in metrics.items() if k in MONITOR_COLUMNS})
+                writes.append(time.perf_counter() - t1)
+            return time.perf_counter() - t0
+
+        ratios, plain = [], []
+        for i in range(warmup + pairs):
+            order = ("plain", "monitored") if i % 2 else ("monitored", "plain")
+            took = {name: timed(name) for name in order}
+            if i >= warmup:
+                ratios.append(took["monitored"] / took["plain"])
+                plain.append(took["plain"])
+    print(f"the monitors' own write: median {statistics.median(writes[warmup:]) * 1e3:.2f} ms per step, "
+          f"{1 + statistics.median(writes[warmup:]) / statistics.median(plain):.4f}x of the plain step's median")
+    print(f"interleaved in one process, {pairs} pairs: monitored / plain fspeed step, median "
+          f"{statistics.median(ratios):.3f} (quartiles {statistics.quantiles(ratios, n=4)[0]:.3f}-"
+          f"{statistics.quantiles(ratios, n=4)[2]:.3f})")
+    return statistics.median(ratios)
 
 
 def optimizer_table(threads: int, repeats: int = 7) -> None:
