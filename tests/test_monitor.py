@@ -56,8 +56,8 @@ def wandb_history(directory) -> dict[int, dict[str, float]]:
             if record.WhichOneof("record_type") == "history":
                 items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
                          for item in record.history.item}
-                history.setdefault(record.history.step.num, {}).update(
-                    {k: v for k, v in items.items() if not k.startswith("_")})
+                step = int(items.get("_step", record.history.step.num))
+                history.setdefault(step, {}).update({k: v for k, v in items.items() if not k.startswith("_")})
     return history
 
 
@@ -81,6 +81,7 @@ def test_wandb_offline_run_holds_the_scalars(tmp_path):
         monitor.write(row)
     monitor.close()
     history = wandb_history(tmp_path)
+    assert sorted(history) == [0, 1, 2], history
     assert history[1][TAGS["loss"]] == 4.5 and history[2][TAGS["loss"]] == 4.0
     assert history[0][TAGS["val_loss"]] == 5.0 and history[2][TAGS["val_loss"]] == 4.2
     assert history[1]["Train/elapsed_time_ms_backward"] == 6.0
