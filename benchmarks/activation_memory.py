@@ -15,8 +15,11 @@ plus one block's activations (the recompute's) and the head's.
 
     python benchmarks/activation_memory.py [--layers 12] [--seq 512] [--batch 4] [--width 256] [--steps 3]
 
+Then, on 2 gloo ranks with tensor slicing, one rank's kept bytes under full remat with and
+without `partition_activations`.
+
 Last lines: full_remat_saved_bytes_over_theory, full_remat_step_time_over_none,
-remat_vs_torch_checkpoint_step_time.
+remat_vs_torch_checkpoint_step_time, partitioned_saved_bytes_over_unpartitioned.
 """
 
 from __future__ import annotations
@@ -89,6 +92,26 @@ class _Checkpointed(torch.nn.Module):
         return checkpoint(self.block, *args, use_reentrant=False)
 
 
+def partitioned_kept(partition: bool, layers: int, seq: int, batch: int, width: int) -> int:
+    """One tensor-slicing rank's kept bytes for a fully rematerialized GPT (runs in a GlooWorld)."""
+    import gc
+
+    cfg = fs.models.GPTConfig(vocab_size=256, seq_len=seq, n_layer=layers, n_head=width // 64, d_model=width)
+    model = fs.remat(fs.models.gpt(cfg), "full", partition=partition)
+    mesh = fs.Mesh(data=1, model=2)
+    plan = fs.tensor_slicing(fs.models.gpt_rules)
+    opt = fs.optim.sgd(0.0)
+    state = fs.init_train_state(model.init(torch.Generator().manual_seed(0)), opt, plan=plan, mesh=mesh, model=model)
+    step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)
+    x = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(1))
+    micro = {"inputs": x, "targets": x.roll(-1, 1)}
+    state, _ = step(state, micro)
+    s = step.begin(state)
+    gc.collect()
+    kept, _ = kept_by_forward(lambda: step.micro(s, state, micro))
+    return kept
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=12)
@@ -143,6 +166,14 @@ def main() -> None:
     print(f"save_matmuls_saved_bytes_over_none={med['fspeed, save_matmuls'][0] / med['fspeed, no remat'][0]:.3f}")
     print(f"full_remat_step_time_over_none={med['fspeed, full'][1] / med['fspeed, no remat'][1]:.3f}")
     print(f"remat_vs_torch_checkpoint_step_time={med['fspeed, full'][1] / med['torch.utils.checkpoint'][1]:.3f}")
+    from fspeed.testing import GlooWorld
+
+    with GlooWorld(2, threads_per_rank=1) as world:
+        sizes = (args.layers, args.seq, args.batch, args.width)
+        whole = max(world.run(partitioned_kept, False, *sizes))
+        parts = max(world.run(partitioned_kept, True, *sizes))
+    print(f"tensor=2, full remat, kept per rank: whole inputs {whole / 2**20:.1f} MiB, partitioned {parts / 2**20:.1f} MiB")
+    print(f"partitioned_saved_bytes_over_unpartitioned={parts / whole:.3f}")
 
 
 if __name__ == "__main__":

@@ -16,26 +16,38 @@ optimizer step alone on the same parameters, in this process.
 Every variant's process raises glibc's malloc thresholds as fspeed-train does
 (`fs.retain_freed_host_memory`); --system-malloc keeps glibc's defaults for all of them.
 
-Last line: overhead_ratio=<fspeed step time / plain PyTorch loop (AdamW foreach) step time>.
+A fourth variant is fspeed's step with the wall-clock breakdown on and every monitor (metrics.csv,
+TensorBoard, an offline W&B run) writing each step's metrics (needs `pip install 'fspeed[monitor]'`).
+Its headline, monitor_overhead, is measured interleaved: plain and monitored steps alternate in one
+process, and the median over pairs of their ratio is taken (the separate-process ratio is printed too,
+but on a shared machine its rounds drift by more than the monitors cost).
+
+Last lines: monitor_overhead=<monitored / plain fspeed step time>, overhead_ratio=<fspeed step time /
+plain PyTorch loop (AdamW foreach) step time>.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 import fspeed as fs
 from fspeed.models.gpt_module import GPTModule, params_from_module
+from fspeed.timers import METRIC_KEYS
 
 VARIANTS = {
     "fspeed": "fspeed train_step (flat fused AdamW)",
+    "fspeed_monitored": "  + breakdown, CSV/TensorBoard/W&B monitors",
     "torch_foreach": "PyTorch loop, AdamW foreach (default)",
     "torch_fused": "PyTorch loop, AdamW fused=True",
 }
@@ -43,21 +55,45 @@ CONFIG = fs.models.GPTConfig(vocab_size=256, seq_len=256, n_layer=6, n_head=6, d
 HPARAMS = dict(lr=3e-4, weight_decay=0.1)
 
 
+MONITOR_COLUMNS = ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped", *METRIC_KEYS)
+
+
+def every_monitor(stack: contextlib.ExitStack) -> "fs.monitor.Monitors":
+    """metrics.csv, TensorBoard event files and an offline W&B run in a temporary directory."""
+    out = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+    monitors = fs.monitor.Monitors([fs.monitor.CSVMonitor(out / "metrics.csv", MONITOR_COLUMNS),
+                                    fs.monitor.TensorBoardMonitor(out / "tb"),
+                                    fs.monitor.WandbMonitor(out, project="bench")])
+    stack.callback(monitors.close)
+    return monitors
+
+
 def run_variant(name: str, steps: int, warmup: int, batch_size: int) -> dict:
     """Train `steps + warmup` steps with one variant; per-step wall times and minor page faults."""
+    with contextlib.ExitStack() as stack:
+        return _run_variant(name, steps, warmup, batch_size, stack)
+
+
+def _run_variant(name: str, steps: int, warmup: int, batch_size: int, stack: contextlib.ExitStack) -> dict:
     torch.manual_seed(0)
     module = GPTModule(CONFIG)
     data = torch.randint(0, 256, (batch_size, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(1))
     batch = {"inputs": data[:, :-1], "targets": data[:, 1:]}
-    if name == "fspeed":
+    writes: list[float] = []  # the monitors' share of each monitored step
+    if name.startswith("fspeed"):
         model = fs.models.gpt(CONFIG)
         opt = fs.optim.adamw(**HPARAMS)
         state = fs.init_train_state(params_from_module(module), opt)
-        train_step = fs.make_train_step(model.loss, opt)
+        monitored = name == "fspeed_monitored"
+        train_step = fs.make_train_step(model.loss, opt, timers=fs.StepTimers() if monitored else None)
+        monitors = every_monitor(stack) if monitored else fs.monitor.Monitors()
 
         def step() -> float:
             nonlocal state
             state, metrics = train_step(state, batch)
+            t0 = time.perf_counter()
+            monitors.write({k: v for k, v in metrics.items() if k in MONITOR_COLUMNS})
+            writes.append(time.perf_counter() - t0)
             return metrics["loss"]
     else:
         optimizer = torch.optim.AdamW(module.parameters(), foreach=name == "torch_foreach",
@@ -78,7 +114,8 @@ def run_variant(name: str, steps: int, warmup: int, batch_size: int) -> dict:
         if i >= warmup:
             times.append(time.perf_counter() - t0)
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    return {"times": times, "faults": faults, "first_loss": losses[0], "last_loss": losses[-1]}
+    return {"times": times, "faults": faults, "first_loss": losses[0], "last_loss": losses[-1],
+            "monitor_write_s": statistics.median(writes[warmup:]) if writes[warmup:] else 0.0}
 
 
 def main() -> None:
@@ -90,6 +127,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--system-malloc", action="store_true",
                         help="keep glibc's default malloc thresholds (fspeed-train raises them: fspeed/host_memory.py)")
+    parser.add_argument("--monitor-pairs", type=int, default=12, help="interleaved step pairs for monitor_overhead")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # child mode
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -132,7 +170,56 @@ def main() -> None:
     optimizer_table(args.threads)
     print(f"\nfirst_step_loss_spread={spread:.3e}")
     print(f"fused_torch_loop_ratio={ratios['torch_fused']:.3f}")
+    monitor = statistics.median(statistics.median(m["times"]) / statistics.median(f["times"])
+                                for m, f in zip(results["fspeed_monitored"], results["fspeed"]))
+    write_ms = statistics.median(r["monitor_write_s"] for r in results["fspeed_monitored"]) * 1e3
+    print(f"\nmonitors' write per step (CSV + TensorBoard + W&B offline): {write_ms:.2f} ms; separate processes: "
+          f"monitored / plain fspeed {monitor:.3f}")
+    interleaved = monitor_overhead_interleaved(args.batch, args.monitor_pairs)
+    print(f"monitor_write_ms={write_ms:.2f}")
+    print(f"monitor_overhead={interleaved:.3f}")
     print(f"overhead_ratio={ratios['fspeed']:.3f}")
+
+
+def monitor_overhead_interleaved(batch_size: int, pairs: int, warmup: int = 2) -> float:
+    """Plain and monitored fspeed steps alternating in one process (same weights and data, the
+    order flipped every pair): the median over pairs of monitored / plain step time. Both steps see
+    the same moment of a shared machine, so its drift cancels pair by pair."""
+    model, opt = fs.models.gpt(CONFIG), fs.optim.adamw(**HPARAMS)
+    params = params_from_module(GPTModule(CONFIG))
+    data = torch.randint(0, 256, (batch_size, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    batch = {"inputs": data[:, :-1], "targets": data[:, 1:]}
+    with contextlib.ExitStack() as stack:
+        monitors = every_monitor(stack)
+        runs = {"plain": [fs.init_train_state(params, opt), fs.make_train_step(model.loss, opt)],
+                "monitored": [fs.init_train_state(params, opt),
+                              fs.make_train_step(model.loss, opt, timers=fs.StepTimers())]}
+
+        writes: list[float] = []
+
+        def timed(name: str) -> float:
+            state, step = runs[name]
+            t0 = time.perf_counter()
+            runs[name][0], metrics = step(state, batch)
+            if name == "monitored":
+                t1 = time.perf_counter()
+                monitors.write({k: v for k, v in metrics.items() if k in MONITOR_COLUMNS})
+                writes.append(time.perf_counter() - t1)
+            return time.perf_counter() - t0
+
+        ratios, plain = [], []
+        for i in range(warmup + pairs):
+            order = ("plain", "monitored") if i % 2 else ("monitored", "plain")
+            took = {name: timed(name) for name in order}
+            if i >= warmup:
+                ratios.append(took["monitored"] / took["plain"])
+                plain.append(took["plain"])
+    print(f"the monitors' own write: median {statistics.median(writes[warmup:]) * 1e3:.2f} ms per step, "
+          f"{1 + statistics.median(writes[warmup:]) / statistics.median(plain):.4f}x of the plain step's median")
+    print(f"interleaved in one process, {pairs} pairs: monitored / plain fspeed step, median "
+          f"{statistics.median(ratios):.3f} (quartiles {statistics.quantiles(ratios, n=4)[0]:.3f}-"
+          f"{statistics.quantiles(ratios, n=4)[2]:.3f})")
+    return statistics.median(ratios)
 
 
 def optimizer_table(threads: int, repeats: int = 7) -> None:

@@ -11,6 +11,7 @@
 """
 
 from . import checkpoint, data, models, optim, precision, sparse
+from . import monitor, profile
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from . import parallel
 from .flat import Flat, FlatLayout
@@ -30,6 +31,7 @@ from .train_init import init_train_state
 from .train_state import DonatedStateError, TrainState
 from .train_step import make_eval_step, make_train_step
 from .checkpoint import export_weights, import_deepspeed, init_from_weights  # universal checkpoints
+from .timers import StepTimers
 
 __version__ = "0.1.0"
 
@@ -40,7 +42,8 @@ __all__ = [
     "CheckpointError", "checkpoint", "data", "load_checkpoint", "save_checkpoint", "sparse",
     "DonatedStateError", "Flat", "FlatLayout", "LossScaleAtMinimumError", "LossScaleState", "Model",
     "Engine", "TrainState", "functionalize", "initialize", "init_train_state", "make_eval_step", "make_train_step", "models",
-    "optim", "precision", "to_module", "tp_plan_from", "tree_flatten_with_paths", "tree_map", "tree_paths",
+    "monitor", "optim", "precision", "profile", "StepTimers",
+    "to_module", "tp_plan_from", "tree_flatten_with_paths", "tree_map", "tree_paths",
     "BudgetChoice", "Remat", "RematPolicy", "RematProfile", "checkpoint_name", "measure_activations", "remat",
     "remat_policies", "remat_within_budget", "retain_freed_host_memory",
     "export_weights", "import_deepspeed", "init_from_weights",

@@ -36,6 +36,7 @@ from .parallel import CommLog, Mesh, Plan, gather_params, init_distributed, tens
 from .pytree import PyTree
 from .train_init import init_train_state
 from .train_state import TrainState
+from .timers import StepTimers
 from .train_step import TrainStep, make_eval_step, make_train_step
 
 log = logging.getLogger("fspeed")
@@ -177,6 +178,7 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
     tensor = probe.parallel.tensor
     data = probe.parallel.data if probe.parallel.data > 0 else max(1, world // tensor)
     run, _ = compose_run_config(config, overrides, dp_world_size=data)
+    _refuse_cli_monitors(run)
     module = model if isinstance(model, nn.Module) else None
     if module is not None:
         model = functionalize(module, loss_fn or output_loss, tp_plan=tp_plan if tp_plan is not None else
@@ -202,13 +204,27 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
     state = init_train_state(params, optimizer, precision=precision, seed=run.train.seed, plan=plan,
                              mesh=mesh if plan is not None else None, model=model)
     step = make_train_step(model.loss, optimizer, grad_accum=run.batch.grad_accum, plan=plan,
-                           mesh=mesh if plan is not None else None)
+                           mesh=mesh if plan is not None else None,
+                           timers=StepTimers() if run.wall_clock_breakdown else None)  # breakdown in engine.metrics
     engine = Engine(model, module, state, step, plan, mesh if plan is not None else None, run, schedule)
     loader = _loader(training_data, collate_fn, run, mesh if plan is not None else None)
     log.info("initialize: %s, %s, batch %s, optimizer %s, precision %s", model.name,
              f"{plan!r} on {mesh!r}" if plan is not None else "one process", run.batch.derivation, optimizer,
              precision.name)
     return engine, optimizer, loader, engine.lr_schedule
+
+
+def _refuse_cli_monitors(run) -> None:
+    """The monitors and the flops profiler run in fspeed-train's loop; an engine's caller logs
+    `engine.metrics` itself, so a config asking the engine for them is an error, not ignored."""
+    from .config import ConfigError, Problem  # noqa: PLC0415
+
+    asked = [key for key, on in (("monitor.tensorboard", run.monitor.tensorboard), ("monitor.wandb", run.monitor.wandb),
+                                 ("flops_profiler.enabled", run.flops_profiler.enabled)) if on]
+    if asked:
+        raise ConfigError([Problem(key, "is fspeed-train's (its training loop writes the monitors and profiles); "
+                                   "with initialize(), log engine.metrics yourself or profile with "
+                                   "fs.profile.flops(...)", True, "false") for key in asked])
 
 
 def fs_rules(model: Model):

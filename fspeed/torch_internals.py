@@ -6,7 +6,9 @@
   tensor under `torch.func`'s wrappers;
 - `torch._C._DisableFuncTorch`: a plain memory copy into storage a recorded graph holds (ZeRO-3
   refills a freed gathered layer for its backward without a version bump);
-- `torch._foreach_norm`: the L2 norms of many gradient views in one call.
+- `torch._foreach_norm`: the L2 norms of many gradient views in one call;
+- `FlopCounterMode.mod_tracker`: the flops profiler gives torch's flop counter its own scopes
+  (parameter paths) in place of the nn.Module tracker.
 
 A torch upgrade that moves one of these breaks here, not across the code base.
 """
@@ -66,5 +68,33 @@ def below_functorch() -> Iterator[None]:
         yield
 
 
-__all__ = ["AsyncCollectiveTensor", "below_functorch", "foreach_norm", "funcol_all_gather", "funcol_all_reduce",
-           "funcol_reduce_scatter", "unwrapped"]
+def _as_given(formula):
+    """A registered flop formula (it already takes tensors) marked so FlopCounterMode does not wrap it again."""
+    def given(*args, **kwargs):
+        return formula(*args, **kwargs)
+
+    given._get_raw = True
+    return given
+
+
+def flop_counter_with_scopes(tracker) -> "torch.utils.flop_counter.FlopCounterMode":
+    """torch's FlopCounterMode attributing each op's flops to `tracker.parents` (a set of scope
+    names, "Global" among them) instead of the nn.Modules it tracks itself."""
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten
+    cpu_attention = {  # CPU's fused attention counts as the CUDA kernels do (torch's registry lacks it)
+        getattr(aten, name): _as_given(flop_counter.flop_registry[cuda_op]) for name, cuda_op in (
+            ("_scaled_dot_product_flash_attention_for_cpu", aten._scaled_dot_product_flash_attention),
+            ("_scaled_dot_product_flash_attention_for_cpu_backward", aten._scaled_dot_product_flash_attention_backward))
+        if hasattr(aten, name) and cuda_op in flop_counter.flop_registry}
+    counter = flop_counter.FlopCounterMode(display=False, custom_mapping=cpu_attention)
+    if not hasattr(counter, "mod_tracker"):
+        raise RuntimeError(f"torch {torch.__version__}: FlopCounterMode has no mod_tracker; the flops profiler "
+                           "needs torch 2.4-2.13's layout")
+    counter.mod_tracker = tracker
+    return counter
+
+
+__all__ = ["AsyncCollectiveTensor", "below_functorch", "flop_counter_with_scopes", "foreach_norm", "funcol_all_gather",
+           "funcol_all_reduce", "funcol_reduce_scatter", "unwrapped"]

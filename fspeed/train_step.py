@@ -49,6 +49,7 @@ from .parallel.mesh import Mesh
 from .parallel.plan import Plan
 from .parallel.runtime import ParallelRuntime, check_optimizer
 from .pytree import PyTree, tree_flatten_with_paths, tree_unflatten
+from .timers import StepTimers
 from .train_state import TrainState
 
 log = logging.getLogger("fspeed")
@@ -106,6 +107,7 @@ def _split_leading_clip(optimizer: GradientTransformation) -> tuple[float | None
 def make_train_step(
     loss_fn: LossFn, optimizer: GradientTransformation, *, grad_accum: int = 1,
     plan: Optional[Plan] = None, mesh=None, on_nonfinite: Optional[str] = None,
+    timers: Optional[StepTimers] = None,
 ) -> "TrainStep":
     """Build `train_step(state, batch) -> (state, metrics)`; see the module docstring.
 
@@ -122,6 +124,9 @@ def make_train_step(
 
     `on_nonfinite` ("stop" or "skip") is the divergence guard of the module docstring; None keeps
     the precision's own rule (DeepSpeed's: fp16 and bf16 skip inf/NaN gradients, fp32 applies them).
+
+    `timers` (a `fspeed.timers.StepTimers`) adds the wall-clock breakdown to the metrics (`fwd_ms`,
+    `bwd_ms`, `bwd_inner_ms`, `bwd_allreduce_ms`, `step_ms`, `allgather_ms`); without it no timer is called.
     """
     if on_nonfinite is not None and on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite={on_nonfinite!r}; allowed: None, {', '.join(map(repr, ON_NONFINITE))}")
@@ -181,8 +186,16 @@ def make_train_step(
         """Forward and backward of one micro-batch (plain autograd, module docstring); the
         gradients reach the runtime's sink, the anchor's own is not needed."""
         anchor = anchor.detach().requires_grad_()
+        if timers is None:
+            scaled, loss = micro_loss(anchor, *args)
+            torch.autograd.backward(scaled, inputs=[anchor])
+            return loss
+        timers.start("fwd")
         scaled, loss = micro_loss(anchor, *args)
+        timers.stop("fwd")
+        timers.start("bwd_inner")
         torch.autograd.backward(scaled, inputs=[anchor])
+        timers.stop("bwd_inner")
         return loss
 
     def persistent_grad_bytes(where: str = "all") -> int:
@@ -194,6 +207,8 @@ def make_train_step(
     def begin(state: TrainState) -> _Step:
         """A step's start: its runtime, whether its gradient is all-reduced, the shared buffers."""
         runtime = runtime_for(state)
+        if timers is not None:
+            timers.begin_step(runtime.data.log)
         runtime.broadcast_buffers(state.buffers)  # every data rank starts from rank 0's, as DDP does
         # optimizers that communicate themselves (1-bit family) may take the local gradient instead
         allreduce = needs_full_allreduce(rest, state.opt_state[1:] if clip_norm is not None else state.opt_state)
@@ -223,7 +238,12 @@ def make_train_step(
             raise RuntimeError(f"a step needs {grad_accum} micro-batches (grad_accum), got {len(step.losses)}")
         runtime, allreduce = step.runtime, step.allreduce
         precision, scaler = state.precision, state.loss_scale
+        if timers is not None:
+            timers.start("bwd_allreduce")
         grads = runtime.finish()
+        if timers is not None:
+            timers.stop("bwd_allreduce")
+            timers.start("step")
         mean_loss = runtime.mean_over_data(float(torch.stack(step.losses).mean()))
 
         scaled_norm = runtime.grad_norm(grads)
@@ -258,7 +278,7 @@ def make_train_step(
                     fields["step"] + 1, precision.name, scaler.scale, new_scaler.scale,
                 )
             metrics["grad_norm"] = scaled_norm
-            return _next_state(state, fields, new_scaler, samples, skipped=1), metrics
+            return _next_state(state, fields, new_scaler, samples, skipped=1), timed(metrics)
 
         unscale = new_scaler.scale if precision.unscale_with_updated_scale else scaler.scale
         grad_norm = scaled_norm * local_scale / unscale  # a local gradient's own norm (DeepSpeed clips by it too)
@@ -279,7 +299,15 @@ def make_train_step(
         gather = runtime.write_back(master, fields["params"], cast_to)  # cast/upload; ZeRO-1/2 start an all-gather
         fields["opt_state"] = opt_state
         metrics["grad_norm"] = grad_norm
-        return _next_state(state, fields, new_scaler, samples, skipped=0).with_params_in_flight(gather), metrics
+        return (_next_state(state, fields, new_scaler, samples, skipped=0).with_params_in_flight(gather),
+                timed(metrics))
+
+    def timed(metrics: dict[str, Any]) -> dict[str, Any]:
+        """The metrics, with the step's wall-clock breakdown when timers are on."""
+        if timers is not None:
+            timers.stop("step")
+            metrics.update(timers.end_step())
+        return metrics
 
     return TrainStep(begin, micro, boundary, grad_accum, runtime_for, persistent_grad_bytes)
 

@@ -270,19 +270,19 @@ def test_unknown_keys_are_all_reported_with_suggestions():
 
 
 def test_unsupported_keys_error_only_when_not_default():
-    ds = {**BASE, "wall_clock_breakdown": False, "zero_optimization": {"stage": 0, "contiguous_gradients": True},
-          "activation_checkpointing": {"partition_activations": False}, "tensorboard": {"enabled": False},
+    ds = {**BASE, "memory_breakdown": False, "zero_optimization": {"stage": 0, "contiguous_gradients": True},
+          "activation_checkpointing": {"partition_activations": False}, "comet": {"enabled": False},
           "zero_allow_untested_optimizer": True, "pipeline": {"stages": "auto"}}
     no_effect = translate_deepspeed_config(ds).no_effect
-    for key in ("wall_clock_breakdown", "zero_optimization.contiguous_gradients", "activation_checkpointing",
-                "tensorboard", "zero_allow_untested_optimizer", "pipeline"):
+    for key in ("memory_breakdown", "zero_optimization.contiguous_gradients", "activation_checkpointing",
+                "comet", "zero_allow_untested_optimizer", "pipeline"):
         assert any(item.startswith(f"{key} = ") for item in no_effect), key
-    message = problems_of({"wall_clock_breakdown": True, "zero_optimization": {"stage": 3, "offload_optimizer":
+    message = problems_of({"memory_breakdown": True, "zero_optimization": {"stage": 3, "offload_optimizer":
                            {"device": "nvme"}}, "activation_checkpointing": {"synchronize_checkpoint_boundary": True},
-                           "tensorboard": {"enabled": True}, "prescale_gradients": True})
+                           "comet": {"enabled": True}, "prescale_gradients": True})
     assert "5 problems" in message
-    for key in ("wall_clock_breakdown = true", "zero_optimization.offload_optimizer.device = 'nvme'",
-                "synchronize_checkpoint_boundary = true", "tensorboard.enabled = true", "prescale_gradients = true"):
+    for key in ("memory_breakdown = true", "zero_optimization.offload_optimizer.device = 'nvme'",
+                "synchronize_checkpoint_boundary = true", "comet.enabled = true", "prescale_gradients = true"):
         assert key in message
 
 
@@ -522,15 +522,44 @@ def test_auto_values_are_refused_with_a_hint():
 
 def test_csv_monitor_enabled_is_translated():
     assert run_from({**BASE, "csv_monitor": {"enabled": False}}).monitor.csv is False
-    assert "csv_monitor.output_path = 'logs': not supported" in problems_of({"csv_monitor": {"enabled": True,
-                                                                                           "output_path": "logs"}})
+    run = run_from({**BASE, "csv_monitor": {"enabled": True, "output_path": "logs/", "job_name": "bert"}})
+    assert run.monitor.csv and run.monitor.csv_dir == "logs/bert"
+
+
+def test_monitoring_blocks_translate():
+    ds = {**BASE, "wall_clock_breakdown": True,
+          "tensorboard": {"enabled": True, "output_path": "out/ds_logs", "job_name": "train_bert"},
+          "wandb": {"enabled": True, "team": "my_team", "group": "my_group"},
+          "flops_profiler": {"enabled": True, "profile_step": 3, "module_depth": 2, "top_modules": 4,
+                             "detailed": False, "output_file": "flops.txt", "recompute_fwd_factor": 1.0}}
+    run = run_from(ds)
+    m = run.monitor
+    assert run.wall_clock_breakdown and m.tensorboard and m.tensorboard_dir == "out/ds_logs/train_bert"
+    assert m.wandb and (m.wandb_team, m.wandb_group, m.wandb_project) == ("my_team", "my_group", "deepspeed")
+    assert m.wandb_mode == "offline" and "W&B offline" in translate_deepspeed_config(ds).summary()
+    f = run.flops_profiler
+    assert (f.enabled, f.profile_step, f.module_depth, f.top_modules, f.detailed, f.output_file,
+            f.recompute_fwd_factor) == (True, 3, 2, 4, False, "flops.txt", 1.0)
+    # job_name alone: a sub-directory of where fspeed writes by default (the run directory)
+    tb = translate_deepspeed_config({"tensorboard": {"enabled": True, "job_name": "j"}}).overrides
+    assert "monitor.tensorboard_dir='${hydra:runtime.output_dir}/tensorboard/j'" in tb
+    assert not run_from({**BASE, "tensorboard": {"enabled": False}}).monitor.tensorboard
+
+
+@pytest.mark.parametrize("ds, needle", [
+    ({"wandb": {"enabled": True, "entity": "x"}}, "wandb.entity"),
+    ({"tensorboard": {"enabled": True, "output_path": 3}}, "tensorboard.output_path/job_name"),
+    ({"flops_profiler": {"enabled": True, "profile_stepz": 3}}, "did you mean"),
+])
+def test_monitoring_blocks_refuse_unknown_keys(ds, needle):
+    assert needle in problems_of(ds)
 
 
 def test_summary_accounts_for_every_key():
     ds = {"train_batch_size": 16, "optimizer": {"type": "Adam"}, "wall_clock_breakdown": False}
     text = translate_deepspeed_config(ds).summary()
     for needle in ("optimizer.type -> optimizer=adamw", "train_batch_size -> train.train_batch_size=16",
-                   "wall_clock_breakdown = false", "notes:"):
+                   "wall_clock_breakdown -> wall_clock_breakdown=false", "notes:"):
         assert needle in text
 
 

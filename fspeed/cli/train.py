@@ -47,11 +47,14 @@ from ..activation_budget import remat_within_budget
 from ..host_memory import retain_freed_host_memory
 from ..loss_scale import LossScaleAtMinimumError
 from ..models import GPT_RULES, Model, count_params, gpt
-from ..monitor import CSVMonitor
+from ..monitor import comm_scalars
 from ..parallel import CommLog, Mesh, Plan, estimate_memory, init_distributed, shutdown_distributed, tensor_slicing, zero
 from ..parallel.memory import state_bytes_per_parameter
 from ..train_init import init_train_state
+from ..timers import METRIC_KEYS, breakdown_line, breakdown_summary
 from ..train_step import NonFiniteError, make_eval_step, make_train_step, split_micro_batches
+from .observe import (FlopsWatch, check_monitor_packages, finish_lr_range_test, metrics_csv_path, open_monitors,
+                      step_timers)
 from .run_data import prepare_data
 from .stop_requests import StopRequests, TrainingStopped
 from .user_errors import DEBUG_ENV, USER_ERRORS, debug_requested, exit_with_user_error, raised_on_every_rank
@@ -134,6 +137,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     """
     t = run.train
     triad = run.batch
+    check_monitor_packages(run)
     torch.manual_seed(t.seed)
     t0 = time.perf_counter()
     ckpt_dir = Path(run.checkpoint.dir)
@@ -183,8 +187,9 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     log.info("%s", estimate_memory(params, plan or Plan(), mesh.sizes if mesh else {"data": 1}, precision,
                                    optimizer_state_bytes=state_bytes_per_parameter(optimizer),
                                    logical_axes=model.logical_axes, activations=activations))
+    timers = step_timers(run)
     train_step = make_train_step(model.loss, optimizer, grad_accum=triad.grad_accum, plan=plan, mesh=mesh,
-                                 on_nonfinite=on_nonfinite_policy(run))
+                                 on_nonfinite=on_nonfinite_policy(run), timers=timers)
     eval_step = make_eval_step(model.loss, plan=plan, mesh=mesh)
 
     def save(s):  # with a mesh, a collective: every rank writes its own shard
@@ -195,7 +200,10 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
         return sum(eval_step(s, b) for b in val_batches) / len(val_batches) if val_batches else None
 
     client_state = job.client_state
-    monitor = CSVMonitor(out_dir / "metrics.csv") if run.monitor.csv and lead else None
+    flops_watch = FlopsWatch(run, model, mesh, lead, triad.grad_accum)
+    monitor = open_monitors(run, out_dir) if lead else None
+    breakdowns: list[dict[str, float]] = []
+    lr_curve: list[tuple[float, float]] = []  # scheduler=lr_range_test: (lr, loss) of each applied step
     val_start = evaluate(state)
     if val_start is not None:
         log.info("step %d: val_loss %.4f", state.step, val_start)
@@ -212,7 +220,9 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     with stops:
         try:
             while state.step < t.steps:
-                state, metrics = train_step(state, loader.batch(state.step))
+                batch = loader.batch(state.step)
+                flops_watch.before_step(state, batch)
+                state, metrics = train_step(state, batch)
                 window_steps += 1
                 elapsed = time.perf_counter() - window_start
                 samples_per_s = window_steps * samples_per_step / elapsed
@@ -221,6 +231,12 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
                            elapsed_s=time.perf_counter() - train_start)
                 if job.tokens_per_row:
                     row["tokens_per_s"] = samples_per_s * job.tokens_per_row
+                if run.scheduler.name == "lr_range_test" and not metrics["skipped"]:
+                    lr_curve.append((metrics["lr"], metrics["loss"]))
+                if timers is not None:
+                    breakdowns.append({k: metrics[k] for k in METRIC_KEYS})
+                    row.update(breakdowns[-1])
+                    flops_watch.after_step(state, metrics, row)
                 last = state.step == t.steps
                 if val_batches and ((t.eval_every and state.step % t.eval_every == 0) or last):
                     val_loss = evaluate(state)
@@ -252,6 +268,8 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
             if bar is not None:
                 bar.close()
             if monitor:
+                if mesh is not None:
+                    monitor.write_scalars(comm_scalars(mesh.log), state.step)
                 monitor.close()
     path = save(state)
     train_time = time.perf_counter() - train_start
@@ -259,12 +277,16 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     summary = {
         "val_loss_start": val_start, "val_loss_end": val_loss, "val_loss_drop": drop,
         "steps": state.step, "skipped_steps": state.skipped_steps, "train_seconds": train_time,
-        "checkpoint": str(path), "metrics_csv": str(out_dir / "metrics.csv") if run.monitor.csv else None,
+        "checkpoint": str(path), "metrics_csv": str(metrics_csv_path(run, out_dir) or "") or None,
     }
     if not lead:
         return summary
     if mesh is not None and run.comms_logger.enabled:
         print("\ncommunication (rank 0):\n" + mesh.log.summary())
+    if breakdowns:
+        print("\n" + breakdown_summary(breakdowns))
+    if lr_curve:
+        summary["lr_range_test_lr"] = finish_lr_range_test(lr_curve, out_dir)
     if val_start is not None:
         print(f"\nval loss {val_start:.4f} -> {val_loss:.4f} ({drop:.0%} lower) after {state.step} steps "
               f"({state.skipped_steps} skipped) in {train_time:.0f}s")
@@ -327,7 +349,9 @@ def _save_last_good_step(error: BaseException, state, save: Callable, mesh, ckpt
 
 
 def _progress_bar(run: RunConfig, start: int):
-    if not run.monitor.progress_bar:
+    """A one-line bar on a terminal; None (plain log lines every log_every / steps_per_print steps)
+    when stderr is not a terminal (CI, a log file), where the bar's redraws would pile up."""
+    if not run.monitor.progress_bar or not sys.stderr.isatty():
         return None
     return tqdm(total=run.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                 mininterval=0.5, file=sys.stderr)
@@ -351,6 +375,10 @@ def _log_line(row: dict[str, Any], bar) -> None:
         parts.append("SKIPPED (overflow)")
     if "val_loss" in row:
         parts.append(f"val_loss {row['val_loss']:.4f}")
+    if "tflops" in row:
+        parts.append(f"{row['tflops']:.3g} TFLOPS (MFU {row['mfu']:.1%})")
+    if "fwd_ms" in row:
+        parts.append(breakdown_line(row))
     line = " | ".join(parts)
     if bar is not None:
         bar.write(line, file=sys.stderr)

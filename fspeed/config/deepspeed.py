@@ -3,7 +3,8 @@
 Translated: the batch triad, ``fp16`` / ``bf16`` (alias ``bfloat16``) and
 ``data_types.grad_accum_dtype``, ``optimizer`` (Adam, AdamW, Lamb, SGD, the 1-bit family),
 ``scheduler`` (LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR),
-``gradient_clipping``, ``steps_per_print``, ``csv_monitor.enabled``, ``comms_logger.enabled`` /
+``gradient_clipping``, ``steps_per_print``, the monitors (``csv_monitor``, ``tensorboard``, ``wandb``),
+``wall_clock_breakdown``, ``flops_profiler``, ``comms_logger.enabled`` /
 ``verbose``, ``tensor_parallel.autotp_size``, ``sparse_attention`` and ``zero_optimization`` (stage,
 buckets, ``overlap_comm``, parameter and model persistence thresholds, prefetch on/off, and the
 ``offload_optimizer`` / ``offload_param`` blocks with device cpu, also from the legacy
@@ -576,10 +577,10 @@ def _comms_logger(ds: Mapping[str, Any], w: _Ledger) -> None:
 
 
 def _activation_checkpointing(ds: Mapping[str, Any], w: _Ledger) -> None:
-    """`activation_checkpointing` -> fspeed's (fspeed.activation_checkpointing). In DeepSpeed the block configures the
-    checkpointing a model's code turns on; a block asking for CPU checkpointing turns fspeed's on
-    (policy full, every block) for the model fspeed trains. number_checkpoints sizes DeepSpeed's
-    contiguous buffers only, so it has no effect without contiguous_memory_optimization."""
+    """`activation_checkpointing` -> fspeed's (fspeed.activation_checkpointing). In DeepSpeed the
+    block configures the checkpointing a model's code turns on; a block that turns a setting on
+    turns fspeed's checkpointing on (policy full, every block) for the model fspeed trains.
+    number_checkpoints sizes DeepSpeed's contiguous buffers; fspeed's buffer sizes itself."""
     block = w.block("activation_checkpointing", ds["activation_checkpointing"])
     if block is None:
         return
@@ -603,16 +604,60 @@ def _activation_checkpointing(ds: Mapping[str, Any], w: _Ledger) -> None:
         w.emit("activation_checkpointing (a setting on)", "activation_checkpointing.policy", "full")
 
 
-def _csv_monitor(ds: Mapping[str, Any], w: _Ledger) -> None:
-    block = w.block("csv_monitor", ds["csv_monitor"])
+def _known_block(ds: Mapping[str, Any], name: str, keys: Mapping[str, Any], w: _Ledger) -> Mapping[str, Any] | None:
+    """ds[name] if it is a mapping (its unknown keys reported), else None."""
+    block = w.block(name, ds[name])
+    for key, value in (block or {}).items():
+        if key not in keys:
+            w.unknown(f"{name}.{key}", value, keys)
+    return block
+
+
+def _event_monitor(ds: Mapping[str, Any], name: str, w: _Ledger) -> None:
+    """`csv_monitor` / `tensorboard`: enabled -> the monitor's switch; output_path/job_name -> its
+    directory `<output_path>/<job_name>` (DeepSpeed's layout). With output_path empty fspeed writes
+    in the run directory (or its `tensorboard/`), under job_name when job_name is not the default."""
+    keys = K.CSV_MONITOR_KEYS if name == "csv_monitor" else K.TENSORBOARD_KEYS
+    block = _known_block(ds, name, keys, w)
     if block is None:
         return
-    for key, value in block.items():
-        if key not in K.CSV_MONITOR_KEYS:
-            w.unknown(f"csv_monitor.{key}", value, K.CSV_MONITOR_KEYS)
-        elif key != "enabled":
-            _at_default(w, f"csv_monitor.{key}", value, K.CSV_MONITOR_KEYS[key], K.CSV_MONITOR_DEFAULT_REASON)
-    w.emit("csv_monitor.enabled", "monitor.csv", block.get("enabled", False))
+    switch, dir_key, default_dir = K.EVENT_DIRS[name]
+    w.emit(f"{name}.enabled", switch, block.get("enabled", False))
+    path, job = block.get("output_path", ""), block.get("job_name", keys["job_name"])
+    if not isinstance(path, str) or not isinstance(job, str) or not job:
+        w.problems.append(Problem(f"{name}.output_path/job_name", "expected a directory and a non-empty job name "
+                                  "(strings)", {"output_path": path, "job_name": job}))
+    elif path:
+        w.emit(f"{name}.output_path/job_name", dir_key, f"{path.rstrip('/')}/{job}")
+    elif _same(job, keys["job_name"]):
+        if "output_path" in block or "job_name" in block:
+            w.accept(f"{name}.output_path/job_name", {"output_path": path, "job_name": job},
+                     "DeepSpeed's defaults; fspeed writes in the run directory")
+    else:
+        w.emit(f"{name}.job_name", dir_key, f"{default_dir}/{job}")
+
+
+def _wandb(ds: Mapping[str, Any], w: _Ledger) -> None:
+    """`wandb`: enabled, group, team (W&B entity), project (DeepSpeed's default "deepspeed")."""
+    block = _known_block(ds, "wandb", K.WANDB_KEYS, w)
+    if block is None:
+        return
+    on = block.get("enabled", False)
+    w.emit("wandb.enabled", "monitor.wandb", on)
+    for key, fspeed_key in K.WANDB_TRANSLATED.items():
+        if key in block or (key == "project" and on is True):
+            w.emit(f"wandb.{key}", fspeed_key, block.get(key, K.WANDB_KEYS[key]))
+    if on is True:
+        w.notes.append("wandb: fspeed runs W&B offline (no network; `wandb sync` uploads the run later); "
+                       "monitor.wandb_mode=online logs live as DeepSpeed does")
+
+
+def _flops_profiler(ds: Mapping[str, Any], w: _Ledger) -> None:
+    """`flops_profiler` -> the flops_profiler section, key for key."""
+    block = _known_block(ds, "flops_profiler", K.FLOPS_PROFILER_KEYS, w)
+    for key, value in (block or {}).items():
+        if key in K.FLOPS_PROFILER_KEYS:
+            w.emit(f"flops_profiler.{key}", f"flops_profiler.{key}", value)
 
 
 def _sparse_attention(ds: Mapping[str, Any], w: _Ledger) -> None:
@@ -718,8 +763,14 @@ def translate_deepspeed_config(ds: Mapping[str, Any]) -> DeepSpeedTranslation:
             _tensor_parallel(ds, w)
         elif key == "comms_logger":
             _comms_logger(ds, w)
-        elif key == "csv_monitor":
-            _csv_monitor(ds, w)
+        elif key in K.EVENT_DIRS:
+            _event_monitor(ds, key, w)
+        elif key == "wandb":
+            _wandb(ds, w)
+        elif key == "flops_profiler":
+            _flops_profiler(ds, w)
+        elif key == "wall_clock_breakdown":
+            w.emit(key, key, value)
         elif key == "sparse_attention":
             _sparse_attention(ds, w)
         elif key == "activation_checkpointing":

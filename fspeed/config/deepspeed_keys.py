@@ -164,8 +164,6 @@ SCALAR_DEFAULTS: dict[str, Fixed] = {  # top-level keys accepted only at DeepSpe
                                                  "as in fspeed", "fspeed always counts micro-steps itself"),
     "dump_state": Fixed(False, "no dump of the engine state at start-up", "not supported; fspeed-train --cfg job "
                                                                          "prints the resolved config"),
-    "wall_clock_breakdown": Fixed(False, "no per-phase (fwd/bwd/step) timer lines; fspeed prints none either",
-                                  "per-phase timers are not implemented"),
     "memory_breakdown": Fixed(False, "no allocator statistics around phases; fspeed prints none either",
                               "allocator statistics per phase are not implemented"),
     "prescale_gradients": Fixed(False, "gradients are averaged over data ranks, as in fspeed (it divides the loss "
@@ -194,7 +192,7 @@ SCALAR_DEFAULTS: dict[str, Fixed] = {  # top-level keys accepted only at DeepSpe
 
 ENABLED_BLOCKS = (  # accepted when absent, empty or {"enabled": false, ...}
     "amp", "torch_autocast", "curriculum_learning", "data_efficiency", "progressive_layer_drop",
-    "flops_profiler", "tensorboard", "wandb", "comet", "autotuning", "eigenvalue",
+    "comet", "autotuning", "eigenvalue",
     "elasticity", "quantize_training", "hybrid_engine", "compile", "nebula", "datastates", "expert_parallel",
 )
 ENABLED_BLOCK_REASON = "disabled: DeepSpeed does not use the feature either"
@@ -222,7 +220,15 @@ ACTIVATION_CHECKPOINTING_TRANSLATED = ("partition_activations", "cpu_checkpointi
                                       "profile")  # -> activation_checkpointing.<key>
 
 CSV_MONITOR_KEYS = {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"}
-CSV_MONITOR_DEFAULT_REASON = "DeepSpeed's default; fspeed writes metrics.csv in the run directory"
+TENSORBOARD_KEYS = {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"}
+EVENT_DIRS = {  # monitor block -> (fspeed switch, fspeed directory key, where fspeed writes by default)
+    "csv_monitor": ("monitor.csv", "monitor.csv_dir", "${hydra:runtime.output_dir}"),
+    "tensorboard": ("monitor.tensorboard", "monitor.tensorboard_dir", "${hydra:runtime.output_dir}/tensorboard"),
+}
+WANDB_KEYS = {"enabled": False, "group": None, "team": None, "project": "deepspeed"}
+WANDB_TRANSLATED = {"group": "monitor.wandb_group", "team": "monitor.wandb_team", "project": "monitor.wandb_project"}
+FLOPS_PROFILER_KEYS = {"enabled": False, "recompute_fwd_factor": 0.0, "profile_step": 1, "module_depth": -1,
+                       "top_modules": 1, "detailed": True, "output_file": None}  # -> flops_profiler.<key>
 
 COMMS_LOGGER_KEYS: dict[str, Any] = {"enabled": False, "verbose": False, "prof_all": True, "debug": False,
                                      "prof_ops": []}
@@ -398,6 +404,7 @@ TRANSLATED_TOP_LEVEL = (
     *TRIAD, "gradient_clipping", "steps_per_print", "fp16", "bf16", "bfloat16", "data_types", "optimizer",
     "scheduler", "zero_optimization", "csv_monitor", "comms_logger", "tensor_parallel", "sparse_attention",
     "activation_checkpointing",
+    "tensorboard", "wandb", "flops_profiler", "wall_clock_breakdown",
 )
 ALL_TOP_LEVEL = tuple(sorted({*TRANSLATED_TOP_LEVEL, *NO_EFFECT, "zero_allow_untested_optimizer", *SCALAR_DEFAULTS,
                               *ENABLED_BLOCKS, *BLOCK_DEFAULTS}))

@@ -368,10 +368,38 @@ class CheckpointConfig(ValidatedConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class MonitorConfig(ValidatedConfig):
-    """Metric sinks: a CSV file under the run directory and a progress bar."""
+    """Metric sinks: a CSV file, TensorBoard event files, a W&B run (rank 0 writes), and a progress
+    bar. Directories default to the run directory (TensorBoard's: its `tensorboard/`); the wandb_*
+    keys are DeepSpeed's `wandb` block (team = W&B entity), offline unless wandb_mode=online."""
 
     csv: bool = True
     progress_bar: bool = True
+    tensorboard: bool = False
+    wandb: bool = False
+    csv_dir: Optional[str] = setting(None, NON_EMPTY)
+    tensorboard_dir: Optional[str] = setting(None, NON_EMPTY)
+    wandb_dir: Optional[str] = setting(None, NON_EMPTY)
+    wandb_project: str = setting("fspeed", NON_EMPTY)
+    wandb_team: Optional[str] = None
+    wandb_group: Optional[str] = None
+    wandb_name: Optional[str] = None
+    wandb_mode: Literal["offline", "online"] = "offline"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlopsProfilerConfig(ValidatedConfig):
+    """DeepSpeed's `flops_profiler` block: at `profile_step`, per-module params, MACs, flops and
+    forward latency (`fspeed.profile`); `peak_tflops` (fspeed's) is the per-rank peak that MFU is
+    measured against (None: measured with a matmul at start-up)."""
+
+    enabled: bool = False
+    profile_step: int = setting(1, POSITIVE)
+    module_depth: int = setting(-1, Check(lambda v: v == -1 or v >= 0, ">= 0, or -1 for all depths"))
+    top_modules: int = setting(1, POSITIVE)
+    detailed: bool = True
+    output_file: Optional[str] = setting(None, NON_EMPTY)
+    recompute_fwd_factor: float = setting(0.0, NON_NEGATIVE)
+    peak_tflops: Optional[float] = setting(None, POSITIVE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -556,6 +584,7 @@ SECTIONS: dict[str, type] = {
     "comms_logger": CommsLoggerConfig,
     "sparse_attention": SparseAttentionSection,
     "activation_checkpointing": ActivationCheckpointingConfig,
+    "flops_profiler": FlopsProfilerConfig,
 }
 """Sections with one fixed class (model and data are Hydra groups, but every packaged option is a
 ModelConfig / DataConfig; their option `custom` is a user's callable, a `TargetConfig`)."""
@@ -587,6 +616,8 @@ class RunConfig(ValidatedConfig):
     sparse_attention: SparseAttentionSection
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     deepspeed_config: Optional[str] = None
+    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
+    wall_clock_breakdown: bool = False  # DeepSpeed's: per-step fwd/bwd/step times (fspeed.timers)
     dp_world_size: int = setting(1, POSITIVE)
     batch: BatchTriad = field(init=False)
 

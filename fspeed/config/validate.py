@@ -115,9 +115,13 @@ def run_config_from_mapping(data: Mapping[str, Any], *, dp_world_size: int = 1) 
             sections[section] = from_mapping(cls, node)
         except ConfigError as err:
             problems += err.under(section).problems
+    breakdown = data.get("wall_clock_breakdown", False)
+    if not isinstance(breakdown, bool):
+        problems.append(Problem("wall_clock_breakdown", "expected boolean", breakdown, "true, false"))
     if problems:
         raise ConfigError(problems)
-    return RunConfig(**sections, deepspeed_config=data.get("deepspeed_config"), dp_world_size=dp_world_size)
+    return RunConfig(**sections, deepspeed_config=data.get("deepspeed_config"), dp_world_size=dp_world_size,
+                     wall_clock_breakdown=breakdown)
 
 
 def to_run_config(cfg: DictConfig | Mapping[str, Any], *, dp_world_size: int = 1) -> RunConfig:
@@ -213,6 +217,8 @@ def _check_value_override(override: Override, choices: Mapping[str, list[str] | 
         if len(path) > 1:
             return [Problem(key, "deepspeed_config is a path, not a mapping", value)]
         return []
+    if top == "wall_clock_breakdown":  # a top-level switch, as in DeepSpeed
+        return [Problem(key, "wall_clock_breakdown is true or false, not a mapping", value)] if len(path) > 1 else []
     if len(path) == 1:  # a whole section, e.g. train={steps: 5}
         options = choices.get(top) or [None]
         fields = {f.name for cls in (option_schema(top, o) for o in options) if cls for f in config_fields(cls)}

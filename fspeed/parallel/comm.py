@@ -91,6 +91,7 @@ class CommLog:
     verbose: bool = False
     records: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
     bytes_by_op: dict = field(default_factory=lambda: defaultdict(int))
+    blocked_by_op: dict = field(default_factory=lambda: defaultdict(float))  # seconds callers waited, always kept
     world_by_op: dict = field(default_factory=dict)
     events: list = field(default_factory=list)
 
@@ -98,6 +99,7 @@ class CommLog:
                issued: Optional[float] = None, blocked: Optional[float] = None) -> None:
         """One finished collective: `seconds` from issue to done; `blocked` (default: all of it)."""
         self.bytes_by_op[op] += nbytes
+        self.blocked_by_op[op] += seconds if blocked is None else blocked
         if not self.enabled:
             return
         self.records[op][nbytes].append(seconds)
@@ -113,6 +115,7 @@ class CommLog:
     def reset(self) -> None:
         self.records.clear()
         self.bytes_by_op.clear()
+        self.blocked_by_op.clear()
         self.events.clear()
 
     def total_bytes(self) -> int:

@@ -1,7 +1,8 @@
-"""Metric monitors: a CSV file of per-step metrics (more backends arrive with the monitoring issue).
+"""The CSV monitor: one row of metrics per step in one file (`metrics.csv`).
 
-A monitor has `write(row: dict)` and `close()`. Rows are keyed by column name; missing columns
-are left blank, unknown ones are an error (a typo in a metric name should not vanish).
+Rows are keyed by column name; missing columns are left blank, unknown ones are an error (a typo
+in a metric name should not vanish). DeepSpeed's csv_monitor writes one file per tag instead;
+one file with a column per metric is what `fspeed-plot` and a spreadsheet read.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ TRAIN_COLUMNS = (
     "step", "samples", "loss", "val_loss", "lr", "grad_norm", "loss_scale", "skipped",
     "tokens_per_s", "samples_per_s", "elapsed_s",
 )
+"""The columns of every run; the wall-clock breakdown and the flops profiler add theirs."""
 
 
 class CSVMonitor:
