@@ -104,6 +104,7 @@ POLICIES = {"full": remat_policies.full, "save_matmuls": remat_policies.save_mat
 
 
 PHASES = ("forward", "recompute", "backward")
+METRIC_KEYS = tuple(f"remat_{phase}_ms" for phase in PHASES)  # a step's totals over its checkpointed blocks
 
 
 class RematProfile:
@@ -123,7 +124,21 @@ class RematProfile:
         self.seconds = {}
         return out
 
-    def table(self, sums: dict[str, dict[str, float]]) -> str:
+    @staticmethod
+    def totals(sums: dict[str, dict[str, float]]) -> dict[str, float]:
+        """`sums` (from `take`) summed over the blocks, as metrics (`METRIC_KEYS`)."""
+        return {f"remat_{p}_ms": sum(row[p] for row in sums.values()) for p in PHASES}
+
+    @staticmethod
+    def merge(into: dict[str, dict[str, float]], sums: dict[str, dict[str, float]]) -> None:
+        """Add `sums` (from `take`) into `into`, block by block."""
+        for block, row in sums.items():
+            mine = into.setdefault(block, dict.fromkeys(PHASES, 0.0))
+            for p in PHASES:
+                mine[p] += row[p]
+
+    @staticmethod
+    def table(sums: dict[str, dict[str, float]]) -> str:
         """`sums` (from `take`) as a table, one row per block and a total."""
         lines = [f"{'block':<24} {'forward ms':>11} {'recompute ms':>13} {'backward ms':>12}"]
         for block, row in sums.items():

@@ -157,6 +157,9 @@ def test_fspeed_train_with_activation_checkpointing_trains_the_same_run(tmp_path
         logs = proc.stdout + proc.stderr
         if policy == "full":
             assert "activation checkpointing, ms per step" in logs and "blocks.1" in logs
+            with open(run_dir / "metrics.csv") as f:
+                rows = list(csv.DictReader(f))[1:]
+            assert all(float(r["remat_recompute_ms"]) > 0 and float(r["remat_backward_ms"]) > 0 for r in rows)
         else:
             assert "none               1" in logs and "<- chosen" in logs and "activations" in logs
     assert losses["full"] == losses["none"] and len(losses["none"]) == 5
@@ -169,6 +172,10 @@ def test_fspeed_train_with_activation_checkpointing_trains_the_same_run(tmp_path
 
 def remat_llama():
     return fs.remat(fs.functionalize(hf_llama(layers=2), lm_loss), "save_matmuls")
+
+
+def remat_llama_host_inputs():
+    return fs.remat(fs.functionalize(hf_llama(layers=2), lm_loss), "full", offload=True)  # cpu_checkpointing
 
 
 def remat_gpt2():
@@ -187,13 +194,15 @@ def llama_batch(rows, seed):
     return batch
 
 
-@pytest.mark.parametrize("build, stage, tensor", [(remat_llama, 3, 1), (remat_gpt2, 3, 1),
-                                                  (remat_llama, 1, 2)])
-def test_remat_under_zero_and_tensor_slicing_matches_one_process(world2, build, stage, tensor):
-    """The recompute runs inside ZeRO-3's second gather, and on tensor-sliced layers."""
+@pytest.mark.parametrize("build, stage, tensor, offload", [
+    (remat_llama, 3, 1, None), (remat_gpt2, 3, 1, None), (remat_llama, 1, 2, None),
+    (remat_llama_host_inputs, 2, 1, "cpu")])
+def test_remat_under_zero_and_tensor_slicing_matches_one_process(world2, build, stage, tensor, offload):
+    """The recompute runs inside ZeRO-3's second gather, on tensor-sliced layers, beside ZeRO-Offload."""
     from fspeed.testing import assert_trains_like_one_process
 
-    plan = fs.zero(stage) | (fs.tensor_slicing(fs.models.module_tp_rules) if tensor > 1 else fs.Plan(()))
+    zero = fs.zero(stage, offload_optimizer=offload) if offload else fs.zero(stage)
+    plan = zero | (fs.tensor_slicing(fs.models.module_tp_rules) if tensor > 1 else fs.Plan(()))
     assert_trains_like_one_process(build, plan, make_batch=llama_batch, world_size=2, tensor=tensor, steps=2,
                                    grad_accum=2, tp_plan="auto" if tensor > 1 else None, world=world2,
                                    optimizer=sgd)

@@ -44,6 +44,7 @@ from ..config.schema import Bf16Config, RunConfig
 from ..config.targets import TargetConfig
 from ..engine import fs_rules
 from ..activation_budget import remat_within_budget
+from ..activation_checkpointing import RematProfile
 from ..host_memory import retain_freed_host_memory
 from ..loss_scale import LossScaleAtMinimumError
 from ..models import GPT_RULES, Model, count_params, gpt
@@ -203,6 +204,8 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     flops_watch = FlopsWatch(run, model, mesh, lead, triad.grad_accum)
     monitor = open_monitors(run, out_dir) if lead else None
     breakdowns: list[dict[str, float]] = []
+    remat_sums: dict[str, dict[str, float]] = {}  # activation_checkpointing.profile: ms per block, this run
+    first_step = state.step
     lr_curve: list[tuple[float, float]] = []  # scheduler=lr_range_test: (lr, loss) of each applied step
     val_start = evaluate(state)
     if val_start is not None:
@@ -233,6 +236,10 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
                     row["tokens_per_s"] = samples_per_s * job.tokens_per_row
                 if run.scheduler.name == "lr_range_test" and not metrics["skipped"]:
                     lr_curve.append((metrics["lr"], metrics["loss"]))
+                if remat_profile is not None:
+                    sums = remat_profile.take()
+                    remat_profile.merge(remat_sums, sums)
+                    row.update(remat_profile.totals(sums))
                 if timers is not None:
                     breakdowns.append({k: metrics[k] for k in METRIC_KEYS})
                     row.update(breakdowns[-1])
@@ -252,8 +259,6 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
                     bar.update(1)
                 if lead and (state.step % print_every == 0 or last or "val_loss" in row):
                     _log_line(row, bar)
-                    if remat_profile is not None:
-                        _log_remat_profile(remat_profile, window_steps, bar)
                     window_start, window_steps = time.perf_counter(), 0
                 if run.checkpoint.save_every and state.step % run.checkpoint.save_every == 0 and not last:
                     save(state)
@@ -285,6 +290,10 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
         print("\ncommunication (rank 0):\n" + mesh.log.summary())
     if breakdowns:
         print("\n" + breakdown_summary(breakdowns))
+    if remat_sums:
+        per_step = {block: {p: ms / max(state.step - first_step, 1) for p, ms in row.items()}
+                    for block, row in remat_sums.items()}
+        print("\nactivation checkpointing, ms per step:\n" + RematProfile.table(per_step))
     if lr_curve:
         summary["lr_range_test_lr"] = finish_lr_range_test(lr_curve, out_dir)
     if val_start is not None:
@@ -355,14 +364,6 @@ def _progress_bar(run: RunConfig, start: int):
         return None
     return tqdm(total=run.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                 mininterval=0.5, file=sys.stderr)
-
-
-def _log_remat_profile(profile, steps: int, bar) -> None:
-    """activation_checkpointing.profile: the checkpointed blocks' times per step since the last line."""
-    sums = profile.take()
-    per_step = {block: {phase: ms / max(steps, 1) for phase, ms in row.items()} for block, row in sums.items()}
-    text = "activation checkpointing, ms per step:\n" + profile.table(per_step)
-    (bar.write if bar is not None else log.info)(text)
 
 
 def _log_line(row: dict[str, Any], bar) -> None:

@@ -28,6 +28,9 @@ TAGS = {
     "bwd_allreduce_ms": "Train/elapsed_time_ms_backward_allreduce",
     "step_ms": "Train/elapsed_time_ms_step",
     "allgather_ms": "Train/elapsed_time_ms_allgather",
+    "remat_forward_ms": "Train/activation_checkpointing/forward_ms",
+    "remat_recompute_ms": "Train/activation_checkpointing/recompute_ms",
+    "remat_backward_ms": "Train/activation_checkpointing/backward_ms",
 }
 """Metric column -> tag; columns not here (step, elapsed_s) are not logged as scalars."""
 
