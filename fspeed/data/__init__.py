@@ -21,6 +21,7 @@ from fspeed.data.loader import (
     eval_starts,
     split_train_val,
 )
+from fspeed.data.epochs import EpochLoader, EpochSampler, data_coordinates, loader
 from fspeed.data.tokenizer import (
     TOKENIZER_KINDS,
     ByteTokenizer,
@@ -39,6 +40,8 @@ __all__ = [
     "CorpusError",
     "BatchSampler",
     "DatasetRows",
+    "EpochLoader",
+    "EpochSampler",
     "ByteTokenizer",
     "CharTokenizer",
     "Loader",
@@ -46,8 +49,10 @@ __all__ = [
     "Tokenizer",
     "UnknownCharacterError",
     "corpus_file_bytes",
+    "data_coordinates",
     "decode_corpus",
     "eval_starts",
+    "loader",
     "make_tokenizer",
     "split_train_val",
     "stdlib_corpus",
