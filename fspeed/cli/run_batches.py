@@ -63,6 +63,12 @@ class RunBatches:
                                        "subtracts d % difficulty_step)", schedule.min_difficulty,
                                        f">= {schedule.difficulty_step}")])
 
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """The metrics `batch` adds to each step's row."""
+        return (("curriculum_seqlen",) if self.curriculum is not None else ()) + \
+            (("pld_theta",) if self.pld is not None else ())
+
     def summary(self) -> str:
         parts = []
         if isinstance(self.loader, data.EpochLoader):

@@ -43,11 +43,12 @@ from ..config.targets import TargetConfig
 from ..engine import fs_rules
 from ..loss_scale import LossScaleAtMinimumError
 from ..models import GPT_RULES, Model, count_params, gpt
-from ..monitor import CSVMonitor
+from ..monitor import TRAIN_COLUMNS, CSVMonitor
 from ..parallel import CommLog, Mesh, Plan, estimate_memory, init_distributed, shutdown_distributed, tensor_slicing, zero
 from ..parallel.memory import state_bytes_per_parameter
 from ..train_init import init_train_state
 from ..train_step import NonFiniteError, make_eval_step, make_train_step
+from .run_batches import LOADER_KEY, RunBatches
 from .run_data import prepare_data
 from .stop_requests import StopRequests, TrainingStopped
 from .user_errors import DEBUG_ENV, USER_ERRORS, debug_requested, exit_with_user_error, raised_on_every_rank
@@ -141,8 +142,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     if not lead:
         log.setLevel(logging.WARNING)
     dp, data_rank = (mesh.size("data"), mesh.coordinate("data")) if mesh else (1, 0)
-    loader = data.Loader(job.train_rows, data.BatchSampler(len(job.train_rows), triad.train_batch_size, t.seed,
-                                                           rank=data_rank, world_size=dp))
+    batches = RunBatches(run, job.train_rows, data_rank, dp, mesh)
     val_batches = [] if job.val_rows is None else data.Loader(
         job.val_rows, data.BatchSampler(len(job.val_rows), triad.micro_batch_size * dp, t.seed, rank=data_rank,
                                         world_size=dp)).eval_batches(t.eval_batches)
@@ -156,11 +156,13 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     except CheckpointError as e:
         raise ConfigError([Problem("checkpoint.dir", str(e))]) from None
     if resume_tag is not None:
-        state, _ = checkpoint.load_checkpoint(ckpt_dir, state, tag=resume_tag, mesh=mesh)
+        state, saved_client_state = checkpoint.load_checkpoint(ckpt_dir, state, tag=resume_tag, mesh=mesh)
+        batches.resume(saved_client_state, state.step)
         log.info("resumed from %s at step %d", ckpt_dir / resume_tag, state.step)
     log.info(
         "%s: %s parameters, %s, batch %s, optimizer %s, precision %s, %s; data ready in %.1fs",
-        model.name, f"{count_params(params):,}", job.summary, triad.derivation, optimizer, precision.name,
+        model.name, f"{count_params(params):,}", ", ".join(filter(None, (job.summary, batches.summary()))),
+        triad.derivation, optimizer, precision.name,
         f"{plan!r} on {mesh!r}" if plan else "one process", time.perf_counter() - t0,
     )
 
@@ -172,14 +174,17 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     eval_step = make_eval_step(model.loss, plan=plan, mesh=mesh)
 
     def save(s):  # with a mesh, a collective: every rank writes its own shard
-        return checkpoint.save_checkpoint(ckpt_dir, s, client_state=client_state, mesh=mesh,
+        loader_state = batches.state_dict()
+        client = client_state if loader_state is None else {**client_state, LOADER_KEY: loader_state}
+        return checkpoint.save_checkpoint(ckpt_dir, s, client_state=client, mesh=mesh,
                                           keep_last=run.checkpoint.keep_last)
 
     def evaluate(s) -> Optional[float]:
         return sum(eval_step(s, b) for b in val_batches) / len(val_batches) if val_batches else None
 
     client_state = job.client_state
-    monitor = CSVMonitor(out_dir / "metrics.csv") if run.monitor.csv and lead else None
+    monitor = CSVMonitor(out_dir / "metrics.csv", TRAIN_COLUMNS + batches.metric_names) \
+        if run.monitor.csv and lead else None
     val_start = evaluate(state)
     if val_start is not None:
         log.info("step %d: val_loss %.4f", state.step, val_start)
@@ -188,24 +193,25 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
 
     print_every = t.steps_per_print or t.log_every
     samples_per_step = triad.train_batch_size
-    bar = _progress_bar(run, state.step) if lead else None
+    bar = _progress_bar(run, state.step, batches.steps) if lead else None
     val_loss, metrics = val_start, {}
     window_start, window_steps = time.perf_counter(), 0
     train_start = time.perf_counter()
     stops = StopRequests() if run.checkpoint.save_on_failure else nullcontext()
     with stops:
         try:
-            while state.step < t.steps:
-                state, metrics = train_step(state, loader.batch(state.step))
+            while state.step < batches.steps:
+                batch, batch_metrics = batches.batch(state.step)
+                state, metrics = train_step(state, batch)
                 window_steps += 1
                 elapsed = time.perf_counter() - window_start
                 samples_per_s = window_steps * samples_per_step / elapsed
                 row = {k: metrics[k] for k in ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped")}
                 row.update(samples=state.samples, samples_per_s=samples_per_s,
-                           elapsed_s=time.perf_counter() - train_start)
+                           elapsed_s=time.perf_counter() - train_start, **batch_metrics)
                 if job.tokens_per_row:
-                    row["tokens_per_s"] = samples_per_s * job.tokens_per_row
-                last = state.step == t.steps
+                    row["tokens_per_s"] = samples_per_s * batch_metrics.get("curriculum_seqlen", job.tokens_per_row)
+                last = state.step == batches.steps
                 if val_batches and ((t.eval_every and state.step % t.eval_every == 0) or last):
                     val_loss = evaluate(state)
                     row["val_loss"] = val_loss
@@ -308,10 +314,10 @@ def _save_last_good_step(error: BaseException, state, save: Callable, mesh, ckpt
     log.warning("saved the last good step (%d) to %s before stopping", state.step, path)
 
 
-def _progress_bar(run: RunConfig, start: int):
+def _progress_bar(run: RunConfig, start: int, total: int):
     if not run.monitor.progress_bar:
         return None
-    return tqdm(total=run.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True,
                 mininterval=0.5, file=sys.stderr)
 
 
@@ -319,6 +325,10 @@ def _log_line(row: dict[str, Any], bar) -> None:
     parts = [f"step {row['step']}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.3e}",
              f"grad_norm {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in row
              else f"{row['samples_per_s']:,.1f} samples/s"]
+    if "curriculum_seqlen" in row:
+        parts.append(f"seqlen {row['curriculum_seqlen']}")
+    if "pld_theta" in row:
+        parts.append(f"pld_theta {row['pld_theta']:.3f}")
     if row.get("loss_scale", 1.0) != 1.0:
         parts.append(f"loss_scale {row['loss_scale']:g}")
     if row.get("skipped"):
