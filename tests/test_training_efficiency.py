@@ -131,11 +131,11 @@ def test_pld_theta_is_deepspeeds_bit_for_bit(theta, gamma, step):
 
 def test_keep_probabilities_fall_with_depth_and_draws_follow_them():
     assert keep_probabilities(0.5, 4) == [0.875, 0.75, 0.625, 0.5]
-    kept = torch.tensor([[s is not None for s in kept_blocks(LayerDrop(0.5, seed), 4, torch.Generator())]
+    kept = torch.tensor([[s is not None for s in kept_blocks(LayerDrop(0.5, seed), 4)]
                          for seed in range(4000)], dtype=torch.float64)
     torch.testing.assert_close(kept.mean(0), torch.tensor([0.875, 0.75, 0.625, 0.5], dtype=torch.float64),
                                atol=0.03, rtol=0)
-    assert kept_blocks(LayerDrop(0.5, 3), 4, None) == [1.0] * 4  # evaluation keeps every block
+    assert kept_blocks(LayerDrop(0.5, 3), 4, training=False) == [1.0] * 4  # evaluation keeps every block
     assert step_layer_drop(7, 0, 0.5, 0.01) == step_layer_drop(7, 0, 0.5, 0.01) != step_layer_drop(8, 0, 0.5, 0.01)
 
 
@@ -148,7 +148,7 @@ def _drop_with(pattern):
     """A LayerDrop whose draw keeps exactly the blocks of `pattern` (searching seeds)."""
     for seed in range(10_000):
         drop = LayerDrop(0.3, seed)
-        if [s is not None for s in kept_blocks(drop, len(pattern), torch.Generator())] == pattern:
+        if [s is not None for s in kept_blocks(drop, len(pattern))] == pattern:
             return drop
     raise AssertionError(pattern)
 
@@ -158,7 +158,7 @@ def test_a_dropped_block_is_skipped_and_kept_ones_rescaled():
     params = model.init(torch.Generator().manual_seed(0))
     x = torch.randint(0, 24, (2, 9), generator=torch.Generator().manual_seed(2))
     drop = _drop_with([True, False, True, False])
-    scales = kept_blocks(drop, 4, torch.Generator())
+    scales = kept_blocks(drop, 4)
     rng = torch.Generator()
     batch = {"inputs": x[:, :-1], "targets": x[:, 1:], "layer_drop": drop}
     grads, loss = torch.func.grad_and_value(lambda p: model.loss(p, batch, rng=rng))(params)
@@ -210,10 +210,69 @@ def _train_pld(stage, tensor, steps=3, micro=2, grad_accum=1):
 
 @pytest.mark.parametrize("stage,tensor", [(3, 1), (1, 2)])
 def test_pld_under_zero3_and_tensor_slicing_equals_one_process(world2, stage, tensor):
-    patterns = [[s is not None for s in kept_blocks(b["layer_drop"], 4, torch.Generator())] for b in _pld_batches(3, 4)]
+    patterns = [[s is not None for s in kept_blocks(b["layer_drop"], 4)] for b in _pld_batches(3, 4)]
     assert any(not all(p) for p in patterns) and any(any(p) for p in patterns)  # something is dropped, not all
     ref_params, ref_losses = _train_pld(None, 1)
     for params, losses in world2.run(_train_pld, stage, tensor):
         # atol: Adam amplifies the rounding noise of the attention key bias (zero true gradient) to ~1e-6
         torch.testing.assert_close(params, ref_params, rtol=1e-5, atol=1e-5)
         assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+class DroppingStack(torch.nn.Module):
+    """A user's module using the documented hook: its forward takes `layer_drop`."""
+
+    def __init__(self, width=8, depth=4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(24, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 24)
+
+    def forward(self, inputs, layer_drop=None):
+        x = self.embed(inputs)
+        for block, scale in zip(self.blocks, kept_blocks(layer_drop, len(self.blocks), self.training)):
+            if scale is not None:
+                x = x + scale * torch.tanh(block(x))
+        return self.head(x)
+
+
+def _ce(outputs, batch):
+    return torch.nn.functional.cross_entropy(outputs.flatten(0, 1), batch["targets"].flatten())
+
+
+def test_a_functionalized_module_drops_through_the_hook_and_others_are_refused():
+    from hf_models import hf_gpt2
+
+    from fspeed.models.layer_drop import supports_layer_drop
+
+    torch.manual_seed(0)
+    model = fs.functionalize(DroppingStack(), _ce)
+    assert supports_layer_drop(model) and supports_layer_drop(_gpt())
+    assert not supports_layer_drop(fs.functionalize(hf_gpt2(), lambda out, batch: out.loss))  # **kwargs only
+    params = model.init()
+    opt = fs.optim.sgd(0.5)
+    before = {k: v.clone() for k, v in zip(fs.tree_paths(params), fs.pytree.tree_leaves(params))}
+    state = fs.init_train_state(params, opt, seed=0, model=model)
+    step = fs.make_train_step(model.loss, opt)
+    drop = _drop_with([True, False, False, True])
+    x = torch.randint(0, 24, (4, 7))
+    state, _ = step(state, {"inputs": x[:, :-1], "targets": x[:, 1:], "layer_drop": drop})
+    after = dict(zip(fs.tree_paths(state.master_params.tree()), fs.pytree.tree_leaves(state.master_params.tree())))
+    for i, kept in enumerate([True, False, False, True]):
+        assert torch.equal(after[f"blocks.{i}.weight"], before[f"blocks.{i}.weight"]) != kept
+
+
+def test_curriculum_cuts_a_hugging_face_models_batch():
+    from hf_models import SEQ, hf_gpt2
+
+    model = fs.functionalize(hf_gpt2(), lambda out, batch: out.loss)
+    params = model.init()
+    x = torch.randint(0, 64, (2, SEQ))
+    batch = {"input_ids": x, "labels": x, "attention_mask": torch.ones(2, SEQ, dtype=torch.long)}
+    short = truncate_to_seqlen(batch, 8)
+    assert all(v.shape == (2, 8) for v in short.values())
+    reference = hf_gpt2()
+    reference.eval()
+    with torch.no_grad():
+        expected = reference(input_ids=x[:, :8], labels=x[:, :8], attention_mask=batch["attention_mask"][:, :8]).loss
+    torch.testing.assert_close(model.loss(params, short, train=False), expected, rtol=1e-5, atol=1e-6)

@@ -18,7 +18,7 @@ from ..config import ConfigError, Problem
 from ..config.schema import RunConfig
 from ..config.targets import TargetConfig
 from ..data.curriculum import difficulty_at, truncate_to_seqlen
-from ..models.layer_drop import PLD_BATCH_KEY, step_layer_drop
+from ..models.layer_drop import PLD_BATCH_KEY, step_layer_drop, supports_layer_drop
 
 LOADER_KEY = "loader"  # client_state key of the loader's position
 
@@ -26,7 +26,8 @@ LOADER_KEY = "loader"  # client_state key of the loader's position
 class RunBatches:
     """This data rank's batch for each step of a run (module docstring)."""
 
-    def __init__(self, run: RunConfig, train_rows: Any, data_rank: int, data_size: int, mesh: Any = None) -> None:
+    def __init__(self, run: RunConfig, train_rows: Any, data_rank: int, data_size: int, mesh: Any = None,
+                 model: Any = None) -> None:
         t, triad = run.train, run.batch
         self.seed = t.seed
         epochs = None if isinstance(run.data, TargetConfig) else run.data.epochs
@@ -34,6 +35,11 @@ class RunBatches:
         self.pld = run.progressive_layer_drop if run.progressive_layer_drop.enabled else None
         if self.curriculum is not None:
             self._check_curriculum(run)
+        if self.pld is not None and model is not None and not supports_layer_drop(model):
+            raise ConfigError([Problem("progressive_layer_drop.enabled", f"the model {model.name} does not read the "
+                                       f"batch's {PLD_BATCH_KEY!r}, so no block would be dropped", True,
+                                       "false, or the reference GPT, or a module whose forward takes layer_drop "
+                                       "(fspeed.models.layer_drop.kept_blocks)")])
         self.loader: Any
         if epochs is None:
             self.loader = data.Loader(train_rows, data.BatchSampler(len(train_rows), triad.train_batch_size, t.seed,

@@ -142,7 +142,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     if not lead:
         log.setLevel(logging.WARNING)
     dp, data_rank = (mesh.size("data"), mesh.coordinate("data")) if mesh else (1, 0)
-    batches = RunBatches(run, job.train_rows, data_rank, dp, mesh)
+    batches = RunBatches(run, job.train_rows, data_rank, dp, mesh, model)
     val_batches = [] if job.val_rows is None else data.Loader(
         job.val_rows, data.BatchSampler(len(job.val_rows), triad.micro_batch_size * dp, t.seed, rank=data_rank,
                                         world_size=dp)).eval_batches(t.eval_batches)

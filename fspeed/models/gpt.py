@@ -165,7 +165,7 @@ def gpt(cfg: GPTConfig) -> Model:
         x = ops.embedding(inputs, wte, vocab_axis="vocab") + ops.param(params["wpe"])[:S]
         x = _dropout(x, cfg.dropout, rng)
         block = functools.partial(_block, n_head=cfg.n_head, dropout=cfg.dropout, ops=ops, attend=attend)
-        scales = kept_blocks(layer_drop, cfg.n_layer, rng)
+        scales = kept_blocks(layer_drop, cfg.n_layer, training=rng is not None)
         if all(scale == 1.0 for scale in scales):
             x = ops.scan(block, params["blocks"], x, rng)
         else:  # progressive layer dropping: dropped blocks are not run; kept ones rescale their branches

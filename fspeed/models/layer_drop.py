@@ -22,16 +22,19 @@ The draw is made once per optimizer step, from a seed the step's batch carries w
 ratio (`LayerDrop`, under the batch key ``"layer_drop"``; fspeed-train derives the seed from the
 run's seed and the step). So every micro-batch of a step, every rank (data, tensor) and a
 resumed run drop the same blocks, and a run on N data ranks equals one process. (DeepSpeed draws
-per forward from numpy's global generator.) Evaluation (``rng=None``) keeps every block.
+per forward from numpy's global generator.) Evaluation keeps every block.
 
-The hook for any model: `kept_blocks(layer_drop, num_blocks, rng)` gives, for each block, None
-(skip it) or the scale of its residual branches; the reference GPT calls it.
+The hook for any model: `kept_blocks(layer_drop, num_blocks, training)` gives, for each block,
+None (skip it) or the scale of its residual branches. The reference GPT calls it (training is
+``rng is not None``); a `functionalize`d module whose ``forward`` takes a ``layer_drop`` keyword
+receives the batch's `LayerDrop` there and calls it with ``self.training``.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -77,11 +80,10 @@ def keep_probabilities(keep_ratio: float, num_blocks: int) -> list[float]:
     return [1.0 - (layer / num_blocks) * (1.0 - keep_ratio) for layer in range(1, num_blocks + 1)]
 
 
-def kept_blocks(layer_drop: Optional[LayerDrop], num_blocks: int,
-                rng: Optional[torch.Generator]) -> list[Optional[float]]:
+def kept_blocks(layer_drop: Optional[LayerDrop], num_blocks: int, training: bool = True) -> list[Optional[float]]:
     """For each block: None when it is dropped, else the scale ``1 / p_l`` of its residual branches.
-    Every block is kept unscaled without a `LayerDrop` or in evaluation (``rng`` None)."""
-    if layer_drop is None or rng is None or layer_drop.theta == 1.0:
+    Every block is kept unscaled without a `LayerDrop` or outside training."""
+    if layer_drop is None or not training or layer_drop.theta == 1.0:
         return [1.0] * num_blocks
     if not isinstance(layer_drop, LayerDrop):
         raise TypeError(f"the batch's {PLD_BATCH_KEY!r} must be a fspeed LayerDrop, got {type(layer_drop).__name__}")
@@ -90,5 +92,17 @@ def kept_blocks(layer_drop: Optional[LayerDrop], num_blocks: int,
     return [1.0 / p if u < p else None for u, p in zip(draws.tolist(), probs)]
 
 
+def supports_layer_drop(model: Any) -> bool:
+    """Whether ``model`` reads a batch's `LayerDrop`: the reference GPT, or a functionalized module
+    whose ``forward`` names a ``layer_drop`` parameter (a ``**kwargs`` catch-all does not count:
+    it would swallow the drop and train the full model, silently)."""
+    from .module import ModuleLoss  # noqa: PLC0415
+
+    if isinstance(model.loss, ModuleLoss):
+        return "layer_drop" in inspect.signature(model.loss.module.forward).parameters
+    return model.name == "gpt"
+
+
 __all__ = ["PLD_BATCH_KEY", "LayerDrop", "keep_probabilities", "kept_blocks", "pld_theta", "pld_theta_at",
-           "step_layer_drop"]
+           "step_layer_drop",
+           "supports_layer_drop"]
