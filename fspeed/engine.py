@@ -280,17 +280,15 @@ def _env_world() -> int:
 
 
 def _loader(dataset, collate_fn, run, mesh: Optional[Mesh]):
-    """DeepSpeed's training_data loader: micro-batches of this data rank's shard, shuffled by the
-    run's seed and epoch (`loader.sampler.set_epoch(e)`), the last partial batch dropped."""
+    """DeepSpeed's training_data loader (`deepspeed_io`) as `fs.data.loader`: micro-batches of this
+    data rank's share, shuffled by the run's seed and a new order each epoch, the last partial
+    batch dropped; each `for` loop over it is one epoch, and its `state_dict()` resumes mid-epoch."""
     if dataset is None:
         return None
-    from torch.utils.data import DataLoader, DistributedSampler  # noqa: PLC0415
+    from .data import loader  # noqa: PLC0415
 
-    data, rank = (mesh.size("data"), mesh.coordinate("data")) if mesh is not None else (1, 0)
-    sampler = DistributedSampler(dataset, num_replicas=data, rank=rank, shuffle=True, seed=run.train.seed,
-                                 drop_last=True)
-    return DataLoader(dataset, batch_size=run.batch.micro_batch_size, sampler=sampler, collate_fn=collate_fn,
-                      drop_last=True)
+    return loader(dataset, micro_batch_size=run.batch.micro_batch_size, mesh=mesh, collate=collate_fn,
+                  shuffle=True, seed=run.train.seed, drop_last=True, epoch_per_loop=True)
 
 
 __all__ = ["Engine", "initialize"]

@@ -172,3 +172,12 @@ def test_tensor_ranks_load_the_same_batches_and_data_ranks_split_them(world4):
     one = EpochSampler(10, 4, 5, drop_last=False)
     for t in range(3):
         assert by_data[0][0][t] + by_data[1][0][t] == one.global_indices(t).tolist()
+
+
+def test_epoch_per_loop_gives_one_epoch_each_for_loop_reshuffled():
+    ld = loader(Squares(10), micro_batch_size=3, seed=4, epoch_per_loop=True)
+    first, second = [b["x"] for b in ld], [b["x"] for b in ld]
+    assert len(first) == len(second) == 3
+    assert sorted(torch.cat(first).tolist()) != sorted(torch.cat(second).tolist()) or \
+        not torch.equal(torch.cat(first), torch.cat(second))
+    assert all(torch.equal(a, ld.batch(t)["x"]) for t, a in enumerate(first + second))

@@ -4,7 +4,8 @@ Translated: the batch triad, ``fp16`` / ``bf16`` (alias ``bfloat16``) and
 ``data_types.grad_accum_dtype``, ``optimizer`` (Adam, AdamW, Lamb, SGD, the 1-bit family),
 ``scheduler`` (LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR),
 ``gradient_clipping``, ``steps_per_print``, ``csv_monitor.enabled``, ``comms_logger.enabled`` /
-``verbose``, ``tensor_parallel.autotp_size``, ``sparse_attention`` and ``zero_optimization`` (stage,
+``verbose``, ``tensor_parallel.autotp_size``, ``sparse_attention``, ``curriculum_learning`` (seqlen),
+``progressive_layer_drop`` and ``zero_optimization`` (stage,
 buckets, ``overlap_comm``, parameter and model persistence thresholds, prefetch on/off, and the
 ``offload_optimizer`` / ``offload_param`` blocks with device cpu, also from the legacy
 ``cpu_offload`` booleans). Every other key is accounted for by name:
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import deepspeed_keys as K
+from .deepspeed_efficiency import translate_curriculum_learning, translate_progressive_layer_drop
 from .errors import ConfigError, Problem, allowed_names, did_you_mean, show_value
 from .overrides import format_override
 
@@ -694,6 +696,10 @@ def translate_deepspeed_config(ds: Mapping[str, Any]) -> DeepSpeedTranslation:
             _csv_monitor(ds, w)
         elif key == "sparse_attention":
             _sparse_attention(ds, w)
+        elif key == "curriculum_learning":
+            translate_curriculum_learning(ds, w)
+        elif key == "progressive_layer_drop":
+            translate_progressive_layer_drop(ds, w)
         elif key not in _HANDLED:
             _other(key, value, w)
     if w.problems:

@@ -123,14 +123,16 @@ class EpochLoader:
     """Batches of this data rank's share of every global batch, epoch after epoch; resumable.
 
     Iterating yields the batches from the current position on (``epochs`` epochs in all, endless
-    with None) and advances it, so a loop broken off and started again continues where it was.
+    with None; to the end of the current epoch with ``epoch_per_loop``, as torch's DataLoader does)
+    and advances it, so a loop broken off and started again continues where it was.
     ``state_dict()`` is the position; put it in the checkpoint's client_state and hand it to
     ``load_state_dict`` to resume exactly, mid-epoch included.
     """
 
     def __init__(self, dataset: Any, *, micro_batch_size: int, grad_accum: int = 1, mesh: Any = None,
                  collate: Optional[Callable[[list], Any]] = None, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = True, num_workers: int = 0, epochs: Optional[int] = None) -> None:
+                 drop_last: bool = True, num_workers: int = 0, epochs: Optional[int] = None,
+                 epoch_per_loop: bool = False) -> None:
         micro_batch_size = _as_int("micro_batch_size", micro_batch_size, minimum=1)
         grad_accum = _as_int("grad_accum", grad_accum, minimum=1)
         self.num_workers = _as_int("num_workers", num_workers, minimum=0)
@@ -159,6 +161,7 @@ class EpochLoader:
                                 f"got {type(dataset).__name__}")
             self.sampler = EpochSampler(len(dataset), self.global_batch_size, self.seed, shuffle=shuffle,
                                         drop_last=drop_last, rank=rank, world_size=size)
+        self.epoch_per_loop = bool(epoch_per_loop)
         self.step = 0  # batches taken so far (all epochs)
         self._epoch, self._in_epoch = 0, 0  # iterable datasets: where the stream is
 
@@ -177,7 +180,12 @@ class EpochLoader:
         return self.sampler.position(self.step)[0] if self.sampler is not None else self._epoch
 
     def _stop(self) -> Optional[int]:
-        return None if self.epochs is None else self.epochs * self.sampler.steps_per_epoch
+        spe = self.sampler.steps_per_epoch
+        end = None if self.epochs is None else self.epochs * spe
+        if self.epoch_per_loop:  # this loop ends with the current epoch
+            current = (self.step // spe + 1) * spe
+            end = current if end is None else min(end, current)
+        return end
 
     def batch(self, step: int) -> Any:
         """This rank's batch of ``step`` (map-style datasets), read in this process; the position is unchanged."""
@@ -210,7 +218,10 @@ class EpochLoader:
     def _iter_iterable(self) -> Iterator[Any]:
         collate = self.collate or default_collate
         G, b = self.global_batch_size, self.local_batch_size
-        while self.epochs is None or self._epoch < self.epochs:
+        last = None if self.epochs is None else self.epochs
+        if self.epoch_per_loop:
+            last = self._epoch + 1 if last is None else min(last, self._epoch + 1)
+        while last is None or self._epoch < last:
             stream = iter(self.dataset)
             for _ in itertools.islice(stream, self._in_epoch * G):  # resume: skip what was used
                 pass
@@ -251,10 +262,12 @@ class EpochLoader:
 
 def loader(dataset: Any, *, micro_batch_size: int, grad_accum: int = 1, mesh: Any = None,
            collate: Optional[Callable[[list], Any]] = None, shuffle: bool = True, seed: int = 0,
-           drop_last: bool = True, num_workers: int = 0, epochs: Optional[int] = None) -> EpochLoader:
+           drop_last: bool = True, num_workers: int = 0, epochs: Optional[int] = None,
+           epoch_per_loop: bool = False) -> EpochLoader:
     """An `EpochLoader` over any map-style or iterable dataset (see the module docstring)."""
     return EpochLoader(dataset, micro_batch_size=micro_batch_size, grad_accum=grad_accum, mesh=mesh, collate=collate,
-                       shuffle=shuffle, seed=seed, drop_last=drop_last, num_workers=num_workers, epochs=epochs)
+                       shuffle=shuffle, seed=seed, drop_last=drop_last, num_workers=num_workers, epochs=epochs,
+                       epoch_per_loop=epoch_per_loop)
 
 
 __all__ = ["EpochLoader", "EpochSampler", "data_coordinates", "loader"]
