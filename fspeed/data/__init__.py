@@ -21,6 +21,8 @@ from fspeed.data.loader import (
     eval_starts,
     split_train_val,
 )
+from fspeed.data.curriculum import CurriculumSchedule, difficulty_at, truncate_to_seqlen
+from fspeed.data.difficulty import CurriculumSampler, compute_metric, metric_index
 from fspeed.data.epochs import EpochLoader, EpochSampler, data_coordinates, loader
 from fspeed.data.tokenizer import (
     TOKENIZER_KINDS,
@@ -38,6 +40,8 @@ __all__ = [
     "Batch",
     "CorpusDecodeError",
     "CorpusError",
+    "CurriculumSampler",
+    "CurriculumSchedule",
     "BatchSampler",
     "DatasetRows",
     "EpochLoader",
@@ -48,12 +52,15 @@ __all__ = [
     "TokenWindows",
     "Tokenizer",
     "UnknownCharacterError",
+    "compute_metric",
     "corpus_file_bytes",
     "data_coordinates",
+    "difficulty_at",
     "decode_corpus",
     "eval_starts",
     "loader",
     "make_tokenizer",
+    "metric_index",
     "split_train_val",
     "stdlib_corpus",
     "stdlib_corpus_bytes",
@@ -61,4 +68,5 @@ __all__ = [
     "stdlib_files",
     "text_corpus",
     "tokenizer_from_dict",
+    "truncate_to_seqlen",
 ]

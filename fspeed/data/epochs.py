@@ -132,7 +132,7 @@ class EpochLoader:
     def __init__(self, dataset: Any, *, micro_batch_size: int, grad_accum: int = 1, mesh: Any = None,
                  collate: Optional[Callable[[list], Any]] = None, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = True, num_workers: int = 0, epochs: Optional[int] = None,
-                 epoch_per_loop: bool = False) -> None:
+                 epoch_per_loop: bool = False, sampler: Any = None) -> None:
         micro_batch_size = _as_int("micro_batch_size", micro_batch_size, minimum=1)
         grad_accum = _as_int("grad_accum", grad_accum, minimum=1)
         self.num_workers = _as_int("num_workers", num_workers, minimum=0)
@@ -159,8 +159,15 @@ class EpochLoader:
             if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
                 raise TypeError(f"dataset must be a map-style Dataset (__len__ and __getitem__) or an iterable one, "
                                 f"got {type(dataset).__name__}")
-            self.sampler = EpochSampler(len(dataset), self.global_batch_size, self.seed, shuffle=shuffle,
-                                        drop_last=drop_last, rank=rank, world_size=size)
+            self.sampler = sampler if sampler is not None else EpochSampler(
+                len(dataset), self.global_batch_size, self.seed, shuffle=shuffle, drop_last=drop_last, rank=rank,
+                world_size=size)
+            given = (self.sampler.num_samples, self.sampler.global_batch_size, self.sampler.rank,
+                     self.sampler.world_size)
+            if given != (len(dataset), self.global_batch_size, rank, size):
+                raise ValueError(f"the sampler covers {given[0]} samples with global batches of {given[1]} for data "
+                                 f"rank {given[2]} of {given[3]}; this loader has {len(dataset)} samples, global "
+                                 f"batches of {self.global_batch_size}, data rank {rank} of {size}")
         self.epoch_per_loop = bool(epoch_per_loop)
         self.step = 0  # batches taken so far (all epochs)
         self._epoch, self._in_epoch = 0, 0  # iterable datasets: where the stream is
@@ -263,11 +270,12 @@ class EpochLoader:
 def loader(dataset: Any, *, micro_batch_size: int, grad_accum: int = 1, mesh: Any = None,
            collate: Optional[Callable[[list], Any]] = None, shuffle: bool = True, seed: int = 0,
            drop_last: bool = True, num_workers: int = 0, epochs: Optional[int] = None,
-           epoch_per_loop: bool = False) -> EpochLoader:
-    """An `EpochLoader` over any map-style or iterable dataset (see the module docstring)."""
+           epoch_per_loop: bool = False, sampler: Any = None) -> EpochLoader:
+    """An `EpochLoader` over any map-style or iterable dataset (see the module docstring); ``sampler``
+    replaces the epoch sampler (e.g. a data-efficiency `CurriculumSampler`)."""
     return EpochLoader(dataset, micro_batch_size=micro_batch_size, grad_accum=grad_accum, mesh=mesh, collate=collate,
                        shuffle=shuffle, seed=seed, drop_last=drop_last, num_workers=num_workers, epochs=epochs,
-                       epoch_per_loop=epoch_per_loop)
+                       epoch_per_loop=epoch_per_loop, sampler=sampler)
 
 
 __all__ = ["EpochLoader", "EpochSampler", "data_coordinates", "loader"]
