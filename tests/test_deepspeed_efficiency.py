@@ -55,3 +55,10 @@ def test_curriculum_problems_are_named(block, expected):
 def test_pld_problems_are_named():
     assert "progressive_layer_drop.tehta" in problems_of({**BASE, "progressive_layer_drop": {"enabled": True,
                                                                                              "tehta": 0.5}})
+
+
+def test_data_efficiency_is_accepted_disabled_and_refused_enabled_with_the_alternative():
+    off = translate_deepspeed_config({**BASE, "data_efficiency": {"enabled": False, "seed": 1234}})
+    assert "data_efficiency = {enabled: false" in off.summary() and not any("curriculum" in o for o in off.overrides)
+    message = problems_of({**BASE, "data_efficiency": {"enabled": True, "data_sampling": {"enabled": True}}})
+    assert "data_efficiency.enabled" in message and "curriculum.curriculum_type=vocab_rarity" in message

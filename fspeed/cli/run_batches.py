@@ -7,10 +7,14 @@ epochs (`data.loader`); the run ends after `data.epochs` epochs or `train.steps`
 first, and the loader's `state_dict` rides in the checkpoint's client_state (`loader`). With
 `curriculum.enabled` each batch is cut to the schedule's length of its step; with
 `progressive_layer_drop.enabled` it carries the step's `LayerDrop` (keep ratio and draw seed).
+With `curriculum.curriculum_type=vocab_rarity` (the data-efficiency curriculum) the batches are
+drawn from the samples the schedule admits by a metric index, cached next to the corpus file
+(`<corpus>.fspeed-index/`), in `curriculum.index_dir`, or under the checkpoint directory.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 from .. import data
@@ -33,7 +37,8 @@ class RunBatches:
         epochs = None if isinstance(run.data, TargetConfig) else run.data.epochs
         self.curriculum = run.curriculum.to_schedule()
         self.pld = run.progressive_layer_drop if run.progressive_layer_drop.enabled else None
-        if self.curriculum is not None:
+        self.by_metric = self.curriculum is not None and run.curriculum.curriculum_type != "seqlen"
+        if self.curriculum is not None and not self.by_metric:
             self._check_curriculum(run)
         if self.pld is not None and model is not None and not supports_layer_drop(model):
             raise ConfigError([Problem("progressive_layer_drop.enabled", f"the model {model.name} does not read the "
@@ -41,7 +46,14 @@ class RunBatches:
                                        "false, or the reference GPT, or a module whose forward takes layer_drop "
                                        "(fspeed.models.layer_drop.kept_blocks)")])
         self.loader: Any
-        if epochs is None:
+        if self.by_metric and epochs is not None:
+            raise ConfigError([Problem("data.epochs", f"does not apply with curriculum.curriculum_type="
+                                       f"{run.curriculum.curriculum_type}: the curriculum chooses each step's samples",
+                                       epochs, "null")])
+        if self.by_metric:
+            self.loader = self._metric_loader(run, train_rows, mesh, data_rank, data_size)
+            self._iterator = iter(self.loader)
+        elif epochs is None:
             self.loader = data.Loader(train_rows, data.BatchSampler(len(train_rows), triad.train_batch_size, t.seed,
                                                                     rank=data_rank, world_size=data_size))
         else:
@@ -55,7 +67,28 @@ class RunBatches:
             except ValueError as err:
                 raise ConfigError([Problem("data.epochs", f"{err}", epochs)]) from None
             self._iterator = iter(self.loader)
-        self.steps = t.steps if epochs is None else min(t.steps, epochs * len(self.loader))
+        self.steps = t.steps if epochs is None or self.by_metric else min(t.steps, epochs * len(self.loader))
+
+    def _metric_loader(self, run: RunConfig, rows: Any, mesh: Any, data_rank: int, data_size: int) -> Any:
+        """The data-efficiency curriculum: batches from the samples the schedule admits by metric."""
+        c, triad = run.curriculum, run.batch
+        if isinstance(rows, data.TokenWindows):
+            rows = data.TokenWindows(rows.tokens, rows.seq_len, stride=rows.seq_len)
+            corpus = run.data.corpus
+            default = f"{corpus}.fspeed-index/windows{rows.seq_len}" if corpus != "stdlib" else None
+        else:
+            default = None
+        cache = c.index_dir or default or str(Path(run.checkpoint.dir) / "data_index")
+        dataset = rows.dataset if isinstance(rows, data.DatasetRows) else rows
+        try:
+            values = data.metric_index(dataset, c.curriculum_type, cache)
+            sampler = data.CurriculumSampler(values, self.curriculum, triad.train_batch_size, run.train.seed,
+                                             difficulty_type=c.difficulty_type, rank=data_rank, world_size=data_size)
+        except (TypeError, ValueError) as err:
+            raise ConfigError([Problem("curriculum.curriculum_type", str(err), c.curriculum_type)]) from None
+        self.index_path = Path(cache) / f"{c.curriculum_type}.pt"
+        return data.loader(rows, micro_batch_size=triad.micro_batch_size, grad_accum=triad.grad_accum, mesh=mesh,
+                           seed=run.train.seed, sampler=sampler)
 
     @staticmethod
     def _check_curriculum(run: RunConfig) -> None:
@@ -72,14 +105,19 @@ class RunBatches:
     @property
     def metric_names(self) -> tuple[str, ...]:
         """The metrics `batch` adds to each step's row."""
+        if self.by_metric:
+            return ("curriculum_difficulty",) + (("pld_theta",) if self.pld is not None else ())
         return (("curriculum_seqlen",) if self.curriculum is not None else ()) + \
             (("pld_theta",) if self.pld is not None else ())
 
     def summary(self) -> str:
         parts = []
-        if isinstance(self.loader, data.EpochLoader):
+        if isinstance(self.loader, data.EpochLoader) and self.loader.epochs is not None:
             parts.append(f"{self.loader.epochs} epochs of {len(self.loader)} steps")
-        if self.curriculum is not None:
+        if self.by_metric:
+            parts.append(f"data-efficiency curriculum {self.curriculum.schedule_type} by {self.loader.sampler.difficulty_type}"
+                         f" {self.curriculum.min_difficulty}->{self.curriculum.max_difficulty} (index {self.index_path})")
+        elif self.curriculum is not None:
             parts.append(f"curriculum {self.curriculum.schedule_type} seqlen {self.curriculum.min_difficulty}->"
                          f"{self.curriculum.max_difficulty}")
         if self.pld is not None:
@@ -95,7 +133,9 @@ class RunBatches:
         else:
             batch = self.loader.batch(step)
         metrics: dict[str, float] = {}
-        if self.curriculum is not None:
+        if self.by_metric:
+            metrics["curriculum_difficulty"] = difficulty_at(self.curriculum, step)
+        elif self.curriculum is not None:
             seqlen = difficulty_at(self.curriculum, step)
             batch = truncate_to_seqlen(batch, seqlen)
             metrics["curriculum_seqlen"] = seqlen

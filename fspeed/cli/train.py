@@ -327,6 +327,8 @@ def _log_line(row: dict[str, Any], bar) -> None:
              else f"{row['samples_per_s']:,.1f} samples/s"]
     if "curriculum_seqlen" in row:
         parts.append(f"seqlen {row['curriculum_seqlen']}")
+    if "curriculum_difficulty" in row:
+        parts.append(f"difficulty {row['curriculum_difficulty']}")
     if "pld_theta" in row:
         parts.append(f"pld_theta {row['pld_theta']:.3f}")
     if row.get("loss_scale", 1.0) != 1.0:

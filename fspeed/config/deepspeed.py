@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import deepspeed_keys as K
-from .deepspeed_efficiency import translate_curriculum_learning, translate_progressive_layer_drop
+from .deepspeed_efficiency import (translate_curriculum_learning, translate_data_efficiency,
+                                   translate_progressive_layer_drop)
 from .errors import ConfigError, Problem, allowed_names, did_you_mean, show_value
 from .overrides import format_override
 
@@ -700,6 +701,8 @@ def translate_deepspeed_config(ds: Mapping[str, Any]) -> DeepSpeedTranslation:
             translate_curriculum_learning(ds, w)
         elif key == "progressive_layer_drop":
             translate_progressive_layer_drop(ds, w)
+        elif key == "data_efficiency":
+            translate_data_efficiency(ds, w)
         elif key not in _HANDLED:
             _other(key, value, w)
     if w.problems:

@@ -1,6 +1,7 @@
 """DeepSpeed's training-efficiency blocks in the ds_config translator: `curriculum_learning`
 (legacy, curriculum_type seqlen) -> the `curriculum` section, `progressive_layer_drop` -> the
-`progressive_layer_drop` section. A disabled block has no effect, as in DeepSpeed."""
+`progressive_layer_drop` section. A disabled block has no effect, as in DeepSpeed; an enabled
+`data_efficiency` block is an error naming fspeed's own data-efficiency curriculum."""
 
 from __future__ import annotations
 
@@ -82,3 +83,16 @@ def translate_progressive_layer_drop(ds: Mapping[str, Any], w: Any) -> None:
     for key in PLD_KEYS:
         if key in block or key == "enabled":
             w.emit(f"progressive_layer_drop.{key}", f"progressive_layer_drop.{key}", block.get(key, True))
+
+
+def translate_data_efficiency(ds: Mapping[str, Any], w: Any) -> None:
+    """`data_efficiency`: accepted disabled; enabled, an error pointing to fspeed's own form of it."""
+    block = ds["data_efficiency"]
+    enabled = isinstance(block, Mapping) and (block.get("enabled", False) or any(
+        isinstance(v, Mapping) and v.get("enabled", False) for v in block.values()))
+    if block is None or (isinstance(block, Mapping) and not enabled):
+        w.accept("data_efficiency", block, "disabled: DeepSpeed does not use the feature either")
+        return
+    w.unsupported("data_efficiency.enabled", True, "false", "reads DeepSpeed's offline-analysis index files, which "
+                  "fspeed does not; fspeed's data-efficiency curriculum builds and caches its own index: "
+                  "curriculum.enabled=true curriculum.curriculum_type=vocab_rarity (and the schedule keys)")

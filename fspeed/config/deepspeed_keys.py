@@ -193,7 +193,7 @@ SCALAR_DEFAULTS: dict[str, Fixed] = {  # top-level keys accepted only at DeepSpe
 }
 
 ENABLED_BLOCKS = (  # accepted when absent, empty or {"enabled": false, ...}
-    "amp", "torch_autocast", "data_efficiency",
+    "amp", "torch_autocast",
     "flops_profiler", "tensorboard", "wandb", "comet", "autotuning", "eigenvalue",
     "elasticity", "quantize_training", "hybrid_engine", "compile", "nebula", "datastates", "expert_parallel",
 )
@@ -391,7 +391,7 @@ ZERO_KEYS = (  # zero_optimization keys (reference 2.3, DeepSpeedZeroConfig 0.19
 TRANSLATED_TOP_LEVEL = (
     *TRIAD, "gradient_clipping", "steps_per_print", "fp16", "bf16", "bfloat16", "data_types", "optimizer",
     "scheduler", "zero_optimization", "csv_monitor", "comms_logger", "tensor_parallel", "sparse_attention",
-    "curriculum_learning", "progressive_layer_drop",
+    "curriculum_learning", "progressive_layer_drop", "data_efficiency",
 )
 ALL_TOP_LEVEL = tuple(sorted({*TRANSLATED_TOP_LEVEL, *NO_EFFECT, "zero_allow_untested_optimizer", *SCALAR_DEFAULTS,
                               *ENABLED_BLOCKS, *BLOCK_DEFAULTS}))

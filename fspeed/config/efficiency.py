@@ -17,10 +17,14 @@ _TO_DEEPSPEED = {"schedule": "schedule_type", "total_steps": "total_curriculum_s
 @dataclass(frozen=True, kw_only=True)
 class CurriculumSection(ValidatedConfig):
     """DeepSpeed's `curriculum_learning` (curriculum_type seqlen): each step's batch is cut to the
-    schedule's sequence length (`fspeed.data.curriculum`). total_steps is total_curriculum_step."""
+    schedule's sequence length (`fspeed.data.curriculum`). total_steps is total_curriculum_step.
+    curriculum_type vocab_rarity is the data-efficiency curriculum instead (`fspeed.data.difficulty`):
+    batches drawn from the samples the schedule admits by their cached vocabulary-rarity index."""
 
     enabled: bool = False
-    curriculum_type: Literal["seqlen"] = "seqlen"
+    curriculum_type: Literal["seqlen", "vocab_rarity"] = "seqlen"
+    difficulty_type: Literal["value", "percentile"] = "value"  # vocab_rarity: admit by value or easiest percent
+    index_dir: Optional[str] = None  # vocab_rarity: where the metric index is cached (None: next to the data)
     min_difficulty: int = setting(8, POSITIVE)
     max_difficulty: int = setting(256, POSITIVE)
     schedule: Literal["fixed_linear", "fixed_root", "fixed_discrete"] = "fixed_linear"
@@ -33,6 +37,12 @@ class CurriculumSection(ValidatedConfig):
     def relation_problems(self) -> list[Problem]:
         if not self.enabled:
             return []
+        if self.curriculum_type == "seqlen" and self.difficulty_type != "value":
+            return [Problem("difficulty_type", "applies to curriculum_type=vocab_rarity; seqlen difficulties are "
+                            "lengths", self.difficulty_type, "value")]
+        if self.difficulty_type == "percentile" and self.max_difficulty > 100:
+            return [Problem("max_difficulty", "is a percent with difficulty_type=percentile", self.max_difficulty,
+                            "<= 100")]
         reverse = {v: k for k, v in _TO_DEEPSPEED.items()}
         return [Problem(reverse.get(key, key), reason, getattr(self, reverse.get(key, key), None))
                 for key, reason in schedule_problems(SimpleNamespace(**self._schedule_fields()))]
