@@ -276,3 +276,25 @@ def test_curriculum_cuts_a_hugging_face_models_batch():
     with torch.no_grad():
         expected = reference(input_ids=x[:, :8], labels=x[:, :8], attention_mask=batch["attention_mask"][:, :8]).loss
     torch.testing.assert_close(model.loss(params, short, train=False), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_initialize_applies_a_ds_configs_curriculum_and_layer_drop():
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "curriculum_learning": {"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 4,
+                                      "max_difficulty": 8, "schedule_type": "fixed_discrete",
+                                      "schedule_config": {"difficulty": [4, 8], "max_step": [1]}},
+              "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.5}}
+    engine, _, _, _ = fs.initialize(model=_gpt(), config=config, overrides=["model.seq_len=8"])
+    x = torch.randint(0, 24, (2, 9))
+    seen = []
+    for _ in range(3):
+        engine.backward(engine({"inputs": x[:, :-1], "targets": x[:, 1:]}))
+        engine.step()
+        seen.append((engine.metrics["curriculum_seqlen"], engine.metrics["pld_theta"]))
+    assert [s for s, _ in seen] == [4, 8, 8]  # DeepSpeed: global_steps + 1 <= max_step[0] = 1 only at step 0
+    assert [t for _, t in seen] == [pld_theta_at(t, 0.5, 0.5) for t in range(3)]
+    with pytest.raises(ValueError, match="does not read the batch's 'layer_drop'"):
+        from hf_models import hf_gpt2
+
+        fs.initialize(model=hf_gpt2(), config={**config, "curriculum_learning": {"enabled": False}},
+                      loss_fn=lambda out, batch: out.loss)
