@@ -62,7 +62,8 @@ def test_data_efficiency_curriculum_caches_its_index_next_to_the_corpus(tmp_path
     corpus = tmp_path / "c.txt"
     corpus.write_text("the cat sat on the mat and the dog sat too\nquokka xylophone zebra\n" * 200)
     args = ("train.steps=4", f"data.corpus={corpus}", "model.seq_len=32", "model.n_layer=1", "model.d_model=16",
-            "curriculum.enabled=true", "curriculum.curriculum_type=vocab_rarity", "curriculum.difficulty_type=percentile",
+            "curriculum.enabled=true", "curriculum.curriculum_type=vocab_rarity",
+            "curriculum.difficulty_type=percentile",
             "curriculum.min_difficulty=20", "curriculum.max_difficulty=100", "curriculum.total_steps=3",
             "curriculum.difficulty_step=10", "train.eval_every=0", "monitor.progress_bar=false")
     proc = fspeed_train(*args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)

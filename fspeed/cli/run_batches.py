@@ -115,8 +115,9 @@ class RunBatches:
         if isinstance(self.loader, data.EpochLoader) and self.loader.epochs is not None:
             parts.append(f"{self.loader.epochs} epochs of {len(self.loader)} steps")
         if self.by_metric:
-            parts.append(f"data-efficiency curriculum {self.curriculum.schedule_type} by {self.loader.sampler.difficulty_type}"
-                         f" {self.curriculum.min_difficulty}->{self.curriculum.max_difficulty} (index {self.index_path})")
+            c = self.curriculum
+            parts.append(f"data-efficiency curriculum {c.schedule_type} by {self.loader.sampler.difficulty_type} "
+                         f"{c.min_difficulty}->{c.max_difficulty} (index {self.index_path})")
         elif self.curriculum is not None:
             parts.append(f"curriculum {self.curriculum.schedule_type} seqlen {self.curriculum.min_difficulty}->"
                          f"{self.curriculum.max_difficulty}")

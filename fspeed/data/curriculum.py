@@ -77,7 +77,8 @@ def _positive_int(value: Any) -> bool:
 
 
 def schedule_problems(s: Any) -> list[tuple[str, str]]:
-    """(key, what is wrong) for each invalid setting of ``s`` (a `CurriculumSchedule`'s fields, as attributes): DeepSpeed's asserts, and what makes no sense."""
+    """(key, what is wrong) for each invalid setting of ``s`` (a `CurriculumSchedule`'s fields, as
+    attributes): DeepSpeed's asserts, and what makes no sense."""
     out: list[tuple[str, str]] = []
     for key in ("min_difficulty", "max_difficulty"):
         if not _positive_int(getattr(s, key)):
