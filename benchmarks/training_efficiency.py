@@ -10,7 +10,9 @@ the standard-library corpus, one process. Three measurements, in one run:
 3. training to the baseline's validation loss: the baseline trains `--steps` steps; the curriculum
    run (fixed_linear 32 -> 128 over half the steps, difficulty_step 8) and the PLD run (theta 0.5,
    gamma 10/steps) train until their validation loss reaches the baseline's final one (checked
-   every `--eval-every` steps, at most 3x the steps). Wall time counts training steps only.
+   every `--eval-every` steps, at most 3x the steps). All three share one lr schedule (warm-up, then
+   cosine over 3x the steps), so a run that needs more steps still learns. Wall time counts
+   training steps only.
    `curriculum_time_to_loss_vs_baseline`, `pld_time_to_loss_vs_baseline` (goal: <= 1).
 
 Step times are the median of `--reps` timed steps after warm-up. Other processes on the machine
@@ -85,7 +87,7 @@ def step_times(windows, vocab: int, reps: int) -> dict[str, float]:
 def time_to_loss(kind: str, windows, val_batches, vocab: int, steps: int, eval_every: int,
                  target: float | None) -> tuple[float, int, float]:
     """(training seconds, steps, final val loss) of `kind` until `target` (None: `steps` steps)."""
-    _, state, step, evaluate = setup(vocab, steps)
+    _, state, step, evaluate = setup(vocab, 3 * steps)  # one lr schedule for all runs, long enough for the cap
     loader = fs.data.Loader(windows, fs.data.BatchSampler(len(windows), MICRO, 0))
     curriculum = CurriculumSchedule(min_difficulty=32, max_difficulty=SEQ, schedule_type="fixed_linear",
                                     total_curriculum_step=steps // 2, difficulty_step=8)
