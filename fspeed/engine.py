@@ -16,7 +16,9 @@ clipping, the optimizer and its lr schedule, the comm log. The `Engine` is a thi
 over the functional core: `engine.state` is the TrainState, `engine.train_step` the step;
 `engine(batch)` runs one micro-batch's forward and backward (its gradient goes where the plan
 reduces it) and returns its loss, `backward` checks the loop's order, `step` applies the update
-at the accumulation boundary.
+at the accumulation boundary. A config's `curriculum_learning` cuts each batch to the step's
+length and `progressive_layer_drop` adds the step's `LayerDrop` (`_efficiency`), as DeepSpeed's
+engine passes `curriculum_seqlen` and `pld_theta` to the model.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from torch import nn
 
 from . import checkpoint
 from .host_memory import retain_freed_host_memory
+from .data.curriculum import difficulty_at, truncate_to_seqlen
 from .models import Model, functionalize, to_module
+from .models.layer_drop import PLD_BATCH_KEY, step_layer_drop, supports_layer_drop
 from .models.module import ModuleLoss, output_loss
 from .optim.base import GradientTransformation
 from .parallel import CommLog, Mesh, Plan, gather_params, init_distributed, tensor_slicing, zero
@@ -54,6 +58,30 @@ class Engine:
         self._step = None  # the step in progress
         self._pending_loss: Optional[torch.Tensor] = None
         self.metrics: dict[str, Any] = {}
+        self._curriculum = run.curriculum.to_schedule()
+        self._pld = run.progressive_layer_drop if run.progressive_layer_drop.enabled else None
+
+    def _efficiency(self, batch: PyTree) -> PyTree:
+        """The batch as this step's curriculum length and layer drop make it (DeepSpeed passes them
+        to the model's forward as curriculum_seqlen / pld_theta)."""
+        step = self.state.step
+        if self._curriculum is not None:
+            batch = truncate_to_seqlen(batch, difficulty_at(self._curriculum, step))
+        if self._pld is not None:
+            if not isinstance(batch, dict):
+                raise TypeError(f"progressive_layer_drop needs dict batches (the step's LayerDrop goes under "
+                                f"{PLD_BATCH_KEY!r}), got {type(batch).__name__}")
+            batch = {**batch, PLD_BATCH_KEY: step_layer_drop(step, self.config.train.seed, self._pld.theta,
+                                                             self._pld.gamma)}
+        return batch
+
+    def _efficiency_metrics(self, step: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self._curriculum is not None:
+            out["curriculum_seqlen"] = difficulty_at(self._curriculum, step)
+        if self._pld is not None:
+            out["pld_theta"] = step_layer_drop(step, self.config.train.seed, self._pld.theta, self._pld.gamma).theta
+        return out
 
     # -- DeepSpeed's loop ------------------------------------------------------------------
 
@@ -64,7 +92,7 @@ class Engine:
                                "(DeepSpeed's loop: loss = engine(batch); engine.backward(loss); engine.step())")
         if self._step is None:
             self._step = self.train_step.begin(self.state)
-        self._pending_loss = self.train_step.micro(self._step, self.state, batch)
+        self._pending_loss = self.train_step.micro(self._step, self.state, self._efficiency(batch))
         return self._pending_loss
 
     forward = __call__
@@ -81,7 +109,9 @@ class Engine:
         if self._pending_loss is not None:
             raise RuntimeError("engine.step() before engine.backward(loss)")
         if self.is_gradient_accumulation_boundary():
+            step = self.state.step
             self.state, self.metrics = self.train_step.boundary(self._step, self.state)
+            self.metrics.update(self._efficiency_metrics(step))
             self._step = None
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -94,7 +124,9 @@ class Engine:
         if (data_iter is None) == (batch is None):
             raise ValueError("train_batch: pass data_iter= or batch= (one of them)")
         if batch is not None:
-            self.state, self.metrics = self.train_step(self.state, batch)
+            step = self.state.step
+            self.state, self.metrics = self.train_step(self.state, self._efficiency(batch))
+            self.metrics.update(self._efficiency_metrics(step))
         else:
             for _ in range(self.train_step.grad_accum):
                 self.backward(self(next(data_iter)))
@@ -185,6 +217,14 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
                               ("auto" if tensor > 1 else None))
     elif loss_fn is not None:
         raise ValueError("initialize: loss_fn is for nn.Modules; an fspeed Model brings its own loss")
+    if run.curriculum.enabled and run.curriculum.curriculum_type != "seqlen":
+        raise ValueError(f"initialize: curriculum.curriculum_type={run.curriculum.curriculum_type} chooses samples, "
+                         "which the engine's loader does not: build fs.data.loader(..., sampler=fs.data."
+                         "CurriculumSampler(...)) and set curriculum.enabled=false")
+    if run.progressive_layer_drop.enabled and not supports_layer_drop(model):
+        raise ValueError(f"initialize: progressive_layer_drop is enabled but the model {model.name} does not read "
+                         f"the batch's {PLD_BATCH_KEY!r} (a module's forward must take layer_drop; see "
+                         "fspeed.models.layer_drop)")
     model, _ = apply_activation_checkpointing(run, model)  # its profile: fspeed-train reports it
     precision = build_precision(run)
     schedule = build_lr_schedule(run) if optimizer is None else None
@@ -301,17 +341,15 @@ def _env_world() -> int:
 
 
 def _loader(dataset, collate_fn, run, mesh: Optional[Mesh]):
-    """DeepSpeed's training_data loader: micro-batches of this data rank's shard, shuffled by the
-    run's seed and epoch (`loader.sampler.set_epoch(e)`), the last partial batch dropped."""
+    """DeepSpeed's training_data loader (`deepspeed_io`) as `fs.data.loader`: micro-batches of this
+    data rank's share, shuffled by the run's seed and a new order each epoch, the last partial
+    batch dropped; each `for` loop over it is one epoch, and its `state_dict()` resumes mid-epoch."""
     if dataset is None:
         return None
-    from torch.utils.data import DataLoader, DistributedSampler  # noqa: PLC0415
+    from .data import loader  # noqa: PLC0415
 
-    data, rank = (mesh.size("data"), mesh.coordinate("data")) if mesh is not None else (1, 0)
-    sampler = DistributedSampler(dataset, num_replicas=data, rank=rank, shuffle=True, seed=run.train.seed,
-                                 drop_last=True)
-    return DataLoader(dataset, batch_size=run.batch.micro_batch_size, sampler=sampler, collate_fn=collate_fn,
-                      drop_last=True)
+    return loader(dataset, micro_batch_size=run.batch.micro_batch_size, mesh=mesh, collate=collate_fn,
+                  shuffle=True, seed=run.train.seed, drop_last=True, epoch_per_loop=True)
 
 
 __all__ = ["Engine", "initialize"]

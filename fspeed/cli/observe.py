@@ -57,13 +57,14 @@ def check_monitor_packages(run: RunConfig) -> None:
         raise ConfigError(problems)
 
 
-def open_monitors(run: RunConfig, out_dir: Path) -> Monitors:
-    """The run's monitors (rank 0 calls this): metrics.csv, TensorBoard, W&B as configured."""
+def open_monitors(run: RunConfig, out_dir: Path, extra_columns: tuple[str, ...] = ()) -> Monitors:
+    """The run's monitors (rank 0 calls this): metrics.csv (with `extra_columns`, the data path's
+    metrics), TensorBoard, W&B as configured."""
     m = run.monitor
     monitors = []
     try:
         if m.csv:
-            monitors.append(CSVMonitor(Path(m.csv_dir or out_dir) / "metrics.csv", metric_columns(run)))
+            monitors.append(CSVMonitor(Path(m.csv_dir or out_dir) / "metrics.csv", metric_columns(run) + tuple(extra_columns)))
         if m.tensorboard:
             monitors.append(TensorBoardMonitor(m.tensorboard_dir or out_dir / "tensorboard"))
         if m.wandb:

@@ -56,6 +56,7 @@ from ..timers import METRIC_KEYS, breakdown_line, breakdown_summary
 from ..train_step import NonFiniteError, make_eval_step, make_train_step, split_micro_batches
 from .observe import (FlopsWatch, check_monitor_packages, finish_lr_range_test, metrics_csv_path, open_monitors,
                       step_timers)
+from .run_batches import LOADER_KEY, RunBatches
 from .run_data import prepare_data
 from .stop_requests import StopRequests, TrainingStopped
 from .user_errors import DEBUG_ENV, USER_ERRORS, debug_requested, exit_with_user_error, raised_on_every_rank
@@ -150,8 +151,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     if not lead:
         log.setLevel(logging.WARNING)
     dp, data_rank = (mesh.size("data"), mesh.coordinate("data")) if mesh else (1, 0)
-    loader = data.Loader(job.train_rows, data.BatchSampler(len(job.train_rows), triad.train_batch_size, t.seed,
-                                                           rank=data_rank, world_size=dp))
+    batches = RunBatches(run, job.train_rows, data_rank, dp, mesh, model)
     val_batches = [] if job.val_rows is None else data.Loader(
         job.val_rows, data.BatchSampler(len(job.val_rows), triad.micro_batch_size * dp, t.seed, rank=data_rank,
                                         world_size=dp)).eval_batches(t.eval_batches)
@@ -161,7 +161,9 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     params = model.init(torch.Generator().manual_seed(t.seed))
     activations = 0
     if run.activation_checkpointing.budget_mib is not None:  # every rank measures the same, on its own
-        micro = split_micro_batches(loader.batch(0), triad.grad_accum)[0]
+        sample = data.Loader(job.train_rows, data.BatchSampler(len(job.train_rows), triad.train_batch_size, t.seed,
+                                                               rank=data_rank, world_size=dp)).batch(0)
+        micro = split_micro_batches(sample, triad.grad_accum)[0]  # full length: the curriculum's longest
         model, choice = remat_within_budget(model, params, micro, int(run.activation_checkpointing.budget_mib * 2**20))
         activations = choice.tried[-1][2]
         log.info("%s", choice)
@@ -171,7 +173,8 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     except CheckpointError as e:
         raise ConfigError([Problem("checkpoint.dir", str(e))]) from None
     if resume_tag is not None:
-        state, _ = checkpoint.load_checkpoint(ckpt_dir, state, tag=resume_tag, mesh=mesh)
+        state, saved_client_state = checkpoint.load_checkpoint(ckpt_dir, state, tag=resume_tag, mesh=mesh)
+        batches.resume(saved_client_state, state.step)
         log.info("resumed from %s at step %d", ckpt_dir / resume_tag, state.step)
     elif run.checkpoint.init_from:  # fine-tuning: weights only, a fresh optimizer (a resume wins)
         try:
@@ -181,7 +184,8 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
         log.info("weights from %s", run.checkpoint.init_from)
     log.info(
         "%s: %s parameters, %s, batch %s, optimizer %s, precision %s, %s; data ready in %.1fs",
-        model.name, f"{count_params(params):,}", job.summary, triad.derivation, optimizer, precision.name,
+        model.name, f"{count_params(params):,}", ", ".join(filter(None, (job.summary, batches.summary()))),
+        triad.derivation, optimizer, precision.name,
         f"{plan!r} on {mesh!r}" if plan else "one process", time.perf_counter() - t0,
     )
 
@@ -194,7 +198,9 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     eval_step = make_eval_step(model.loss, plan=plan, mesh=mesh)
 
     def save(s):  # with a mesh, a collective: every rank writes its own shard
-        return checkpoint.save_checkpoint(ckpt_dir, s, client_state=client_state, mesh=mesh,
+        loader_state = batches.state_dict()
+        client = client_state if loader_state is None else {**client_state, LOADER_KEY: loader_state}
+        return checkpoint.save_checkpoint(ckpt_dir, s, client_state=client, mesh=mesh,
                                           keep_last=run.checkpoint.keep_last)
 
     def evaluate(s) -> Optional[float]:
@@ -202,7 +208,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
 
     client_state = job.client_state
     flops_watch = FlopsWatch(run, model, mesh, lead, triad.grad_accum)
-    monitor = open_monitors(run, out_dir) if lead else None
+    monitor = open_monitors(run, out_dir, batches.metric_names) if lead else None
     breakdowns: list[dict[str, float]] = []
     remat_sums: dict[str, dict[str, float]] = {}  # activation_checkpointing.profile: ms per block, this run
     first_step = state.step
@@ -215,15 +221,15 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
 
     print_every = t.steps_per_print or t.log_every
     samples_per_step = triad.train_batch_size
-    bar = _progress_bar(run, state.step) if lead else None
+    bar = _progress_bar(run, state.step, batches.steps) if lead else None
     val_loss, metrics = val_start, {}
     window_start, window_steps = time.perf_counter(), 0
     train_start = time.perf_counter()
     stops = StopRequests() if run.checkpoint.save_on_failure else nullcontext()
     with stops:
         try:
-            while state.step < t.steps:
-                batch = loader.batch(state.step)
+            while state.step < batches.steps:
+                batch, batch_metrics = batches.batch(state.step)
                 flops_watch.before_step(state, batch)
                 state, metrics = train_step(state, batch)
                 window_steps += 1
@@ -231,9 +237,9 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
                 samples_per_s = window_steps * samples_per_step / elapsed
                 row = {k: metrics[k] for k in ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped")}
                 row.update(samples=state.samples, samples_per_s=samples_per_s,
-                           elapsed_s=time.perf_counter() - train_start)
+                           elapsed_s=time.perf_counter() - train_start, **batch_metrics)
                 if job.tokens_per_row:
-                    row["tokens_per_s"] = samples_per_s * job.tokens_per_row
+                    row["tokens_per_s"] = samples_per_s * batch_metrics.get("curriculum_seqlen", job.tokens_per_row)
                 if run.scheduler.name == "lr_range_test" and not metrics["skipped"]:
                     lr_curve.append((metrics["lr"], metrics["loss"]))
                 if remat_profile is not None:
@@ -244,7 +250,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
                     breakdowns.append({k: metrics[k] for k in METRIC_KEYS})
                     row.update(breakdowns[-1])
                     flops_watch.after_step(state, metrics, row)
-                last = state.step == t.steps
+                last = state.step == batches.steps
                 if val_batches and ((t.eval_every and state.step % t.eval_every == 0) or last):
                     val_loss = evaluate(state)
                     row["val_loss"] = val_loss
@@ -357,12 +363,12 @@ def _save_last_good_step(error: BaseException, state, save: Callable, mesh, ckpt
     log.warning("saved the last good step (%d) to %s before stopping", state.step, path)
 
 
-def _progress_bar(run: RunConfig, start: int):
+def _progress_bar(run: RunConfig, start: int, total: int):
     """A one-line bar on a terminal; None (plain log lines every log_every / steps_per_print steps)
     when stderr is not a terminal (CI, a log file), where the bar's redraws would pile up."""
     if not run.monitor.progress_bar or not sys.stderr.isatty():
         return None
-    return tqdm(total=run.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True,
                 mininterval=0.5, file=sys.stderr)
 
 
@@ -370,6 +376,12 @@ def _log_line(row: dict[str, Any], bar) -> None:
     parts = [f"step {row['step']}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.3e}",
              f"grad_norm {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in row
              else f"{row['samples_per_s']:,.1f} samples/s"]
+    if "curriculum_seqlen" in row:
+        parts.append(f"seqlen {row['curriculum_seqlen']}")
+    if "curriculum_difficulty" in row:
+        parts.append(f"difficulty {row['curriculum_difficulty']}")
+    if "pld_theta" in row:
+        parts.append(f"pld_theta {row['pld_theta']:.3f}")
     if row.get("loss_scale", 1.0) != 1.0:
         parts.append(f"loss_scale {row['loss_scale']:g}")
     if row.get("skipped"):

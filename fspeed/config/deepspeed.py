@@ -5,7 +5,8 @@ Translated: the batch triad, ``fp16`` / ``bf16`` (alias ``bfloat16``) and
 ``scheduler`` (LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR),
 ``gradient_clipping``, ``steps_per_print``, the monitors (``csv_monitor``, ``tensorboard``, ``wandb``),
 ``wall_clock_breakdown``, ``flops_profiler``, ``comms_logger.enabled`` /
-``verbose``, ``tensor_parallel.autotp_size``, ``sparse_attention`` and ``zero_optimization`` (stage,
+``verbose``, ``tensor_parallel.autotp_size``, ``sparse_attention``, ``curriculum_learning`` (seqlen),
+``progressive_layer_drop``, ``activation_checkpointing`` and ``zero_optimization`` (stage,
 buckets, ``overlap_comm``, parameter and model persistence thresholds, prefetch on/off, and the
 ``offload_optimizer`` / ``offload_param`` blocks with device cpu, also from the legacy
 ``cpu_offload`` booleans). Every other key is accounted for by name:
@@ -35,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import deepspeed_keys as K
+from .deepspeed_efficiency import (translate_curriculum_learning, translate_data_efficiency,
+                                   translate_progressive_layer_drop)
 from .errors import ConfigError, Problem, allowed_names, did_you_mean, show_value
 from .overrides import format_override
 
@@ -775,6 +778,12 @@ def translate_deepspeed_config(ds: Mapping[str, Any]) -> DeepSpeedTranslation:
             _sparse_attention(ds, w)
         elif key == "activation_checkpointing":
             _activation_checkpointing(ds, w)
+        elif key == "curriculum_learning":
+            translate_curriculum_learning(ds, w)
+        elif key == "progressive_layer_drop":
+            translate_progressive_layer_drop(ds, w)
+        elif key == "data_efficiency":
+            translate_data_efficiency(ds, w)
         elif key not in _HANDLED:
             _other(key, value, w)
     if w.problems:

@@ -191,8 +191,7 @@ SCALAR_DEFAULTS: dict[str, Fixed] = {  # top-level keys accepted only at DeepSpe
 }
 
 ENABLED_BLOCKS = (  # accepted when absent, empty or {"enabled": false, ...}
-    "amp", "torch_autocast", "curriculum_learning", "data_efficiency", "progressive_layer_drop",
-    "comet", "autotuning", "eigenvalue",
+    "amp", "torch_autocast", "comet", "autotuning", "eigenvalue",
     "elasticity", "quantize_training", "hybrid_engine", "compile", "nebula", "datastates", "expert_parallel",
 )
 ENABLED_BLOCK_REASON = "disabled: DeepSpeed does not use the feature either"
@@ -405,6 +404,7 @@ TRANSLATED_TOP_LEVEL = (
     "scheduler", "zero_optimization", "csv_monitor", "comms_logger", "tensor_parallel", "sparse_attention",
     "activation_checkpointing",
     "tensorboard", "wandb", "flops_profiler", "wall_clock_breakdown",
+    "curriculum_learning", "progressive_layer_drop", "data_efficiency",
 )
 ALL_TOP_LEVEL = tuple(sorted({*TRANSLATED_TOP_LEVEL, *NO_EFFECT, "zero_allow_untested_optimizer", *SCALAR_DEFAULTS,
                               *ENABLED_BLOCKS, *BLOCK_DEFAULTS}))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Literal, Optional, Union
 
 from ..batch_triad import BatchTriad, BatchTriadError, resolve_batch_triad
 from ..sparse.config import SparseAttentionConfig
+from .efficiency import CurriculumSection, ProgressiveLayerDropSection
 from .errors import ConfigError, Problem
 from .targets import TargetConfig
 from .fields import (
@@ -345,8 +346,20 @@ class DataConfig(ValidatedConfig):
     tokenizer: Literal["char", "byte"] = "char"
     val_fraction: float = setting(0.05, OPEN_UNIT_INTERVAL)
     errors: Literal["strict", "replace"] = "strict"  # char tokenizer: invalid UTF-8 is an error, or U+FFFD
+    # epochs over non-overlapping windows (fspeed.data.loader); None = windows drawn with replacement
+    epochs: Optional[int] = setting(None, POSITIVE)
+    shuffle: bool = True  # with epochs: a seeded new order each epoch
+    drop_last: bool = True  # with epochs: drop an epoch's last partial global batch (else complete it)
+    num_workers: int = setting(0, NON_NEGATIVE)  # with epochs: DataLoader worker processes
 
     def relation_problems(self) -> list[Problem]:
+        if self.epochs is None:
+            changed = [(k, v, d) for k, v, d in (("shuffle", self.shuffle, True), ("drop_last", self.drop_last, True),
+                                                  ("num_workers", self.num_workers, 0)) if v != d]
+            if changed:
+                key, value, default = changed[0]
+                return [Problem(key, "applies to epochs only; without data.epochs windows are drawn with replacement",
+                                value, f"{default}, or set data.epochs")]
         if self.errors != "strict" and self.tokenizer == "byte":
             return [Problem("errors", "only applies to the char tokenizer; the byte tokenizer reads the corpus' "
                             "bytes as they are", self.errors, "strict with data.tokenizer=byte")]
@@ -585,6 +598,8 @@ SECTIONS: dict[str, type] = {
     "sparse_attention": SparseAttentionSection,
     "activation_checkpointing": ActivationCheckpointingConfig,
     "flops_profiler": FlopsProfilerConfig,
+    "curriculum": CurriculumSection,
+    "progressive_layer_drop": ProgressiveLayerDropSection,
 }
 """Sections with one fixed class (model and data are Hydra groups, but every packaged option is a
 ModelConfig / DataConfig; their option `custom` is a user's callable, a `TargetConfig`)."""
@@ -615,6 +630,8 @@ class RunConfig(ValidatedConfig):
     comms_logger: CommsLoggerConfig
     sparse_attention: SparseAttentionSection
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    curriculum: CurriculumSection = field(default_factory=CurriculumSection)
+    progressive_layer_drop: ProgressiveLayerDropSection = field(default_factory=ProgressiveLayerDropSection)
     deepspeed_config: Optional[str] = None
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     wall_clock_breakdown: bool = False  # DeepSpeed's: per-step fwd/bwd/step times (fspeed.timers)

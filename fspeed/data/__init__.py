@@ -21,6 +21,9 @@ from fspeed.data.loader import (
     eval_starts,
     split_train_val,
 )
+from fspeed.data.curriculum import CurriculumSchedule, difficulty_at, truncate_to_seqlen
+from fspeed.data.difficulty import CurriculumSampler, compute_metric, metric_index
+from fspeed.data.epochs import EpochLoader, EpochSampler, data_coordinates, loader
 from fspeed.data.tokenizer import (
     TOKENIZER_KINDS,
     ByteTokenizer,
@@ -37,18 +40,27 @@ __all__ = [
     "Batch",
     "CorpusDecodeError",
     "CorpusError",
+    "CurriculumSampler",
+    "CurriculumSchedule",
     "BatchSampler",
     "DatasetRows",
+    "EpochLoader",
+    "EpochSampler",
     "ByteTokenizer",
     "CharTokenizer",
     "Loader",
     "TokenWindows",
     "Tokenizer",
     "UnknownCharacterError",
+    "compute_metric",
     "corpus_file_bytes",
+    "data_coordinates",
+    "difficulty_at",
     "decode_corpus",
     "eval_starts",
+    "loader",
     "make_tokenizer",
+    "metric_index",
     "split_train_val",
     "stdlib_corpus",
     "stdlib_corpus_bytes",
@@ -56,4 +68,5 @@ __all__ = [
     "stdlib_files",
     "text_corpus",
     "tokenizer_from_dict",
+    "truncate_to_seqlen",
 ]

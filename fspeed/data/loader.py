@@ -53,24 +53,27 @@ def _check_tokens(tokens: Any, name: str = "tokens") -> torch.Tensor:
 
 
 class TokenWindows:
-    """Every window of ``seq_len + 1`` consecutive tokens; window ``i`` starts at token ``i``.
+    """Every window of ``seq_len + 1`` consecutive tokens; window ``i`` starts at token ``i * stride``.
 
-    ``get`` turns window starts into ``inputs`` (the first ``seq_len`` tokens) and ``targets``
-    (the same tokens shifted by one), each ``[B, seq_len]`` long.
+    ``get`` turns window indices into ``inputs`` (the first ``seq_len`` tokens) and ``targets``
+    (the same tokens shifted by one), each ``[B, seq_len]`` long. It is also a map-style dataset
+    (``windows[i]`` is one window's pair), which `fspeed.data.loader` reads in epochs;
+    ``stride=seq_len`` makes an epoch read each token once.
     """
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
+    def __init__(self, tokens: torch.Tensor, seq_len: int, stride: int = 1) -> None:
         tokens = _check_tokens(tokens).long()
         seq_len = _as_int("seq_len", seq_len, minimum=1)
+        stride = _as_int("stride", stride, minimum=1)
         if tokens.numel() < seq_len + 1:
             raise ValueError(
                 f"the token stream holds {tokens.numel()} tokens, too short for one window of "
                 f"seq_len + 1 = {seq_len + 1}; use a longer corpus or a smaller seq_len"
             )
         self._tokens = tokens.contiguous()
-        self._seq_len = seq_len
-        # A view, not a copy: row i is tokens[i : i + seq_len + 1].
-        self._windows = self._tokens.unfold(0, seq_len + 1, 1)
+        self._seq_len, self._stride = seq_len, stride
+        # A view, not a copy: row i is tokens[i*stride : i*stride + seq_len + 1].
+        self._windows = self._tokens.unfold(0, seq_len + 1, stride)
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -81,16 +84,21 @@ class TokenWindows:
         return self._seq_len
 
     def __len__(self) -> int:
-        return self._tokens.numel() - self._seq_len
+        return self._windows.shape[0]
+
+    def __getitem__(self, index: int) -> Batch:
+        row = self._windows[index]
+        return {"inputs": row[:-1], "targets": row[1:]}
 
     def __repr__(self) -> str:
+        stride = f", stride={self._stride}" if self._stride != 1 else ""
         return (
-            f"TokenWindows(num_tokens={self._tokens.numel()}, seq_len={self._seq_len}, "
+            f"TokenWindows(num_tokens={self._tokens.numel()}, seq_len={self._seq_len}{stride}, "
             f"num_windows={len(self)})"
         )
 
     def get(self, starts: torch.Tensor) -> Batch:
-        """The windows starting at ``starts`` (1-D integer tensor of indices in [0, len(self)))."""
+        """The windows ``starts`` (1-D integer tensor of window indices in [0, len(self)))."""
         starts = _check_tokens(starts, "starts")
         if starts.numel():
             low, high = int(starts.min()), int(starts.max())

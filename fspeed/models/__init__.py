@@ -1,6 +1,7 @@
 """Models as pure functions of parameter pytrees."""
 
 from .gpt import GPT_RULES, GPTConfig, gpt, gpt_logical_axes, pad_vocab
+from .layer_drop import LayerDrop, kept_blocks, step_layer_drop
 from .model import LogicalAxes, Model, count_params
 from .module import functionalize, to_module
 from .module_tp import MODULE_TP_RULES, tp_plan_from
@@ -12,5 +13,5 @@ module_tp_rules = MODULE_TP_RULES  # a functionalized module's tp_plan: fs.tenso
 __all__ = [
     "DENSE", "DenseOps", "GPT_RULES", "GPTConfig", "LogicalAxes", "Model", "count_params", "functionalize",
     "MODULE_TP_RULES", "gpt", "gpt_logical_axes", "gpt_rules", "module_tp_rules", "pad_vocab", "to_module",
-    "tp_plan_from",
+    "tp_plan_from", "LayerDrop", "kept_blocks", "step_layer_drop",
 ]

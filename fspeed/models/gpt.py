@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from ..sparse import SparseAttentionConfig, SparseSelfAttention
+from .layer_drop import PLD_BATCH_KEY, LayerDrop, kept_blocks
 from .model import LogicalAxes, Model
 from .ops import DENSE, DenseOps
 
@@ -154,24 +155,32 @@ def gpt(cfg: GPTConfig) -> Model:
         return params
 
     def apply(params: dict, inputs: torch.Tensor, *, rng: Optional[torch.Generator] = None,
-              ops: DenseOps = DENSE) -> torch.Tensor:
-        """Logits [B, S, vocab] for token ids `inputs` [B, S] (vocab-local under tensor slicing)."""
+              ops: DenseOps = DENSE, layer_drop: Optional[LayerDrop] = None) -> torch.Tensor:
+        """Logits [B, S, vocab] for token ids `inputs` [B, S] (vocab-local under tensor slicing);
+        `layer_drop`: the step's progressive layer dropping (`layer_drop` module), in training only."""
         B, S = inputs.shape
         if S > cfg.seq_len:
             raise ValueError(f"sequence length {S} exceeds the model's seq_len={cfg.seq_len}")
         wte = ops.param(params["wte"])
         x = ops.embedding(inputs, wte, vocab_axis="vocab") + ops.param(params["wpe"])[:S]
         x = _dropout(x, cfg.dropout, rng)
-        x = ops.scan(functools.partial(_block, n_head=cfg.n_head, dropout=cfg.dropout, ops=ops, attend=attend),
-                     params["blocks"], x, rng)
+        block = functools.partial(_block, n_head=cfg.n_head, dropout=cfg.dropout, ops=ops, attend=attend)
+        scales = kept_blocks(layer_drop, cfg.n_layer, training=rng is not None)
+        if all(scale == 1.0 for scale in scales):
+            x = ops.scan(block, params["blocks"], x, rng)
+        else:  # progressive layer dropping: dropped blocks are not run; kept ones rescale their branches
+            for p, scale in zip(params["blocks"], scales):
+                if scale is not None:
+                    x = ops.scan(functools.partial(block, scale=scale), [p], x, rng)
         x = _layer_norm(x, ops.param(params["ln_f"]))
         head = wte if cfg.tie_embeddings else ops.param(params["head"])
         return ops.linear(x, head, out_axis="vocab", in_axis="embed")
 
     def loss(params: dict, batch: dict, *, rng: Optional[torch.Generator] = None,
              ops: DenseOps = DENSE) -> torch.Tensor:
-        """Mean next-token cross-entropy, computed in fp32 whatever the compute dtype."""
-        logits = apply(params, batch["inputs"], rng=rng, ops=ops)
+        """Mean next-token cross-entropy, computed in fp32 whatever the compute dtype. A batch's
+        `layer_drop` (a `LayerDrop`: the step's progressive layer dropping) drops blocks."""
+        logits = apply(params, batch["inputs"], rng=rng, ops=ops, layer_drop=batch.get(PLD_BATCH_KEY))
         return ops.cross_entropy(logits, batch["targets"], vocab_axis="vocab")
 
     return Model(init, apply, loss, gpt_logical_axes(cfg), name="gpt")
@@ -210,16 +219,19 @@ def _layer_norm(x: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 def _block(p: dict, x: torch.Tensor, rng: Optional[torch.Generator], *, n_head: int, dropout: float,
-           ops: DenseOps, attend=_dense_attention) -> torch.Tensor:
-    """One pre-LN block: x + attn(ln1(x)), then + mlp(ln2(x)). Heads and the MLP hidden dim are
-    the logical axes tensor slicing shards (column-parallel in, row-parallel out)."""
+           ops: DenseOps, attend=_dense_attention, scale: float = 1.0) -> torch.Tensor:
+    """One pre-LN block: x + attn(ln1(x)), then + mlp(ln2(x)), each branch times `scale` (1 / keep
+    probability under layer dropping). Heads and the MLP hidden dim are the logical axes tensor
+    slicing shards (column-parallel in, row-parallel out)."""
     attn, mlp = p["attn"], p["mlp"]
     qkv = ops.linear(_layer_norm(x, p["ln1"]), attn["wqkv"], attn["bqkv"], out_axis="heads", in_axis="embed")
     q, k, v = rearrange(qkv, "b s (three h d) -> three b h s d", three=3, h=ops.local(n_head, "heads"))
     y = rearrange(attend(q, k, v), "b h s d -> b s (h d)")
-    x = x + _dropout(ops.linear(y, attn["wo"], attn["bo"], out_axis="embed", in_axis="heads"), dropout, rng)
+    branch = _dropout(ops.linear(y, attn["wo"], attn["bo"], out_axis="embed", in_axis="heads"), dropout, rng)
+    x = x + (branch if scale == 1.0 else branch * scale)
     h = F.gelu(ops.linear(_layer_norm(x, p["ln2"]), mlp["w_in"], mlp["b_in"], out_axis="mlp", in_axis="embed"))
-    return x + _dropout(ops.linear(h, mlp["w_out"], mlp["b_out"], out_axis="embed", in_axis="mlp"), dropout, rng)
+    branch = _dropout(ops.linear(h, mlp["w_out"], mlp["b_out"], out_axis="embed", in_axis="mlp"), dropout, rng)
+    return x + (branch if scale == 1.0 else branch * scale)
 
 
 def _dropout(x: torch.Tensor, p: float, rng: Optional[torch.Generator]) -> torch.Tensor:
