@@ -271,6 +271,7 @@ class _HeldInput:
     def __init__(self, tensor: torch.Tensor):
         self.tensor: Optional[torch.Tensor] = tensor
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
+        self.requires_grad = tensor.requires_grad  # the recompute records the same graph (the same saved tensors)
         self.host: Optional[torch.Tensor] = None
         self.part: Optional[torch.Tensor] = None
         self.comm: Any = None
@@ -279,12 +280,14 @@ class _HeldInput:
     def value(self) -> torch.Tensor:
         if self.arena is not None:  # the slot stays valid through this backward; the next forward reuses it
             self.arena = self.arena.release()
+            return self.tensor.detach().requires_grad_(self.requires_grad)
         if self.tensor is not None:
             return self.tensor
         if self.host is not None:
-            return self.host.to(self.device, non_blocking=True)
-        full = self.comm.gathered(self.part.to(self.device, non_blocking=True))
-        return full[: self.shape.numel()].view(self.shape)
+            value = self.host.to(self.device, non_blocking=True, copy=True)
+        else:
+            value = self.comm.gathered(self.part.to(self.device, non_blocking=True))[: self.shape.numel()]
+        return value.view(self.shape).requires_grad_(self.requires_grad)
 
     def offload(self) -> None:
         pin = self.device.type == "cuda"

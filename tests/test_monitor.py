@@ -145,7 +145,11 @@ def test_fspeed_train_writes_every_monitor_and_the_breakdown(tmp_path):
     proc = fspeed_train("train.steps=6", "train.eval_every=3", "train.log_every=2", "data.max_bytes=200000",
                         "model.n_layer=1", "model.d_model=32", "model.seq_len=32", "train.micro_batch_size=4",
                         "train.grad_accum=2", "monitor.tensorboard=true", "monitor.wandb=true",
-                        "wall_clock_breakdown=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+                        "wall_clock_breakdown=true", "curriculum.enabled=true", "curriculum.min_difficulty=8",
+                        "curriculum.max_difficulty=32", "curriculum.total_steps=4", "curriculum.difficulty_step=8",
+                        "progressive_layer_drop.enabled=true", "progressive_layer_drop.theta=0.5",
+                        "activation_checkpointing.policy=full", "activation_checkpointing.profile=true",
+                        f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     logs = proc.stdout + proc.stderr
     assert "wall-clock breakdown over" in logs and "| time (ms) | fwd: " in logs
@@ -158,6 +162,8 @@ def test_fspeed_train_writes_every_monitor_and_the_breakdown(tmp_path):
     assert [s for s, _ in tb[TAGS["val_loss"]]] == [0, 3, 6]
     assert [v for _, v in tb[TAGS["loss"]]] == pytest.approx([float(r["loss"]) for r in rows[1:]])
     assert len(tb["Train/elapsed_time_ms_step"]) == 6
+    for key in ("curriculum_seqlen", "pld_theta", "remat_recompute_ms"):  # the data path's and remat's metrics
+        assert [v for _, v in tb[TAGS[key]]] == pytest.approx([float(r[key]) for r in rows[1:]], rel=1e-4), key
     history = wandb_history(run_dir)
     assert sorted(s for s, h in history.items() if TAGS["loss"] in h) == [1, 2, 3, 4, 5, 6]
     assert history[6][TAGS["val_loss"]] == pytest.approx(float(rows[6]["val_loss"]), rel=1e-5)
