@@ -37,6 +37,12 @@ def mse(out, batch):
     return torch.nn.functional.mse_loss(out, batch[1])
 
 
+def test_an_unpicklable_task_is_named_at_once(world2):
+    with pytest.raises(TypeError, match="'<lambda>' or its arguments cannot be sent"):
+        world2.run(lambda: 1)
+    assert world2.run(sum, [1, 2]) == [3, 3]  # the world still works
+
+
 def test_the_harness_catches_ranks_that_disagree(world2):
     with pytest.raises(AssertionError, match="differs from the one-process run|disagree"):
         assert_trains_like_one_process(seeded_by_rank, fs.zero(0), make_batch=linear_batch, loss_fn=mse,

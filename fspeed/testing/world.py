@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Optional
 
 
@@ -74,7 +76,14 @@ class GlooWorld:
             p.start()
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """Run `fn(*args, **kwargs)` on every rank; the results in rank order."""
+        """Run `fn(*args, **kwargs)` on every rank; the results in rank order. `fn` and its
+        arguments travel pickled: a lambda or a local function is a TypeError here, not a silent
+        timeout (the queue's feeder thread would only print its pickling error)."""
+        try:
+            ForkingPickler.dumps((fn, args, kwargs))
+        except (pickle.PicklingError, TypeError, AttributeError) as err:
+            raise TypeError(f"GlooWorld.run: {getattr(fn, '__name__', fn)!r} or its arguments cannot be sent to the "
+                            f"ranks ({err}); use module-level functions and picklable values") from None
         for q in self.tasks:
             q.put((fn, args, kwargs))
         out: dict[int, Any] = {}
