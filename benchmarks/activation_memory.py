@@ -26,34 +26,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 import fspeed as fs
+from fspeed.activation_budget import bytes_kept_for_backward
 from fspeed.host_memory import live_host_bytes
 from fspeed.models.gpt_module import GPTModule, load_params_into_module
-
-
-def kept_by_forward(run_backward):
-    """(bytes kept when backward starts, seconds) for one step whose backward is autograd's."""
-    real = torch.autograd.backward
-    seen = []
-
-    def measuring(tensors, *args, **kwargs):
-        seen.append(live_host_bytes())
-        return real(tensors, *args, **kwargs)
-    torch.autograd.backward = measuring
-    torch.Tensor.backward = lambda self, *a, **k: measuring(self, *a, **k)
-    try:
-        before = live_host_bytes()
-        t0 = time.perf_counter()
-        run_backward()
-        return seen[0] - before, time.perf_counter() - t0
-    finally:
-        torch.autograd.backward = real
-        del torch.Tensor.backward  # back to the class's own
 
 
 def fspeed_variant(model, params, batch):
@@ -94,8 +74,6 @@ class _Checkpointed(torch.nn.Module):
 
 def partitioned_kept(partition: bool, layers: int, seq: int, batch: int, width: int) -> int:
     """One tensor-slicing rank's kept bytes for a fully rematerialized GPT (runs in a GlooWorld)."""
-    import gc
-
     cfg = fs.models.GPTConfig(vocab_size=256, seq_len=seq, n_layer=layers, n_head=width // 64, d_model=width)
     model = fs.remat(fs.models.gpt(cfg), "full", partition=partition)
     mesh = fs.Mesh(data=1, model=2)
@@ -107,8 +85,7 @@ def partitioned_kept(partition: bool, layers: int, seq: int, batch: int, width: 
     micro = {"inputs": x, "targets": x.roll(-1, 1)}
     state, _ = step(state, micro)
     s = step.begin(state)
-    gc.collect()
-    kept, _ = kept_by_forward(lambda: step.micro(s, state, micro))
+    kept, _ = bytes_kept_for_backward(lambda: step.micro(s, state, micro))
     return kept
 
 
@@ -144,7 +121,7 @@ def main() -> None:
     for step in range(args.steps + 1):  # the first round warms up
         names = list(variants) if step % 2 == 0 else list(reversed(variants))
         for name in names:
-            nbytes, seconds = kept_by_forward(variants[name])
+            nbytes, seconds = bytes_kept_for_backward(variants[name])
             if step:
                 kept[name].append(nbytes)
                 times[name].append(seconds)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -39,6 +39,36 @@ def _in_use(device: torch.device) -> Optional[int]:
     return live_host_bytes()
 
 
+def bytes_kept_for_backward(run: Callable[[], Any], device: torch.device = torch.device("cpu")) -> tuple[int, float]:
+    """(the allocator's in-use bytes on `device` when `run`'s first autograd backward starts, over
+    those before `run`; seconds `run` took): what its forward keeps for backward. Garbage is
+    collected first and the collector held off meanwhile (garbage freed mid-forward would hide
+    what it keeps)."""
+    real = torch.autograd.backward  # Tensor.backward calls it too
+    kept: list[int] = []
+
+    def measuring(tensors, *args, **kwargs):
+        if not kept:
+            kept.append(_in_use(device) - before)
+        return real(tensors, *args, **kwargs)
+
+    gc.collect()
+    before = _in_use(device)
+    if before is None:
+        raise RuntimeError("measuring activations counts the allocator's bytes: CUDA's, or glibc's malloc on CPU")
+    gc.disable()
+    torch.autograd.backward = measuring
+    start = time.perf_counter()
+    try:
+        run()
+    finally:
+        torch.autograd.backward = real
+        gc.enable()
+    if not kept:
+        raise RuntimeError("measuring activations: the function ran no autograd backward")
+    return kept[0], time.perf_counter() - start
+
+
 def measure_activations(model: Model, params: PyTree, micro_batch: Any, *, seed: int = 0) -> tuple[int, float]:
     """(bytes one micro-batch's forward keeps for backward, seconds of its forward and backward),
     measured through `make_train_step` on one process, after one warm-up step (module docstring)."""
@@ -50,29 +80,8 @@ def measure_activations(model: Model, params: PyTree, micro_batch: Any, *, seed:
     state = init_train_state(params, opt, seed=seed, model=model if model.init_buffers is not None else None)
     step = make_train_step(model.loss, opt)
     state, _ = step(state, micro_batch)  # first-step allocations (buffers, caches) are not activations
-    device = state.master_params.buffer.device
-    real = torch.autograd.backward
-    kept: list[int] = []
-
-    def measuring(tensors, *args, **kwargs):
-        kept.append(_in_use(device) - before)
-        return real(tensors, *args, **kwargs)
-
     s = step.begin(state)
-    gc.collect()  # earlier garbage freed during the forward would hide what it keeps
-    gc.disable()
-    before = _in_use(device)
-    if before is None:
-        gc.enable()
-        raise RuntimeError("measure_activations counts the allocator's bytes: CUDA's, or glibc's malloc on CPU")
-    torch.autograd.backward = measuring
-    start = time.perf_counter()
-    try:
-        step.micro(s, state, micro_batch)
-    finally:
-        torch.autograd.backward = real
-        gc.enable()
-    return kept[0], time.perf_counter() - start
+    return bytes_kept_for_backward(lambda: step.micro(s, state, micro_batch), state.master_params.buffer.device)
 
 
 @dataclass(frozen=True)
@@ -113,4 +122,4 @@ def remat_within_budget(model: Model, params: PyTree, micro_batch: Any, budget_b
                      f"partition_activations with tensor slicing\n" + str(BudgetChoice(budget_bytes, tuple(tried), None)))
 
 
-__all__ = ["BudgetChoice", "measure_activations", "remat_within_budget"]
+__all__ = ["BudgetChoice", "bytes_kept_for_backward", "measure_activations", "remat_within_budget"]

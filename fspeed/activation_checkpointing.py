@@ -24,9 +24,7 @@ again for it and freed after.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import functools
-import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Optional, Sequence
@@ -36,6 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from .models.model import Model
 from .models.ops import DENSE, BlockFn
+from .timers import synced_clock
 
 aten = torch.ops.aten
 MATMUL_OPS = frozenset({
@@ -127,7 +126,7 @@ class RematProfile:
     @staticmethod
     def totals(sums: dict[str, dict[str, float]]) -> dict[str, float]:
         """`sums` (from `take`) summed over the blocks, as metrics (`METRIC_KEYS`)."""
-        return {f"remat_{p}_ms": sum(row[p] for row in sums.values()) for p in PHASES}
+        return {key: sum(row[p] for row in sums.values()) for key, p in zip(METRIC_KEYS, PHASES)}
 
     @staticmethod
     def merge(into: dict[str, dict[str, float]], sums: dict[str, dict[str, float]]) -> None:
@@ -140,11 +139,10 @@ class RematProfile:
     @staticmethod
     def table(sums: dict[str, dict[str, float]]) -> str:
         """`sums` (from `take`) as a table, one row per block and a total."""
-        lines = [f"{'block':<24} {'forward ms':>11} {'recompute ms':>13} {'backward ms':>12}"]
-        for block, row in sums.items():
-            lines.append(f"{block:<24} " + " ".join(f"{row[p]:{w}.1f}" for p, w in zip(PHASES, (11, 13, 12))))
         total = {p: sum(row[p] for row in sums.values()) for p in PHASES}
-        lines.append(f"{'total':<24} " + " ".join(f"{total[p]:{w}.1f}" for p, w in zip(PHASES, (11, 13, 12))))
+        lines = [f"{'block':<24} {'forward ms':>11} {'recompute ms':>13} {'backward ms':>12}"]
+        for block, row in {**sums, "total": total}.items():
+            lines.append(f"{block:<24} " + " ".join(f"{row[p]:{w}.1f}" for p, w in zip(PHASES, (11, 13, 12))))
         return "\n".join(lines)
 
 
@@ -222,7 +220,7 @@ def checkpointed(remat: Remat, fn: Callable, *args: Any, model_comm: Any = None,
     held = [_HeldInput(a) if i and isinstance(a, torch.Tensor) and a.is_floating_point() else None
             for i, a in enumerate(args)]
     runs = [0]
-    profile, index = remat.profile, label
+    profile = remat.profile
     clock: dict[str, float] = {}
 
     def replayed(*a, **kw):
@@ -236,13 +234,13 @@ def checkpointed(remat: Remat, fn: Callable, *args: Any, model_comm: Any = None,
                 a[i] = g
         if profile is None:
             return fn(*a, **kw)
-        start = _now()
+        start = synced_clock()
         try:
             return fn(*a, **kw)
         finally:  # a recompute ends early (by an exception) once it has what backward needs
-            profile.add("recompute" if recompute else "forward", index, _now() - start)
+            profile.add("recompute" if recompute else "forward", label, synced_clock() - start)
             if recompute:
-                clock["recomputed"] = _now()
+                clock["recomputed"] = synced_clock()
 
     context_fn = remat.policy.context_fn()
     extra = {"context_fn": context_fn} if context_fn is not None else {}
@@ -252,7 +250,7 @@ def checkpointed(remat: Remat, fn: Callable, *args: Any, model_comm: Any = None,
         if h is None:
             continue
         if profile is not None and a.requires_grad:  # the block's backward ends when its input's gradient is done
-            a.register_hook(lambda g: (profile.add("backward", index, _now() - clock.get("recomputed", _now())), g)[1])
+            a.register_hook(lambda g: (profile.add("backward", label, synced_clock() - clock.get("recomputed", synced_clock())), g)[1])
         if remat.partition:
             h.partition(model_comm, remat.offload)
         elif remat.offload:
@@ -310,12 +308,6 @@ class _HeldInput:
         self.comm, self.tensor = comm, None
 
 
-def _now() -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
 class RematOps:
     """Ops whose `scan` checkpoints every `remat.every`-th block; everything else goes to `inner`."""
 
@@ -344,9 +336,14 @@ def remat(model: Model, policy: Any = "full", every: int = 1, *, offload: bool =
     `where` path patterns); any other model checkpoints the blocks it runs through `ops.scan`.
     """
     config = Remat(policy, every, offload, partition, profile, ContiguousArena() if contiguous else None)
-    module_loss = getattr(model.loss, "with_remat", None)
-    if module_loss is not None:
-        loss = model.loss.with_remat(config, where)
+    return apply_remat(model, config, where)
+
+
+def apply_remat(model: Model, config: Remat, where: Optional[Sequence[str]] = None) -> Model:
+    """`remat` with its settings as one `Remat` (what a run's config builds)."""
+    with_remat = getattr(model.loss, "with_remat", None)  # a functionalize()d module's loss
+    if with_remat is not None:
+        loss = with_remat(config, where)
         return dataclasses.replace(model, loss=loss, apply=loss.apply)
     if where is not None:
         raise ValueError(f"remat(where={where!r}): path patterns apply to functionalize()d modules; "
@@ -360,9 +357,5 @@ def remat(model: Model, policy: Any = "full", every: int = 1, *, offload: bool =
     return dataclasses.replace(model, loss=wrapped(model.loss), apply=wrapped(model.apply))
 
 
-def matching(paths: Sequence[str], patterns: Sequence[str]) -> list[str]:
-    """The paths matching any of the fnmatch `patterns`, in order."""
-    return [p for p in paths if any(fnmatch.fnmatchcase(p, pat) for pat in patterns)]
-
-
-__all__ = ["ContiguousArena", "Remat", "RematOps", "RematPolicy", "RematProfile", "checkpoint_name", "checkpointed", "remat", "remat_policies"]
+__all__ = ["ContiguousArena", "Remat", "RematOps", "RematPolicy", "RematProfile", "apply_remat", "checkpoint_name",
+           "checkpointed", "remat", "remat_policies"]

@@ -41,6 +41,14 @@ METRIC_KEYS = (*(f"{name}_ms" for name in PHASES), "allgather_ms")
 _MEASURED = ("fwd", "bwd_inner", "bwd_allreduce", "step")
 
 
+def synced_clock() -> float:
+    """`time.perf_counter()` once the CUDA work queued so far is done, where this process uses
+    CUDA (a CPU run never initialises it)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 class StepTimers:
     """Per-phase wall-clock totals of the step in progress (see the module docstring).
 

@@ -1,13 +1,12 @@
 """Activation checkpointing (remat): the no-remat gradients, less kept memory, on any model and plan."""
 
-import gc
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fspeed as fs
+from fspeed.activation_budget import bytes_kept_for_backward
 from fspeed.host_memory import live_host_bytes
 from tests.hf_models import SEQ, VOCAB, hf_gpt2, hf_llama
 
@@ -221,21 +220,8 @@ def partitioned_case(partition):
     step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)
     state, _ = step(state, batch)  # warm up
     s = step.begin(state)
-    real, kept = torch.autograd.backward, []
-
-    def measuring(tensors, *args, **kwargs):
-        kept.append(live_host_bytes() - before)
-        return real(tensors, *args, **kwargs)
-    gc.collect()  # garbage of earlier tests freed during the forward would hide what it keeps
-    gc.disable()
-    before = live_host_bytes()
-    torch.autograd.backward = measuring
-    try:
-        step.micro(s, state, batch)
-    finally:
-        torch.autograd.backward = real
-        gc.enable()
-    return kept[0], s.runtime.finish().buffer.clone()
+    kept, _ = bytes_kept_for_backward(lambda: step.micro(s, state, batch))
+    return kept, s.runtime.finish().buffer.clone()
 
 
 @pytest.mark.skipif(live_host_bytes() is None, reason="counts malloc's bytes (glibc)")

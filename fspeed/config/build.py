@@ -169,12 +169,9 @@ def build_model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
 def apply_activation_checkpointing(run: RunConfig, model):
     """(`model` with the run's activation checkpointing (`fspeed.activation_checkpointing`), its
     timing profile or None); `model` unchanged with policy none."""
-    import fspeed  # noqa: PLC0415
+    from ..activation_checkpointing import apply_remat  # noqa: PLC0415
 
-    ac = run.activation_checkpointing
-    remat = ac.to_library()
+    remat = run.activation_checkpointing.to_library()
     if remat is None:
         return model, None
-    profile = fspeed.RematProfile() if ac.profile else None
-    return fspeed.remat(model, remat.policy, remat.every, offload=remat.offload, partition=remat.partition,
-                        profile=profile, contiguous=ac.contiguous_memory_optimization), profile
+    return apply_remat(model, remat), remat.profile

@@ -572,12 +572,15 @@ class ActivationCheckpointingConfig(ValidatedConfig):
         return problems
 
     def to_library(self):
-        """The `fspeed.Remat` these keys describe, or None (policy none)."""
-        import fspeed  # noqa: PLC0415 (the schema module stays free of torch imports)
-
+        """The `fspeed.Remat` these keys describe (a fresh timing profile and buffer), or None (policy none)."""
         if self.policy == "none":
             return None
-        return fspeed.Remat(self.policy, self.every, self.cpu_checkpointing, self.partition_activations)
+        # the schema module stays free of torch imports
+        from fspeed.activation_checkpointing import ContiguousArena, Remat, RematProfile  # noqa: PLC0415
+
+        return Remat(self.policy, self.every, self.cpu_checkpointing, self.partition_activations,
+                     RematProfile() if self.profile else None,
+                     ContiguousArena() if self.contiguous_memory_optimization else None)
 
 
 KINDS: dict[str, dict[str, type]] = {"optimizer": OPTIMIZERS, "scheduler": SCHEDULERS, "precision": PRECISIONS}

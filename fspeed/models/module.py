@@ -83,6 +83,13 @@ def repeated_blocks(module: nn.Module) -> list[str]:
     return blocks
 
 
+def _match(paths: Sequence[str], patterns: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the paths matching any fnmatch pattern, in order; the patterns matching no path)."""
+    matched = [p for p in paths if any(fnmatch.fnmatchcase(p, pat) for pat in patterns)]
+    unmatched = [pat for pat in patterns if not any(fnmatch.fnmatchcase(p, pat) for p in paths)]
+    return matched, unmatched
+
+
 def unit_of_parameters(module: nn.Module, units: Units = "auto") -> dict[str, str]:
     """Each parameter's unit: the innermost block (or module matching a `units` pattern) that
     contains it, else the module that owns it."""
@@ -91,8 +98,8 @@ def unit_of_parameters(module: nn.Module, units: Units = "auto") -> dict[str, st
         blocks = set(repeated_blocks(module))
     else:
         patterns = [units] if isinstance(units, str) else list(units)
-        blocks = {path for path in modules if path and any(fnmatch.fnmatchcase(path, p) for p in patterns)}
-        unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(path, p) for path in modules if path)]
+        matched, unmatched = _match([path for path in modules if path], patterns)
+        blocks = set(matched)
         if unmatched:
             raise ValueError(f"functionalize: units pattern(s) {unmatched} match no submodule of "
                              f"{type(module).__name__}; submodules are e.g. {[m for m in modules if m][:6]}")
@@ -144,9 +151,7 @@ class ModuleLoss:
                 raise ValueError(f"remat: {self.name} has no repeated blocks to checkpoint; name its submodules "
                                  "with where=[path patterns] (each must be a unit: functionalize(..., units=...))")
         else:
-            patterns = [where] if isinstance(where, str) else list(where)
-            chosen = [u for u in order if any(fnmatch.fnmatchcase(u, p) for p in patterns)]
-            unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(u, p) for u in order)]
+            chosen, unmatched = _match(order, [where] if isinstance(where, str) else list(where))
             if unmatched:
                 raise ValueError(f"remat: pattern(s) {unmatched} match no unit of {self.name}; its units are e.g. "
                                  f"{order[:6]} (make a submodule a unit with functionalize(..., units=[...]))")
@@ -229,25 +234,30 @@ class ModuleLoss:
         eval mode. A unit recomputed in backward (remat) installs all of it again for its call."""
         sliced = bool(self.tp_styles) and bool(set(ops.tensor_axes) & TP_AXES)
         modules = dict(self.module.named_modules())
-        hf_remat = self._hf_checkpointed(modules, units) if train else {}
+        hf_layers = self._hf_checkpointed(modules) if train else {}
+        hf_remat = None
+        if hf_layers:
+            from ..activation_checkpointing import Remat  # noqa: PLC0415 (it imports the models package)
+
+            hf_remat = Remat()  # Hugging Face's own checkpointing: full, on every flagged layer
         computes = {}
         for path, m in modules.items():
             fn = self._compute(path, m, ops, sliced, dtype)
             if fn is not None:
                 computes[m] = fn
         overrides: dict[nn.Module, Callable] = dict(computes)
-        installed = _Installed(self.module, overrides, train, list(hf_remat.values()))
-        installed.remat = bool(hf_remat) or bool(self.remat_units and units)
+        installed = _Installed(self.module, overrides, train, list(hf_layers.values()),
+                               remat=bool(hf_layers) or bool(self.remat_units and units))
         taken: dict[str, list[tuple[str, Any, list[str]]]] = {}  # holder module -> the units it takes
         for path, u in units.items():
             names = self._unit_parameter_names(path)
             shared = [a for n in names for a in self.aliases.get(n, [n]) if not _within(a, path)]
             if not shared and path and path in modules:
-                remat = hf_remat.get(path, self.remat if path in self.remat_units else None)
+                remat = hf_remat if path in hf_layers else self.remat if path in self.remat_units else None
                 overrides[modules[path]] = self._call_route(path, u, ops, computes.get(modules[path]), installed,
                                                             remat)
             else:
-                if path in self.remat_units or path in hf_remat:
+                if path in self.remat_units or path in hf_layers:
                     raise ValueError(f"remat: unit {path!r} of {self.name} shares parameters with another module, "
                                      "so it is taken whole, not called: it cannot be checkpointed")
                 for holder in {_owner(a) for n in names for a in self.aliases.get(n, [n])}:
@@ -263,16 +273,12 @@ class ModuleLoss:
                 raise explain_failure(err) from err
             raise
 
-    def _hf_checkpointed(self, modules: dict[str, nn.Module], units: dict) -> dict[str, Any]:
-        """Hugging Face layers with `gradient_checkpointing` on (`gradient_checkpointing_enable()`):
-        their own torch.utils.checkpoint would recompute outside this forward (on the module's own
-        weights), so fspeed's remat (full) takes their place; each must be a unit."""
+    def _hf_checkpointed(self, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
+        """Hugging Face layers with `gradient_checkpointing` on (`gradient_checkpointing_enable()`), by
+        path: their own torch.utils.checkpoint would recompute outside this forward (on the module's
+        own weights), so fspeed's remat (full) takes their place; each must be a unit."""
         flagged = [p for p, m in modules.items() if getattr(m, "gradient_checkpointing", False) is True
                    and any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
-        if not flagged:
-            return {}
-        from ..activation_checkpointing import Remat  # noqa: PLC0415 (remat imports the models package)
-
         unit_paths = set(self.members)
         outside = [p for p in flagged if p not in unit_paths]
         if outside:
@@ -280,7 +286,7 @@ class ModuleLoss:
                              "units; call module.gradient_checkpointing_disable() and write "
                              f"fs.remat(fs.functionalize(module, ...), where={outside[:1]!r}) (or functionalize(..., "
                              f"units={outside[:1]!r}) to keep Hugging Face's switch)")
-        return {p: _HFRemat(modules[p], Remat()) for p in flagged}
+        return {p: modules[p] for p in flagged}
 
     def _compute(self, path: str, module: nn.Module, ops, sliced: bool, dtype) -> Optional[Callable]:
         """How `module` computes when not as its class says: tensor-sliced, or in fp32."""
@@ -304,15 +310,12 @@ class ModuleLoss:
         """The unit's module computes through `ops.call`: gathered for this call (ZeRO-3), recomputed
         (remat: `remat`, or zero.recompute_blocks), its gradients handed on as its backward ends."""
         module = self.module.get_submodule(path)
-        remat = getattr(remat, "remat", remat)
 
         def run(tree, *args, **kwargs):
             with installed, _forward_as(module, compute):  # names in `tree` are relative to the unit's module
                 return torch.func.functional_call(module, _flat(tree), args, kwargs, strict=False, tie_weights=False)
 
         def forward(*args, **kwargs):
-            if remat is None:
-                return ops.call(u, run, *args, **kwargs)
             return ops.call(u, run, *args, _remat=remat, **kwargs)
         return forward
 
@@ -342,11 +345,11 @@ class _Installed:
     overridden, Hugging Face's own checkpointing switched off. Re-entrant: a unit recomputed in
     backward enters it again around its call, after the forward has left it."""
 
-    def __init__(self, module: nn.Module, overrides: dict, train: bool, hf_layers: list):
+    def __init__(self, module: nn.Module, overrides: dict, train: bool, hf_layers: list, remat: bool):
         self.module, self.overrides, self.train, self.hf_layers = module, overrides, train, hf_layers
+        self.remat = remat  # whether a unit of this forward is checkpointed
         self.depth = 0
         self.modes: dict = {}
-        self.remat = False  # whether a unit of this forward is checkpointed
 
     def __enter__(self) -> "_Installed":
         if self.depth == 0:
@@ -355,7 +358,7 @@ class _Installed:
             for m, forward in self.overrides.items():
                 m.forward = forward
             for layer in self.hf_layers:
-                layer.module.gradient_checkpointing = False
+                layer.gradient_checkpointing = False
         self.depth += 1
         return self
 
@@ -365,16 +368,9 @@ class _Installed:
             for m in self.overrides:
                 m.__dict__.pop("forward", None)
             for layer in self.hf_layers:
-                layer.module.gradient_checkpointing = True
+                layer.gradient_checkpointing = True
             for m, mode in self.modes.items():
                 m.training = mode
-
-
-class _HFRemat:
-    """A Hugging Face layer whose checkpointing fspeed's remat does for it."""
-
-    def __init__(self, module: nn.Module, remat: Any):
-        self.module, self.remat = module, remat
 
 
 def _within(name: str, path: str) -> bool:
