@@ -110,6 +110,14 @@ class _Ledger:
         self.problems.append(Problem(ds_key, "unknown DeepSpeed key", value, allowed_names(known),
                                      suggestion=did_you_mean(ds_key.rsplit(".", 1)[-1], known)))
 
+    def known_block(self, ds_key: str, value: Any, keys: Any) -> Mapping[str, Any] | None:
+        """`block(ds_key, value)` with every key outside `keys` reported unknown."""
+        block = self.block(ds_key, value)
+        for key, item in (block or {}).items():
+            if key not in keys:
+                self.unknown(f"{ds_key}.{key}", item, keys)
+        return block
+
     def block(self, ds_key: str, value: Any) -> Mapping[str, Any] | None:
         """`value` if it is a mapping, else a problem and None."""
         if isinstance(value, Mapping):
@@ -584,13 +592,10 @@ def _activation_checkpointing(ds: Mapping[str, Any], w: _Ledger) -> None:
     block configures the checkpointing a model's code turns on; a block that turns a setting on
     turns fspeed's checkpointing on (policy full, every block) for the model fspeed trains.
     number_checkpoints sizes DeepSpeed's contiguous buffers; fspeed's buffer sizes itself."""
-    block = w.block("activation_checkpointing", ds["activation_checkpointing"])
+    defaults = K.ACTIVATION_CHECKPOINTING_KEYS
+    block = w.known_block("activation_checkpointing", ds["activation_checkpointing"], defaults)
     if block is None:
         return
-    defaults = K.ACTIVATION_CHECKPOINTING_KEYS
-    for key, value in block.items():
-        if key not in defaults:
-            w.unknown(f"activation_checkpointing.{key}", value, defaults)
     if all(key in defaults and _same(value, defaults[key]) for key, value in block.items()):
         w.accept("activation_checkpointing", dict(block), K.ACTIVATION_CHECKPOINTING_DEFAULT_REASON)
         return
@@ -607,21 +612,12 @@ def _activation_checkpointing(ds: Mapping[str, Any], w: _Ledger) -> None:
         w.emit("activation_checkpointing (a setting on)", "activation_checkpointing.policy", "full")
 
 
-def _known_block(ds: Mapping[str, Any], name: str, keys: Mapping[str, Any], w: _Ledger) -> Mapping[str, Any] | None:
-    """ds[name] if it is a mapping (its unknown keys reported), else None."""
-    block = w.block(name, ds[name])
-    for key, value in (block or {}).items():
-        if key not in keys:
-            w.unknown(f"{name}.{key}", value, keys)
-    return block
-
-
 def _event_monitor(ds: Mapping[str, Any], name: str, w: _Ledger) -> None:
     """`csv_monitor` / `tensorboard`: enabled -> the monitor's switch; output_path/job_name -> its
     directory `<output_path>/<job_name>` (DeepSpeed's layout). With output_path empty fspeed writes
     in the run directory (or its `tensorboard/`), under job_name when job_name is not the default."""
     keys = K.CSV_MONITOR_KEYS if name == "csv_monitor" else K.TENSORBOARD_KEYS
-    block = _known_block(ds, name, keys, w)
+    block = w.known_block(name, ds[name], keys)
     if block is None:
         return
     switch, dir_key, default_dir = K.EVENT_DIRS[name]
@@ -642,7 +638,7 @@ def _event_monitor(ds: Mapping[str, Any], name: str, w: _Ledger) -> None:
 
 def _wandb(ds: Mapping[str, Any], w: _Ledger) -> None:
     """`wandb`: enabled, group, team (W&B entity), project (DeepSpeed's default "deepspeed")."""
-    block = _known_block(ds, "wandb", K.WANDB_KEYS, w)
+    block = w.known_block("wandb", ds["wandb"], K.WANDB_KEYS)
     if block is None:
         return
     on = block.get("enabled", False)
@@ -657,7 +653,7 @@ def _wandb(ds: Mapping[str, Any], w: _Ledger) -> None:
 
 def _flops_profiler(ds: Mapping[str, Any], w: _Ledger) -> None:
     """`flops_profiler` -> the flops_profiler section, key for key."""
-    block = _known_block(ds, "flops_profiler", K.FLOPS_PROFILER_KEYS, w)
+    block = w.known_block("flops_profiler", ds["flops_profiler"], K.FLOPS_PROFILER_KEYS)
     for key, value in (block or {}).items():
         if key in K.FLOPS_PROFILER_KEYS:
             w.emit(f"flops_profiler.{key}", f"flops_profiler.{key}", value)
@@ -741,6 +737,12 @@ def _untested_optimizer(ds: Mapping[str, Any], w: _Ledger) -> None:
                  "DeepSpeed checks it only for an optimizer outside its tested list under ZeRO; not the case here")
 
 
+_BLOCKS = {  # top-level key -> its translator (the others: event monitors, wall_clock_breakdown, _other)
+    "zero_optimization": _zero, "tensor_parallel": _tensor_parallel, "comms_logger": _comms_logger, "wandb": _wandb,
+    "flops_profiler": _flops_profiler, "sparse_attention": _sparse_attention,
+    "activation_checkpointing": _activation_checkpointing, "curriculum_learning": translate_curriculum_learning,
+    "progressive_layer_drop": translate_progressive_layer_drop, "data_efficiency": translate_data_efficiency,
+}
 _HANDLED = {*K.TRIAD, "gradient_clipping", "steps_per_print", "fp16", "bf16", "bfloat16", "data_types",
             "optimizer", "scheduler", "zero_allow_untested_optimizer"}
 
@@ -760,30 +762,13 @@ def translate_deepspeed_config(ds: Mapping[str, Any]) -> DeepSpeedTranslation:
     _precision(ds, w)
     _untested_optimizer(ds, w)
     for key, value in ds.items():
-        if key == "zero_optimization":
-            _zero(ds, w)
-        elif key == "tensor_parallel":
-            _tensor_parallel(ds, w)
-        elif key == "comms_logger":
-            _comms_logger(ds, w)
+        translate = _BLOCKS.get(key)
+        if translate is not None:
+            translate(ds, w)
         elif key in K.EVENT_DIRS:
             _event_monitor(ds, key, w)
-        elif key == "wandb":
-            _wandb(ds, w)
-        elif key == "flops_profiler":
-            _flops_profiler(ds, w)
         elif key == "wall_clock_breakdown":
             w.emit(key, key, value)
-        elif key == "sparse_attention":
-            _sparse_attention(ds, w)
-        elif key == "activation_checkpointing":
-            _activation_checkpointing(ds, w)
-        elif key == "curriculum_learning":
-            translate_curriculum_learning(ds, w)
-        elif key == "progressive_layer_drop":
-            translate_progressive_layer_drop(ds, w)
-        elif key == "data_efficiency":
-            translate_data_efficiency(ds, w)
         elif key not in _HANDLED:
             _other(key, value, w)
     if w.problems:

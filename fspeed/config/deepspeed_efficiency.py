@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .deepspeed_keys import ENABLED_BLOCK_REASON
 from .errors import Problem
 
 CURRICULUM_TOP = {"enabled", "curriculum_type", "min_difficulty", "max_difficulty", "schedule_type", "schedule_config"}
@@ -23,14 +24,11 @@ PLD_KEYS = {"enabled": False, "theta": 1.0, "gamma": 0.001}
 
 def translate_curriculum_learning(ds: Mapping[str, Any], w: Any) -> None:
     """`curriculum_learning` -> curriculum.* (`w` is the translator's ledger)."""
-    block = w.block("curriculum_learning", ds["curriculum_learning"])
+    block = w.known_block("curriculum_learning", ds["curriculum_learning"], CURRICULUM_TOP)
     if block is None:
         return
-    for key in block:
-        if key not in CURRICULUM_TOP:
-            w.unknown(f"curriculum_learning.{key}", block[key], sorted(CURRICULUM_TOP))
     if not block.get("enabled", False):
-        w.accept("curriculum_learning", dict(block), "disabled: DeepSpeed does not use the feature either")
+        w.accept("curriculum_learning", dict(block), ENABLED_BLOCK_REASON)
         return
     missing = [k for k in ("curriculum_type", "min_difficulty", "max_difficulty", "schedule_type") if k not in block]
     if missing:
@@ -71,14 +69,11 @@ def translate_curriculum_learning(ds: Mapping[str, Any], w: Any) -> None:
 
 def translate_progressive_layer_drop(ds: Mapping[str, Any], w: Any) -> None:
     """`progressive_layer_drop` -> progressive_layer_drop.* (enabled, theta, gamma)."""
-    block = w.block("progressive_layer_drop", ds["progressive_layer_drop"])
+    block = w.known_block("progressive_layer_drop", ds["progressive_layer_drop"], PLD_KEYS)
     if block is None:
         return
-    for key in block:
-        if key not in PLD_KEYS:
-            w.unknown(f"progressive_layer_drop.{key}", block[key], sorted(PLD_KEYS))
     if not block.get("enabled", False):
-        w.accept("progressive_layer_drop", dict(block), "disabled: DeepSpeed does not use the feature either")
+        w.accept("progressive_layer_drop", dict(block), ENABLED_BLOCK_REASON)
         return
     for key in PLD_KEYS:
         if key in block or key == "enabled":
@@ -91,7 +86,7 @@ def translate_data_efficiency(ds: Mapping[str, Any], w: Any) -> None:
     enabled = isinstance(block, Mapping) and (block.get("enabled", False) or any(
         isinstance(v, Mapping) and v.get("enabled", False) for v in block.values()))
     if block is None or (isinstance(block, Mapping) and not enabled):
-        w.accept("data_efficiency", block, "disabled: DeepSpeed does not use the feature either")
+        w.accept("data_efficiency", block, ENABLED_BLOCK_REASON)
         return
     w.unsupported("data_efficiency.enabled", True, "false", "reads DeepSpeed's offline-analysis index files, which "
                   "fspeed does not; fspeed's data-efficiency curriculum builds and caches its own index: "
