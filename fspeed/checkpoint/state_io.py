@@ -46,7 +46,7 @@ from .meta import FORMAT, META_FILE, read_meta_file, verify_files, write_meta
 from .tensor_file import file_info, nonfinite_keys, open_tensor_file, write_tensor_file
 from .universal import (
     CAST_FROM_FP32, ChunkReader, assign_chunks, build_index, chunk_tensors, describe, file_index, fill_from_index,
-    source_key, state_slots,
+    saved_sources, state_slots,
 )
 
 log = logging.getLogger("fspeed")
@@ -395,14 +395,7 @@ def _fill(template: TrainState, meta: dict, reader, file: Path, load_optimizer_s
     wanted = {k: v for k, v in tensors.items()
               if not weights_only or k.startswith(("params/", "master/"))}
     prefer_master = template.master is None or converting
-    sources = {key: source_key(key, saved_keys, prefer_master) for key in wanted}
-    missing = sorted(k for k, source in sources.items() if source is None)
-    if missing:
-        raise CheckpointError(
-            f"{path} does not match the state it is loaded into: {len(missing)} tensors missing "
-            f"(e.g. {missing[:4]}); was it saved with another model or optimizer? "
-            "Use load_optimizer_states=False to load only the weights."
-        )
+    sources = saved_sources(wanted, saved_keys, prefer_master, path)
     if converting:
         log.warning("%s was saved with precision %s; converting it to this state's %s: the weights come from its "
                     "fp32 %s%s", path, meta["precision"], template.precision.name,

@@ -167,6 +167,18 @@ def source_key(key: str, index: dict, prefer_master: bool) -> Optional[str]:
     return None
 
 
+def saved_sources(keys, saved: Any, prefer_master: bool, path: Path) -> dict[str, str]:
+    """Which saved tensor fills each of `keys` (`source_key`); a CheckpointError naming the missing."""
+    sources = {key: source_key(key, saved, prefer_master) for key in keys}
+    missing = sorted(k for k, src in sources.items() if src is None)
+    if missing:
+        raise CheckpointError(
+            f"{path} does not match the state it is loaded into: {len(missing)} tensors missing "
+            f"(e.g. {missing[:4]}); was it saved with another model or optimizer? "
+            "Use load_optimizer_states=False to load only the weights.")
+    return sources
+
+
 def fill_from_index(template: TrainState, index: dict, chunks: ChunkReader, *,
                     same_layout: bool, weights_only: bool, converting: bool) -> tuple[list[str], list[str]]:
     """Copy every box `template` holds from the saved chunks into its buffers. State that belonged
@@ -180,13 +192,7 @@ def fill_from_index(template: TrainState, index: dict, chunks: ChunkReader, *,
     by_key: dict[str, list[Slot]] = {}
     for slot in wanted:
         by_key.setdefault(slot.key, []).append(slot)
-    sources = {key: source_key(key, index, prefer_master) for key in by_key}
-    missing = sorted(k for k, src in sources.items() if src is None)
-    if missing:
-        raise CheckpointError(
-            f"{chunks.path} does not match the state it is loaded into: {len(missing)} tensors missing "
-            f"(e.g. {missing[:4]}); was it saved with another model or optimizer? "
-            "Use load_optimizer_states=False to load only the weights.")
+    sources = saved_sources(by_key, index, prefer_master, chunks.path)
     my_rank = _global_rank(template)
     reset: list[str] = []
     synced: list[str] = []
@@ -255,4 +261,4 @@ def _global_rank(state: TrainState) -> int:
 
 
 __all__ = ["CAST_FROM_FP32", "SHARED", "ChunkReader", "assign_chunks", "build_index", "chunk_tensors", "describe",
-           "file_index", "fill_from_index", "fill_slot", "global_shape", "lowest_rank_copies", "source_key", "state_slots"]
+           "file_index", "fill_from_index", "fill_slot", "global_shape", "lowest_rank_copies", "saved_sources", "source_key", "state_slots"]
