@@ -261,4 +261,5 @@ def _global_rank(state: TrainState) -> int:
 
 
 __all__ = ["CAST_FROM_FP32", "SHARED", "ChunkReader", "assign_chunks", "build_index", "chunk_tensors", "describe",
-           "file_index", "fill_from_index", "fill_slot", "global_shape", "lowest_rank_copies", "saved_sources", "source_key", "state_slots"]
+           "file_index", "fill_from_index", "fill_slot", "global_shape", "lowest_rank_copies", "saved_sources",
+           "source_key", "state_slots"]
