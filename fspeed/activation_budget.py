@@ -101,7 +101,8 @@ class BudgetChoice:
         return "\n".join(lines)
 
 
-def remat_within_budget(model: Model, params: PyTree, micro_batch: Any, budget_bytes: int) -> tuple[Model, BudgetChoice]:
+def remat_within_budget(model: Model, params: PyTree, micro_batch: Any,
+                        budget_bytes: int) -> tuple[Model, BudgetChoice]:
     """`model` with the cheapest activation checkpointing whose forward keeps at most
     `budget_bytes` for one micro-batch like `micro_batch` (module docstring). Raises ValueError
     naming the smallest it measured when even full remat of every block does not fit."""
@@ -117,9 +118,10 @@ def remat_within_budget(model: Model, params: PyTree, micro_batch: Any, budget_b
         if kept <= budget_bytes:
             return candidate, BudgetChoice(budget_bytes, tuple(tried), (policy, every))
     smallest = min(k for _, _, k, _ in tried)
+    table = BudgetChoice(budget_bytes, tuple(tried), None)
     raise ValueError(f"no activation checkpointing fits {budget_bytes / 2**20:.1f} MiB per micro-batch: full remat of "
                      f"every block keeps {smallest / 2**20:.1f} MiB; use a smaller micro-batch (or sequence), or "
-                     f"partition_activations with tensor slicing\n" + str(BudgetChoice(budget_bytes, tuple(tried), None)))
+                     f"partition_activations with tensor slicing\n{table}")
 
 
 __all__ = ["BudgetChoice", "bytes_kept_for_backward", "measure_activations", "remat_within_budget"]

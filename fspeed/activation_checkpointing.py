@@ -197,7 +197,8 @@ class Remat:
                 raise ValueError(f"remat policy {self.policy!r} is not one of {sorted(POLICIES)} (or save_named(...))")
             object.__setattr__(self, "policy", POLICIES[self.policy])
         if not isinstance(self.policy, RematPolicy):
-            raise TypeError(f"remat policy must be a RematPolicy (fs.remat_policies.*) or its name, got {self.policy!r}")
+            raise TypeError(f"remat policy must be a RematPolicy (fs.remat_policies.*) or its name, "
+                            f"got {self.policy!r}")
         if self.contiguous is not None and (self.partition or self.offload):
             raise ValueError("remat: contiguous buffers hold whole inputs on the device; with partition or offload "
                              "(partition_activations, cpu_checkpointing) they are not implemented")
@@ -242,6 +243,11 @@ def checkpointed(remat: Remat, fn: Callable, *args: Any, model_comm: Any = None,
             if recompute:
                 clock["recomputed"] = synced_clock()
 
+    def backward_done(grad: torch.Tensor) -> torch.Tensor:
+        now = synced_clock()
+        profile.add("backward", label, now - clock.get("recomputed", now))
+        return grad
+
     context_fn = remat.policy.context_fn()
     extra = {"context_fn": context_fn} if context_fn is not None else {}
     passed = [h if h is not None else a for h, a in zip(held, args)]
@@ -250,7 +256,7 @@ def checkpointed(remat: Remat, fn: Callable, *args: Any, model_comm: Any = None,
         if h is None:
             continue
         if profile is not None and a.requires_grad:  # the block's backward ends when its input's gradient is done
-            a.register_hook(lambda g: (profile.add("backward", label, synced_clock() - clock.get("recomputed", synced_clock())), g)[1])
+            a.register_hook(backward_done)
         if remat.partition:
             h.partition(model_comm, remat.offload)
         elif remat.offload:
