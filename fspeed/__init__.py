@@ -18,6 +18,7 @@ from .flat import Flat, FlatLayout
 from .host_memory import retain_freed_host_memory
 from .activation_budget import BudgetChoice, measure_activations, remat_within_budget
 from .activation_checkpointing import Remat, RematPolicy, RematProfile, checkpoint_name, remat, remat_policies
+from .parallel import pipeline
 from .parallel import (
     CommError, CommLog, MemoryEstimate, Mesh, OffloadOptimizerConfig, OffloadParamConfig, P, PartitionSpec, Plan,
     UnitParams, ZeroConfig, estimate_memory, explain, gather_params, init_distributed, shutdown_distributed,
@@ -37,7 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CommError", "CommLog", "Mesh", "P", "PartitionSpec", "Plan", "ZeroConfig", "explain", "gather_params",
-    "init_distributed", "parallel", "shutdown_distributed", "tensor_slicing", "UnitParams", "zero",
+    "init_distributed", "parallel", "pipeline", "shutdown_distributed", "tensor_slicing", "UnitParams", "zero",
     "MemoryEstimate", "OffloadOptimizerConfig", "OffloadParamConfig", "estimate_memory",
     "CheckpointError", "checkpoint", "data", "load_checkpoint", "save_checkpoint", "sparse",
     "DonatedStateError", "Flat", "FlatLayout", "LossScaleAtMinimumError", "LossScaleState", "Model",

@@ -60,8 +60,10 @@ def init_train_state(
     check_param_groups(optimizer, paths)  # against every path: a ZeRO rank's slice may hold none of a group
     layout = resolve_flat(Plan() if local else plan, paths, leaves, treedef, LOCAL_MESH if local else mesh.sizes,
                           {a: 0 for a in LOCAL_MESH} if local else mesh.coords, logical_axes,
-                          model.units if model is not None else None)
+                          model.units if model is not None else None, model.layers if model is not None else None)
     check_optimizer(optimizer, layout)
+    if layout.pipeline is not None:  # this stage's parameters only
+        leaves = [leaf for path, leaf in zip(paths, leaves) if layout.pipeline.holds(path)]
     compute, master, target = build_param_state(leaves, layout, precision, device)
     # without a plan the optimizer state is sized as it would be (a 1-bit optimizer's world_size wins)
     return TrainState(params=compute, master=master,

@@ -47,7 +47,9 @@ from .optim.base import GradientTransformation, chain, needs_full_allreduce, opt
 from .optim.clipping import clip_coefficient
 from .parallel.mesh import Mesh
 from .parallel.plan import Plan
+from .parallel.pipeline_runtime import PipelineExecutor
 from .parallel.runtime import ParallelRuntime, check_optimizer
+from .models.model import Model
 from .pytree import PyTree, tree_flatten_with_paths, tree_unflatten
 from .timers import StepTimers
 from .train_state import TrainState
@@ -105,7 +107,7 @@ def _split_leading_clip(optimizer: GradientTransformation) -> tuple[float | None
 
 
 def make_train_step(
-    loss_fn: LossFn, optimizer: GradientTransformation, *, grad_accum: int = 1,
+    loss_fn: LossFn | Model, optimizer: GradientTransformation, *, grad_accum: int = 1,
     plan: Optional[Plan] = None, mesh=None, on_nonfinite: Optional[str] = None,
     timers: Optional[StepTimers] = None,
 ) -> "TrainStep":
@@ -127,7 +129,23 @@ def make_train_step(
 
     `timers` (a `fspeed.timers.StepTimers`) adds the wall-clock breakdown to the metrics (`fwd_ms`,
     `bwd_ms`, `bwd_inner_ms`, `bwd_allreduce_ms`, `step_ms`, `allgather_ms`); without it no timer is called.
+
+    A `Model` may be passed instead of its loss; a plan with `fs.pipeline(...)` needs it (its layer
+    sequence is what the stages run, `fspeed.parallel.pipeline_runtime`). The pipeline's micro-batches
+    are the gradient accumulation: `grad_accum` is then `micro_batches` (or must equal it), and the loss
+    and grad norm are the whole model's on every stage.
     """
+    model = loss_fn if isinstance(loss_fn, Model) else None
+    loss_fn = model.loss if model is not None else loss_fn
+    pipe = plan.find("pipeline") if plan is not None else None
+    if pipe is not None:
+        if model is None or model.layers is None:
+            raise ValueError("a pipeline plan needs the model's layer sequence: pass the Model itself "
+                             "(make_train_step(model, opt, plan=plan, mesh=mesh)), one with Model.layers")
+        if grad_accum not in (1, pipe.micro_batches):
+            raise ValueError(f"grad_accum={grad_accum} but the pipeline runs micro_batches={pipe.micro_batches}: "
+                             "the pipeline's micro-batches are the gradient accumulation; pass one of them")
+        grad_accum = pipe.micro_batches
     if on_nonfinite is not None and on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite={on_nonfinite!r}; allowed: None, {', '.join(map(repr, ON_NONFINITE))}")
     if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
@@ -139,6 +157,7 @@ def make_train_step(
     clip_norm, rest = _split_leading_clip(optimizer)
     parallel_aware = _accepts_keyword(loss_fn, "ops")
     runtimes: dict = {}
+    executors: dict = {}  # a pipeline's, by the same key
 
     def runtime_for(state: TrainState) -> ParallelRuntime:
         layout = state.layout
@@ -157,13 +176,16 @@ def make_train_step(
                                  f"({layout.describe()})")
             step_mesh = mesh
         check_optimizer(optimizer, layout)
-        if layout.tensor_axes and not parallel_aware:
+        if layout.tensor_axes and not parallel_aware and pipe is None:
             raise ValueError("tensor slicing needs a parallel-aware loss (one that accepts ops=, like the "
                              "reference GPT's); functionalize(nn.Module) models support ZeRO stages 0-3 only")
         key = (layout, state.precision)
         if key not in runtimes:
             runtimes.clear()
             runtimes[key] = ParallelRuntime(layout, step_mesh, state.precision, state.params)
+            if pipe is not None:
+                executors.clear()
+                executors[key] = PipelineExecutor(layout, step_mesh, model.layers, state.precision.grad_accum_dtype)
         return runtimes[key]
     # Module state (functionalize's BatchNorm statistics) must enter the transformed function as an
     # input to be updated in place under torch.func: the state's buffers, passed as an argument.
@@ -216,8 +238,31 @@ def make_train_step(
         device = runtime.compute_device(_params(state, runtime))
         return _Step(runtime, allreduce, torch.Generator(device=device), torch.zeros((), device=device))
 
+    def pipelined(step: _Step, state: TrainState, micro_batches: list[PyTree]) -> None:
+        """All micro-batches through this stage's part of the pipeline schedule; the stage's summed
+        gradient goes to the runtime's sink as one micro-batch."""
+        runtime = step.runtime
+        executor = executors[(state.layout, state.precision)]
+        runtime.settle_params()  # ZeRO-1/2's gather of the last update
+        multiplier = state.loss_scale.scale / (grad_accum * runtime.n)
+        layers = len(model.layers.layers)
+
+        def layer_rng(m: int, i: int) -> torch.Generator:
+            return step.generator.manual_seed(dropout_seed(state.rng_seed, state.step, m * layers + i))
+        if timers is not None:
+            timers.start("fwd")  # forward and backward interleave: the schedule's time is fwd_ms
+        losses, grads = executor.step(state.params, micro_batches, multiplier, layer_rng)
+        if timers is not None:
+            timers.stop("fwd")
+        runtime.deliver_summed(grads, step.allreduce)
+        step.losses = losses or [torch.zeros(()) for _ in micro_batches]
+        step.rows = sum(_rows(mb) for mb in micro_batches)
+
     def micro(step: _Step, state: TrainState, micro_batch: PyTree) -> torch.Tensor:
         """One micro-batch's forward and backward; its gradient goes to the runtime's sink."""
+        if pipe is not None:
+            raise RuntimeError("a pipeline runs whole steps (all micro-batches interleaved by its schedule): call "
+                               "train_step(state, batch) (the engine's train_batch), not micro-batch by micro-batch")
         i = len(step.losses)
         if i >= grad_accum:
             raise RuntimeError(f"this step already has its {grad_accum} micro-batches (grad_accum); finish it first")
@@ -244,7 +289,7 @@ def make_train_step(
         if timers is not None:
             timers.stop("bwd_allreduce")
             timers.start("step")
-        mean_loss = runtime.mean_over_data(float(torch.stack(step.losses).mean()))
+        mean_loss = runtime.mean_loss(float(torch.stack(step.losses).mean()))
 
         scaled_norm = runtime.grad_norm(grads)
         dynamic_scaler = precision.loss_scale is not None and precision.loss_scale.dynamic
@@ -309,7 +354,8 @@ def make_train_step(
             metrics.update(timers.end_step())
         return metrics
 
-    return TrainStep(begin, micro, boundary, grad_accum, runtime_for, persistent_grad_bytes)
+    return TrainStep(begin, micro, boundary, grad_accum, runtime_for, persistent_grad_bytes,
+                     pipelined if pipe is not None else None)
 
 
 class _Step:
@@ -332,8 +378,9 @@ class TrainStep:
     `boundary(step, state) -> (state, metrics)`, which donates `state`.
     """
 
-    def __init__(self, begin, micro, boundary, grad_accum: int, runtime_for, persistent_grad_bytes):
+    def __init__(self, begin, micro, boundary, grad_accum: int, runtime_for, persistent_grad_bytes, pipelined=None):
         self.begin, self.micro, self.boundary = begin, micro, boundary
+        self.pipelined = pipelined
         self.grad_accum = grad_accum
         self.runtime_for = runtime_for
         self.persistent_grad_bytes = persistent_grad_bytes
@@ -341,6 +388,9 @@ class TrainStep:
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         micro_batches = split_micro_batches(batch, self.grad_accum)
         step = self.begin(state)
+        if self.pipelined is not None:
+            self.pipelined(step, state, micro_batches)
+            return self.boundary(step, state)
         for micro_batch in micro_batches:
             self.micro(step, state, micro_batch)
         return self.boundary(step, state)

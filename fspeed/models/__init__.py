@@ -1,6 +1,7 @@
 """Models as pure functions of parameter pytrees."""
 
 from .gpt import GPT_RULES, GPTConfig, gpt, gpt_logical_axes, pad_vocab
+from .layers import Layer, LayerSequence, TiedLayer, sequential
 from .layer_drop import LayerDrop, kept_blocks, step_layer_drop
 from .model import LogicalAxes, Model, count_params
 from .module import functionalize, to_module
@@ -14,4 +15,5 @@ __all__ = [
     "DENSE", "DenseOps", "GPT_RULES", "GPTConfig", "LogicalAxes", "Model", "count_params", "functionalize",
     "MODULE_TP_RULES", "gpt", "gpt_logical_axes", "gpt_rules", "module_tp_rules", "pad_vocab", "to_module",
     "tp_plan_from", "LayerDrop", "kept_blocks", "step_layer_drop",
+    "Layer", "LayerSequence", "TiedLayer", "sequential",
 ]

@@ -35,6 +35,7 @@ from einops import rearrange
 
 from ..sparse import SparseAttentionConfig, SparseSelfAttention
 from .layer_drop import PLD_BATCH_KEY, LayerDrop, kept_blocks
+from .layers import Layer, LayerSequence
 from .model import LogicalAxes, Model
 from .ops import DENSE, DenseOps
 
@@ -183,7 +184,40 @@ def gpt(cfg: GPTConfig) -> Model:
         logits = apply(params, batch["inputs"], rng=rng, ops=ops, layer_drop=batch.get(PLD_BATCH_KEY))
         return ops.cross_entropy(logits, batch["targets"], vocab_axis="vocab")
 
-    return Model(init, apply, loss, gpt_logical_axes(cfg), name="gpt")
+    return Model(init, apply, loss, gpt_logical_axes(cfg), name="gpt", layers=gpt_layers(cfg, attend))
+
+
+def gpt_layers(cfg: GPTConfig, attend=None) -> LayerSequence:
+    """The GPT as layers for a pipeline: `embed` (wte, wpe), `blocks.0` .. `blocks.{n-1}`, `head` (ln_f and
+    the tied wte, or `head`); the loss is the cross-entropy of the head's logits. The same ops in the
+    same order as `gpt(cfg).loss` (progressive layer dropping is not offered here)."""
+    attend = attend or _attend(cfg)
+
+    def embed(params: dict, inputs: torch.Tensor, *, rng=None, ops: DenseOps = DENSE) -> torch.Tensor:
+        S = inputs.shape[1]
+        if S > cfg.seq_len:
+            raise ValueError(f"sequence length {S} exceeds the model's seq_len={cfg.seq_len}")
+        x = ops.embedding(inputs, ops.param(params["wte"]), vocab_axis="vocab") + ops.param(params["wpe"])[:S]
+        return _dropout(x, cfg.dropout, rng)
+
+    def block(i: int):
+        def run(params: dict, x: torch.Tensor, *, rng=None, ops: DenseOps = DENSE) -> torch.Tensor:
+            fn = functools.partial(_block, n_head=cfg.n_head, dropout=cfg.dropout, ops=ops, attend=attend)
+            return ops.scan(fn, [params["blocks"][i]], x, rng)
+        return run
+
+    def head(params: dict, x: torch.Tensor, *, rng=None, ops: DenseOps = DENSE) -> torch.Tensor:
+        x = _layer_norm(x, ops.param(params["ln_f"]))
+        w = ops.param(params["wte"] if cfg.tie_embeddings else params["head"])
+        return ops.linear(x, w, out_axis="vocab", in_axis="embed")
+
+    def loss(logits: torch.Tensor, batch: dict, *, ops: DenseOps = DENSE) -> torch.Tensor:
+        return ops.cross_entropy(logits, batch["targets"], vocab_axis="vocab")
+
+    layers = [Layer("embed", embed, ("wte", "wpe"), "Embedding")]
+    layers += [Layer(f"blocks.{i}", block(i), (f"blocks.{i}",), "TransformerBlock") for i in range(cfg.n_layer)]
+    layers.append(Layer("head", head, ("ln_f", "wte" if cfg.tie_embeddings else "head"), "Head"))
+    return LayerSequence(tuple(layers), lambda batch: batch["inputs"], loss)
 
 
 def pad_vocab(vocab_size: int, multiple: int = 8) -> int:

@@ -27,7 +27,8 @@ class Model:
 
     `units` (parameter path -> unit name; None: `blocks.3` / top-level entry) says what the
     parallel runtime gathers, recomputes and delivers gradients by; `init_buffers()` returns the
-    module state a TrainState carries (BatchNorm statistics), None when there is none.
+    module state a TrainState carries (BatchNorm statistics), None when there is none; `layers` (a
+    `LayerSequence`) is the model as layers in order, which a pipeline assigns to stages.
     """
 
     init: Callable[..., PyTree]
@@ -37,6 +38,7 @@ class Model:
     name: str = "model"
     units: Optional[dict[str, str]] = None
     init_buffers: Optional[Callable[[], PyTree]] = None
+    layers: Optional[Any] = None  # a `fspeed.models.layers.LayerSequence`: what pipeline stages split
 
     def describe(self, params: PyTree) -> str:
         """A table of parameter path, shape and logical axes, and the total count."""

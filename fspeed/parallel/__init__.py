@@ -23,10 +23,12 @@ from .plan import Placement, Plan, Transform
 from .runtime import gather_params
 from .specs import P, PartitionSpec
 from .tensor_slicing import tensor_slicing
+from .pipeline import StagePlan, pipeline
 from .zero import zero
 
 __all__ = [
     "CommError", "CommLog", "Layout", "MemoryEstimate", "Mesh", "OffloadOptimizerConfig", "OffloadParamConfig", "P",
     "PartitionSpec", "Placement", "Plan", "Transform", "UnitParams", "ZeroConfig", "estimate_memory", "explain",
     "gather_params", "init_distributed", "resolve", "shutdown_distributed", "tensor_slicing", "zero",
+    "StagePlan", "pipeline",
 ]

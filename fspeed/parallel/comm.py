@@ -321,6 +321,24 @@ class AxisComm:
                     lambda: dist.all_to_all_single(out, send, group=self.group, async_op=True)).wait()
         return out
 
+    # -- point to point (pipeline stages) ----------------------------------------------------
+
+    def start_send(self, tensor: torch.Tensor, peer: int) -> "Pending":
+        """Launch a send of a contiguous tensor to axis rank `peer`; keep the Pending until it is done."""
+        self._check("send", tensor)
+        return self._start("send", _nbytes(tensor),
+                           lambda: dist.isend(tensor, dst=self.ranks[peer], group=self.group), keep=tensor)
+
+    def recv_(self, out: torch.Tensor, peer: int, what: str) -> torch.Tensor:
+        """Receive into the contiguous `out` from axis rank `peer`; a failure or timeout names `what`
+        (the tensor, its micro-batch and the peer stage) besides the op and the axis."""
+        self._check("recv", out)
+        try:
+            self._start("recv", _nbytes(out), lambda: dist.irecv(out, src=self.ranks[peer], group=self.group)).wait()
+        except CommError as err:
+            raise CommError(f"while receiving {what}: {err}") from err
+        return out
+
     # -- functional collectives, used inside autograd Functions ------------------------------
 
     def gathered(self, shard: torch.Tensor) -> torch.Tensor:

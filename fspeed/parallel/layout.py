@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import optree
 import torch
@@ -35,6 +35,7 @@ from ..flat import FlatLayout
 from ..pytree import PyTree, tree_flatten, tree_flatten_with_paths, tree_unflatten
 from .comm import ceil_div
 from .config import ZeroConfig
+from .pipeline import StagePlan
 from .plan import ParamEntry, Placement, Plan
 from .specs import PartitionSpec, local_shape
 
@@ -103,6 +104,7 @@ class Layout:
     partition: FlatLayout  # stages 1-2: this rank's slice of `local`, as pieces (module docstring)
     shard_starts: tuple[int, ...]  # stage 3: where each unit's shard starts in `storage` (-1: none)
     tensor_axes: tuple[str, ...] = ()  # logical axes sliced over `model`
+    pipeline: Optional[StagePlan] = None  # the stages' layers; `params` are then this stage's only
 
     @property
     def stage(self) -> int:
@@ -155,18 +157,37 @@ def default_unit(path: str) -> str:
 
 def resolve(plan: Plan, params: PyTree, mesh_sizes: Mapping[str, int], mesh_coords: Mapping[str, int],
             logical_axes: Optional[Mapping[str, Sequence[Optional[str]]]] = None,
-            units: Optional[Mapping[str, str]] = None) -> Layout:
+            units: Optional[Mapping[str, str]] = None, layers: Any = None) -> Layout:
     """Resolve `plan` for `params` (global shapes; meta tensors are fine) on a mesh with the given
     sizes and coordinates. `logical_axes` (the model's) are needed for tensor slicing; `units`
-    (the model's: parameter path -> unit) default to `default_unit`."""
-    return resolve_flat(plan, *tree_flatten_with_paths(params), mesh_sizes, mesh_coords, logical_axes, units)
+    (the model's: parameter path -> unit) default to `default_unit`; `layers` (the model's
+    `LayerSequence`) are what a pipeline cuts into stages."""
+    return resolve_flat(plan, *tree_flatten_with_paths(params), mesh_sizes, mesh_coords, logical_axes, units, layers)
 
 
 def resolve_flat(plan: Plan, paths: Sequence[str], leaves: Sequence[torch.Tensor], treedef: optree.PyTreeSpec,
                  mesh_sizes: Mapping[str, int], mesh_coords: Mapping[str, int],
                  logical_axes: Optional[Mapping[str, Sequence[Optional[str]]]] = None,
-                 units: Optional[Mapping[str, str]] = None) -> Layout:
-    """`resolve` of a tree already flattened with paths (the one flattening a state's build needs)."""
+                 units: Optional[Mapping[str, str]] = None, layers: Any = None) -> Layout:
+    """`resolve` of a tree already flattened with paths (the one flattening a state's build needs).
+    Under a pipeline the layout is the stage's: its parameters only, in a tree whose other leaves are
+    None (so paths and the unit subtrees are the model's)."""
+    stage_plan = None
+    pipe = plan.find("pipeline")
+    if pipe is not None:
+        if layers is None:
+            raise ValueError("a pipeline plan needs the model's layer sequence (Model.layers): pass model= to "
+                             "init_train_state (the reference GPT and fs.models.sequential(...) have one)")
+        zero = plan.find("zero")
+        if zero is not None and zero.config.stage == 3:
+            raise ValueError("ZeRO stage 3 with a pipeline: not allowed (a stage's parameters are whole on its "
+                             "data ranks; DeepSpeed allows stages 0-1 with pipelines, fspeed 0-2)")
+        stage_plan = pipe.stage_plan(layers, paths, [tuple(leaf.shape) for leaf in leaves], treedef,
+                                     mesh_sizes, mesh_coords)
+        keep = [stage_plan.holds(p) for p in paths]
+        treedef = tree_flatten(tree_unflatten(treedef, [leaf if k else None for leaf, k in zip(leaves, keep)]))[1]
+        paths = [p for p, k in zip(paths, keep) if k]
+        leaves = [leaf for leaf, k in zip(leaves, keep) if k]
     if units is not None:
         missing = [p for p in paths if p not in units]
         if missing:
@@ -204,7 +225,7 @@ def resolve_flat(plan: Plan, paths: Sequence[str], leaves: Sequence[torch.Tensor
         storage, starts = local, tuple(-1 for _ in units)
     tensor_axes = tensor.sliced_axes(sizes) if tensor is not None else ()
     return Layout(plan, zero_cfg, tuple(sorted(sizes.items())), tuple(sorted(mesh_coords.items())), infos, local,
-                  units, storage, partition, starts, tensor_axes)
+                  units, storage, partition, starts, tensor_axes, stage_plan)
 
 
 def _units(infos: Sequence[ParamInfo], treedef: optree.PyTreeSpec, data_size: int) -> tuple[UnitInfo, ...]:

@@ -66,9 +66,6 @@ class Mesh:
         for axis, size in sizes.items():
             if size != -1 and (not isinstance(size, int) or size < 1):
                 raise ValueError(f"Mesh: {axis}={size!r} must be a positive integer or -1")
-        if sizes["pipe"] != 1:
-            raise ValueError(f"Mesh: pipe={sizes['pipe']}: pipeline parallelism is not built yet, and a pipe axis "
-                             "without it would train unsynchronised copies of the model; allowed: pipe=1")
         known = 1
         for axis, size in sizes.items():
             if size != -1:

@@ -143,7 +143,7 @@ class Plan:
 def _axis_hint(axis: str) -> str:
     return {
         "model": "add fs.tensor_slicing(rules) to the plan, or use model=1",
-        "pipe": "pipeline parallelism is not built yet: use pipe=1 (a pipe axis would train unsynchronised copies)",
+        "pipe": "add fs.pipeline(micro_batches=...) to the plan, or use pipe=1",
     }.get(axis, f"use {axis}=1")
 
 

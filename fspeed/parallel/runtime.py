@@ -23,6 +23,7 @@ computes.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -75,6 +76,9 @@ def check_optimizer(optimizer, layout: Layout) -> None:
                     "declare Capabilities(elementwise=True) if its update of each element depends only on that element")
             raise ValueError(f"{name} is not declared elementwise, and {where} give it only part of each buffer; "
                              f"{what}.")
+    if layout.pipeline is not None and optimizer.having("communicates"):
+        raise ValueError(f"{optimizer.having('communicates')} compresses the data-parallel all-reduce itself and cannot "
+                         "run with a pipeline yet; use adam/adamw/lamb/sgd with pipelines")
     check_optimizer_for_offload(optimizer, layout)
 
 
@@ -153,6 +157,7 @@ class ParallelRuntime:
         self.mesh = mesh
         self.data: AxisComm = mesh.comm("data")
         self.model: AxisComm = mesh.comm("model")
+        self.pipe: AxisComm = mesh.comm("pipe")
         self.n = layout.data_size
         self.rank = self.data.rank
         self.offload = offloads_optimizer(layout)
@@ -214,6 +219,16 @@ class ParallelRuntime:
         self.close_ops()
         self.sink.end_micro()
 
+    def deliver_summed(self, grads: Flat, reduce: bool) -> None:
+        """A gradient summed outside the sink (a pipeline stage's, over its micro-batches), handed to
+        the sink as the step's one micro-batch (reduced over `data` by the ZeRO stage)."""
+        self.sink.begin_step(reduce, 1)
+        self.sink.begin_micro(0)
+        segments = grads.layout.segments(grads.buffer)
+        for unit in reversed(self.layout.units):
+            self.sink.deliver(unit.index, [segments[i] for i in unit.params])
+        self.sink.end_micro()
+
     def finish(self) -> Flat:
         """The reduced gradient the optimizer consumes (with offload_optimizer: on the host, in the
         accumulation dtype)."""
@@ -254,7 +269,10 @@ class ParallelRuntime:
         if self.model.size > 1:
             reduced = self.model.all_reduce_(torch.stack([data_model, model_only]).to(device)).to(grads.device)
             data_model, model_only = reduced[0], reduced[1]
-        return float((data_model + data_only + model_only + local).sqrt())
+        total = data_model + data_only + model_only + local
+        if self.pipe.size > 1:  # every stage's parameters (a tied copy counted on its first stage only)
+            total = self.pipe.all_reduce_(total.reshape(1).to(device)).to(grads.device)[0]
+        return float(total.sqrt())
 
     def _pieces(self, grads: Flat) -> NormPieces:
         key = (grads.layout, grads.buffer.data_ptr())
@@ -269,9 +287,11 @@ class ParallelRuntime:
         info = layout.info
         sharded = {layout.params[i].path for u in layout.units for i in u.sharded_params}
         partitioned_stage = layout.stage in (1, 2) and self.n > 1
+        plan = layout.pipeline
+        copies = {p for p, stages in plan.tied if stages[0] != plan.stage} if plan is not None else set()
         for path, seg in zip(grads.layout.paths, grads.segments()):
-            if path not in info or not seg.numel():
-                continue  # padding
+            if path not in info or not seg.numel() or path in copies:
+                continue  # padding, or a tied parameter's copy (its first stage counts it)
             partitioned = partitioned_stage or path in sharded
             sliced = info[path].tp_sharded
             group = pieces.data_model if partitioned and sliced else pieces.data_only if partitioned \
@@ -348,6 +368,15 @@ class ParallelRuntime:
     def mean_over_data(self, value: float) -> float:
         return self.data.all_reduce_scalar(value) / self.n if self.n > 1 else value
 
+    def mean_loss(self, value: float) -> float:
+        """A step's loss averaged over data ranks; under a pipeline, the last stage's, on every stage."""
+        value = self.mean_over_data(value)
+        plan = self.layout.pipeline
+        if plan is not None and self.pipe.size > 1:
+            last = (plan.stages * plan.virtual_stages - 1) % plan.stages
+            value = self.pipe.all_reduce_scalar(value if plan.stage == last else 0.0)
+        return value
+
     def broadcast_buffers(self, buffers: PyTree) -> None:
         """Module state (BatchNorm statistics) from data rank 0 to the others, in place (DDP's
         broadcast_buffers): each data rank's forward updates its own copy with its own batch."""
@@ -399,7 +428,33 @@ def gather_params(state, mesh) -> PyTree:
         if dim is not None and model.size > 1:
             leaf = model.gathered(leaf.movedim(dim, 0).contiguous()).movedim(0, dim)
         out.append(leaf.clone())
+    if layout.pipeline is not None:
+        return _gather_stages(layout, mesh.comm("pipe"), dict(zip(layout.local.paths, out)), source.dtype,
+                              source.device)
     return tree_unflatten(layout.local.treedef, out)
+
+
+def _gather_stages(layout: Layout, pipe: AxisComm, held: dict[str, torch.Tensor], dtype: torch.dtype,
+                   device: torch.device) -> PyTree:
+    """The whole model's tree from every pipeline stage's parameters: one broadcast per stage of
+    the parameters it is the first to hold."""
+    plan = layout.pipeline
+    owned: dict[int, list[int]] = {}
+    for i, path in enumerate(plan.global_paths):
+        owned.setdefault(plan.stages_holding(path)[0], []).append(i)
+    leaves: list = [None] * len(plan.global_paths)
+    for stage in range(plan.stages):
+        idx = owned.get(stage, [])
+        sizes = [math.prod(plan.global_shapes[i]) for i in idx]
+        if stage == plan.stage:
+            packed = torch.cat([held[plan.global_paths[i]].reshape(-1) for i in idx]) if idx else \
+                torch.empty(0, dtype=dtype, device=device)
+        else:
+            packed = torch.empty(sum(sizes), dtype=dtype, device=device)
+        pipe.broadcast_(packed, stage)
+        for i, piece in zip(idx, packed.split(sizes)):
+            leaves[i] = piece.view(plan.global_shapes[i]).clone()
+    return tree_unflatten(plan.global_treedef, leaves)
 
 
 __all__ = ["NormPieces", "ParallelRuntime", "build_param_state", "check_optimizer", "gather_params", "local_image",

@@ -3,6 +3,8 @@ on the same global batches, and compare.
 
     assert_trains_like_one_process(my_pkg.build_model, fs.zero(3) | fs.tensor_slicing(...),
                                    make_batch=my_pkg.make_batch, world_size=4, tensor=2)
+    assert_trains_like_one_process(my_pkg.build_model, fs.zero(1) | fs.pipeline(micro_batches=4),
+                                   make_batch=my_pkg.make_batch, world_size=4, pipe=2)
 
 `build_model()` returns an `nn.Module` (with `loss_fn`) or an fspeed `Model`; it and
 `make_batch(rows, seed)` (a dict or tuple of tensors, rows along dim 0) run in every rank's process,
@@ -56,18 +58,18 @@ def _optimizer(optimizer: Optional[Callable]):
     return fs.optim.chain(fs.optim.clip_by_global_norm(1.0), fs.optim.adamw(1e-3, weight_decay=0.01))
 
 
-def train_on_world(build_model: Callable, plan, make_batch: Callable, *, tensor: int = 1, steps: int = 3,
+def train_on_world(build_model: Callable, plan, make_batch: Callable, *, tensor: int = 1, pipe: int = 1, steps: int = 3,
                    grad_accum: int = 1, micro_batch: int = 2, optimizer: Optional[Callable] = None,
                    precision: str = "fp32", loss_fn: Optional[Callable] = None, tp_plan=None, seed: int = 0) -> Trained:
     """One rank's side of the comparison (runs in every process of a GlooWorld)."""
     import fspeed as fs
 
     model, opt = _model(build_model, loss_fn, tp_plan), _optimizer(optimizer)
-    mesh = fs.Mesh(data=-1, model=tensor)
+    mesh = fs.Mesh(data=-1, model=tensor, pipe=pipe)
     data, rank = mesh.size("data"), mesh.coordinate("data")
-    state = fs.init_train_state(model.init(), opt, precision=getattr(fs.precision, precision)(), seed=seed,
+    state = fs.init_train_state(model.init(torch.Generator().manual_seed(seed)), opt, precision=getattr(fs.precision, precision)(), seed=seed,
                                 plan=plan, mesh=mesh, model=model)
-    step = fs.make_train_step(model.loss, opt, grad_accum=grad_accum, plan=plan, mesh=mesh)
+    step = fs.make_train_step(model, opt, grad_accum=grad_accum, plan=plan, mesh=mesh)
     losses = []
     for i in range(steps):
         batch = make_batch(micro_batch * grad_accum * data, seed + i)
@@ -84,7 +86,7 @@ def _reference(build_model: Callable, make_batch: Callable, data: int, *, steps:
     import fspeed as fs
 
     model, opt = _model(build_model, loss_fn, tp_plan), _optimizer(optimizer)
-    state = fs.init_train_state(model.init(), opt, precision=getattr(fs.precision, precision)(), seed=seed,
+    state = fs.init_train_state(model.init(torch.Generator().manual_seed(seed)), opt, precision=getattr(fs.precision, precision)(), seed=seed,
                                 model=model)
     step = fs.make_train_step(model.loss, opt, grad_accum=grad_accum * data)
     losses = []
@@ -96,7 +98,7 @@ def _reference(build_model: Callable, make_batch: Callable, data: int, *, steps:
 
 
 def assert_trains_like_one_process(build_model: Callable, plan, *, make_batch: Callable, world_size: int = 2,
-                                   tensor: int = 1, steps: int = 3, grad_accum: int = 1, micro_batch: int = 2,
+                                   tensor: int = 1, pipe: int = 1, steps: int = 3, grad_accum: int = 1, micro_batch: int = 2,
                                    optimizer: Optional[Callable] = None, precision: str = "fp32",
                                    loss_fn: Optional[Callable] = None, tp_plan: Union[str, dict, None] = None,
                                    seed: int = 0, rtol: float = 1e-5, atol: float = 1e-6,
@@ -104,9 +106,12 @@ def assert_trains_like_one_process(build_model: Callable, plan, *, make_batch: C
     """Train under `plan` on `world_size` gloo ranks (or on `world`, reused) and on one process;
     raise AssertionError naming the first parameter or loss that differs (module docstring).
     Returns the distributed run's outcome (rank 0's)."""
-    if world_size % tensor:
-        raise ValueError(f"tensor={tensor} must divide world_size={world_size}")
-    data = world_size // tensor
+    if world_size % (tensor * pipe):
+        raise ValueError(f"tensor={tensor} x pipe={pipe} must divide world_size={world_size}")
+    data = world_size // (tensor * pipe)
+    pipeline = plan.find("pipeline")
+    if pipeline is not None:  # the pipeline's micro-batches are the accumulation
+        grad_accum = pipeline.micro_batches
     options = dict(steps=steps, grad_accum=grad_accum, micro_batch=micro_batch, optimizer=optimizer,
                    precision=precision, loss_fn=loss_fn, tp_plan=tp_plan, seed=seed)
     own = world is None
@@ -114,7 +119,7 @@ def assert_trains_like_one_process(build_model: Callable, plan, *, make_batch: C
     try:
         if world.world_size != world_size:
             raise ValueError(f"the world has {world.world_size} ranks, not world_size={world_size}")
-        results = world.run(train_on_world, build_model, plan, make_batch, tensor=tensor, **options)
+        results = world.run(train_on_world, build_model, plan, make_batch, tensor=tensor, pipe=pipe, **options)
     finally:
         if own:
             world.close()

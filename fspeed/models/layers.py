@@ -1,0 +1,199 @@
+"""A model as a sequence of layers: what the pipeline assigns to stages (DeepSpeed's `PipelineModule`).
+
+    seq = model.layers                      # the reference GPT's: embed, blocks.0 .. blocks.n-1, head
+    loss = seq.loss(y, micro_batch, ops=ops) where y = layers[-1](... layers[0](seq.inputs(micro_batch)))
+
+A `Layer` is a pure function `fn(params, x, *, rng, ops) -> y` of the model's parameter tree (of which
+it reads only the subtrees under its `uses` paths), its input activation and the step's generator.
+A layer's output is one tensor: what crosses a stage boundary. Two layers that use the same path share
+that parameter (a tied embedding and output head, DeepSpeed's `TiedLayerSpec`): each stage that holds
+one of them keeps a copy, and the pipeline sums their gradients so the copies stay equal.
+
+`sequential(modules, loss_fn=...)` builds a `Model` with such a sequence from a list of `nn.Module`s
+(and `TiedLayer`s), for users who bring their own layers, as DeepSpeed users write a `PipelineModule`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..pytree import PyTree
+from .model import Model
+from .module import nested
+from .ops import DENSE
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer (module docstring). `kind` is what `partition="type:<regex>"` matches (a class name)."""
+
+    name: str
+    fn: Callable[..., torch.Tensor]
+    uses: tuple[str, ...]
+    kind: str = ""
+
+
+@dataclass(frozen=True)
+class LayerSequence:
+    """The layers in order, what the first one gets from a micro-batch, and the loss of the last one's
+    output: `loss(y, micro_batch, *, ops) -> scalar`."""
+
+    layers: tuple[Layer, ...]
+    inputs: Callable[[PyTree], Any]
+    loss: Callable[..., torch.Tensor]
+
+    def __post_init__(self):
+        if not self.layers:
+            raise ValueError("a LayerSequence needs at least one layer")
+        names = [layer.name for layer in self.layers]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"layer names must be unique; repeated: {repeated}")
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def run(self, params: PyTree, micro_batch: PyTree, *, rng: Optional[torch.Generator] = None,
+            ops: Any = DENSE, layer_rng: Optional[Callable[[int], Optional[torch.Generator]]] = None) -> torch.Tensor:
+        """The loss of one micro-batch through every layer in order (the one-process reference of a
+        pipeline). `layer_rng(i)`, when given, is the generator layer i draws from (the pipeline
+        seeds each layer on its own stage)."""
+        x = self.inputs(micro_batch)
+        for i, layer in enumerate(self.layers):
+            x = layer.fn(params, x, rng=layer_rng(i) if layer_rng is not None else rng, ops=ops)
+        return self.loss(x, micro_batch, ops=ops)
+
+
+@dataclass(frozen=True)
+class TiedLayer:
+    """A module used at several places of a `sequential` list under one `key`, its parameters kept
+    once (DeepSpeed's `TiedLayerSpec`): `forward(module, x)` says how this place calls it (default:
+    `module(x)`), e.g. an embedding reused as the output head: `lambda emb, x: x @ emb.weight.T`."""
+
+    key: str
+    module: nn.Module
+    forward: Optional[Callable[[nn.Module, torch.Tensor], torch.Tensor]] = None
+
+
+def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+               inputs: Callable[[Any], Any] = lambda batch: batch["inputs"], name: str = "sequential") -> Model:
+    """A `Model` from a list of layers, DeepSpeed's `PipelineModule(layers=..., loss_fn=...)` in functional
+    form: each entry is an `nn.Module` (its parameters under `"<index>."`), a `TiedLayer` (its
+    parameters once, under `"tied.<key>."`), or a parameter-free callable `x -> y` (a reshape).
+
+    `loss_fn(y, micro_batch)` gives the loss of the last layer's output; `inputs(micro_batch)` what the
+    first layer gets. Dropout in the modules draws from the step's generator (reseeded per layer, so a
+    stage draws the same masks wherever the layer runs). Modules with persistent buffers (BatchNorm
+    statistics) are refused: carry them as parameters or use `functionalize` without a pipeline.
+    """
+    entries: list[tuple[str, str, Optional[nn.Module], Callable]] = []  # (layer name, prefix, module, call)
+    owners: dict[str, nn.Module] = {}
+    for i, entry in enumerate(modules):
+        if isinstance(entry, TiedLayer):
+            prefix = f"tied.{entry.key}"
+            if prefix in owners and owners[prefix] is not entry.module:
+                raise ValueError(f"TiedLayer key {entry.key!r} names two different modules; one key, one module")
+            owners[prefix] = entry.module
+            call = entry.forward or (lambda m, x: m(x))
+            entries.append((f"{i}", prefix, entry.module, call))
+        elif isinstance(entry, nn.Module):
+            entries.append((f"{i}", f"{i}", entry, lambda m, x: m(x)))
+        elif callable(entry):
+            entries.append((f"{i}", "", None, lambda m, x, f=entry: f(x)))
+        else:
+            raise TypeError(f"layer {i} is {type(entry).__name__}; allowed: nn.Module, fs.models.TiedLayer, "
+                            "or a parameter-free callable")
+    seen: dict[str, nn.Module] = {}
+    for _, prefix, module, _ in entries:
+        if module is None or prefix in seen:
+            continue
+        seen[prefix] = module
+        stateful = [n for n in module.state_dict() if n not in dict(module.named_parameters())]
+        if stateful:
+            raise ValueError(f"layer {prefix!r} has persistent buffers {stateful[:3]} (module state such as BatchNorm "
+                             "statistics), which a pipeline layer cannot carry yet; use fs.functionalize without a "
+                             "pipeline, or a normalisation without running statistics")
+
+    def layer(layer_name: str, prefix: str, module: Optional[nn.Module], call: Callable) -> Layer:
+        caller = _Call(module, call) if module is not None else None
+        def fn(params: PyTree, x: torch.Tensor, *, rng: Optional[torch.Generator] = None, ops: Any = DENSE):
+            if module is None:
+                return call(None, x)
+            tree = params
+            for part in prefix.split("."):
+                tree = tree[part]
+            named = _flat_named(tree)
+            x = x.to(next(iter(named.values())).dtype) if x.is_floating_point() and named else x
+            with _seeded(rng):
+                return torch.func.functional_call(caller, {f"inner.{k}": v for k, v in named.items()}, (x,),
+                                                  strict=False, tie_weights=False)
+        kind = type(module).__name__ if module is not None else "callable"
+        return Layer(layer_name, fn, (prefix,) if module is not None else (), kind)
+
+    layers = tuple(layer(*e) for e in entries)
+
+    def init(generator: Optional[torch.Generator] = None) -> dict:
+        flat = {f"{prefix}.{n}": p.detach().clone() for prefix, m in seen.items() for n, p in m.named_parameters()}
+        return nested(flat)
+
+    def loss(y: torch.Tensor, micro_batch: Any, *, ops: Any = DENSE) -> torch.Tensor:
+        return loss_fn(y, micro_batch)
+
+    seq = LayerSequence(layers, inputs, loss)
+
+    def model_loss(params: PyTree, batch: Any, *, rng: Optional[torch.Generator] = None, ops: Any = DENSE):
+        return seq.run(params, batch, rng=rng)
+
+    def apply(params: PyTree, x: Any, *, rng: Optional[torch.Generator] = None, ops: Any = DENSE):
+        for layer_ in layers:
+            x = layer_.fn(params, x, rng=rng, ops=ops)
+        return x
+
+    units = {f"{prefix}.{n}": prefix for prefix, m in seen.items() for n, _ in m.named_parameters()}
+    return Model(init, apply, model_loss, {}, name=name, units=units, layers=seq)
+
+
+def _flat_named(tree: PyTree, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    out: dict[str, torch.Tensor] = {}
+    for key, sub in tree.items():
+        out.update(_flat_named(sub, f"{prefix}.{key}" if prefix else key))
+    return out
+
+
+class _Call(nn.Module):
+    """`call(inner, x)` as a module's forward, so functional_call can swap `inner`'s parameters for a
+    forward other than `inner.forward` (a tied embedding used as the head)."""
+
+    def __init__(self, inner: nn.Module, call: Callable):
+        super().__init__()
+        self.inner = inner
+        self.call = call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.call(self.inner, x)
+
+
+class _seeded:
+    """Dropout in torch modules draws from the global generator: fork it, seeded from `rng`."""
+
+    def __init__(self, rng: Optional[torch.Generator]):
+        self.rng = rng
+        self.fork = None
+
+    def __enter__(self):
+        if self.rng is None:
+            return
+        seed = int(torch.randint(0, 2**62, (1,), generator=self.rng, device=self.rng.device))
+        self.fork = torch.random.fork_rng(devices=[])
+        self.fork.__enter__()
+        torch.manual_seed(seed)
+
+    def __exit__(self, *exc):
+        if self.fork is not None:
+            self.fork.__exit__(*exc)

@@ -1,0 +1,308 @@
+"""Running a pipeline schedule on one stage: forwards, backwards and weight passes, activations between stages.
+
+A step on stage s executes `schedule.actions[s]` in order (`fspeed.parallel.schedules`):
+
+    F(m, c)   the input of micro-batch m for chunk c (the batch for the first piece, else received from
+              the previous piece's stage), through the chunk's layers; the output is sent on (a
+              non-blocking send), or, on the last piece, the loss is taken
+    B(m, c)   the gradient of the chunk's output (received from the next piece's stage, or the loss's
+              own), back through the chunk: the input's gradient is sent back, the parameters'
+              gradients are added into the stage's accumulator
+    W(m, c)   zero-bubble schedules only: B left every linear layer's weight gradient for later
+              (`_DeferredLinear`: B computes the input's gradient, W the weight's, dW = dYᵀ X)
+
+Sends never block and receives do, so a schedule that is valid (every stage can run its list in
+order) cannot deadlock. The first transfer over each edge in a step of a new batch shape carries the
+activation's shape and dtype; later ones reuse it. Parameters used on several stages (a tied
+embedding) get their gradients summed over those stages; then the stage's gradient goes, as one
+micro-batch, through the ZeRO stage's gradient sink (reduction over `data`). Each layer draws its
+dropout from its own generator, seeded by (run seed, step, micro-batch, layer): the masks do not
+depend on where the layer runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ..flat import Flat
+from ..models.ops import DenseOps
+from ..pytree import PyTree, tree_flatten_with_paths, tree_unflatten
+from .comm import AxisComm, Pending
+from .layout import Layout
+from .mesh import AXES
+from .schedules import Action, Schedule, build_schedule
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+_META = 10  # dtype, ndim, up to 8 dims
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """`F.linear` whose backward computes the input's (and bias's) gradient now and leaves the
+    weight's to the weight pass: it records (weight, input, output gradient) in `store`."""
+
+    @staticmethod
+    def forward(x, w, b, store):
+        return F.linear(x, w, b)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w, b, store = inputs
+        ctx.save_for_backward(x, w)
+        ctx.store, ctx.has_bias = store, b is not None
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        ctx.store.append((w, x, grad))
+        gx = grad.matmul(w) if ctx.needs_input_grad[0] else None
+        gb = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, None, gb, None
+
+
+class _DeferWeightGrads(TorchFunctionMode):
+    """During a zero-bubble forward: every `F.linear` whose weight is (a view of) a stage parameter
+    becomes a `_DeferredLinear` recording into `store`."""
+
+    def __init__(self, weights: set[int], store: list):
+        super().__init__()
+        self.weights, self.store = weights, store
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and torch.is_grad_enabled():
+            x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            base = w if w._base is None else w._base
+            if id(base) in self.weights:
+                return _DeferredLinear.apply(x, w, b, self.store)
+        return func(*args, **kwargs)
+
+
+class PipelineExecutor:
+    """One stage's part of every step of a pipeline layout (module docstring)."""
+
+    def __init__(self, layout: Layout, mesh, layers: Any, grad_dtype: torch.dtype):
+        plan = layout.pipeline
+        pipe = layout.plan.find("pipeline")
+        self.layout, self.plan, self.layers = layout, plan, layers
+        self.comm: AxisComm = mesh.comm("pipe")
+        self.stage, self.stages, self.pieces = plan.stage, plan.stages, plan.stages * plan.virtual_stages
+        self.schedule: Schedule = build_schedule(pipe.schedule, plan.stages, pipe.micro_batches, plan.virtual_stages)
+        self.micro_batches = pipe.micro_batches
+        self.grad_dtype = grad_dtype
+        ops: Any = DenseOps()
+        for transform in layout.plan.ordered():
+            ops = transform.wrap_ops(ops, mesh, layout.tensor_axes)
+        self.ops = ops
+        self.shapes: dict = {}  # (batch signature, piece) -> (shape, dtype) of the activation entering the piece
+        self.tie_groups = _tie_groups(layout, mesh)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def step(self, params: Flat, micro_batches: Sequence[PyTree], multiplier: float,
+             layer_rng: Callable[[int, int], Optional[torch.Generator]]) -> tuple[list[torch.Tensor], Flat]:
+        """Run the schedule: (the losses of the micro-batches on the last piece's stage, else empty;
+        the stage's summed parameter gradients in the layout's local order, `grad_dtype`)."""
+        if len(micro_batches) != self.micro_batches:
+            raise ValueError(f"the pipeline runs {self.micro_batches} micro-batches per step, got {len(micro_batches)}")
+        local = self.layout.local
+        self.device = params.device
+        leaves = [t.detach().requires_grad_(t.is_floating_point()) for _, t in params.items()]
+        tree = tree_unflatten(local.treedef, leaves)
+        acc = torch.zeros(local.numel, dtype=self.grad_dtype, device=params.device)
+        acc_views = local.segments(acc)
+        acc_of = {id(leaf): view.view(leaf.shape) for leaf, view in zip(leaves, acc_views)}
+        chunk_leaves = [self._leaves_of_chunk(leaves, c) for c in range(self.plan.virtual_stages)]
+        signature = tuple((tuple(t.shape), t.dtype) for t in tree_flatten_with_paths(micro_batches[0])[1]
+                          if isinstance(t, torch.Tensor))
+        split = self.schedule.split_backward
+        saved: dict[tuple[int, int], tuple] = {}
+        deferred: dict[tuple[int, int], list] = {}
+        mailbox: dict[tuple[str, int, int], torch.Tensor] = {}  # transfers within this stage
+        sends: list[Pending] = []
+        losses: list[torch.Tensor] = []
+        for action in self.schedule.actions[self.stage]:
+            m, c = action.micro, action.chunk
+            k = self.plan.piece(self.stage, c)
+            if action.kind == "F":
+                x = self.layers.inputs(micro_batches[m]) if k == 0 else \
+                    self._receive("act", m, k, signature, mailbox, None)
+                if k > 0 and x.is_floating_point():
+                    x.requires_grad_(True)
+                store: list = []
+                with torch.enable_grad():
+                    if split:
+                        weights = {id(t) for t in chunk_leaves[c]}
+                        with _DeferWeightGrads(weights, store):
+                            y = self._forward(tree, x, k, m, micro_batches[m], layer_rng)
+                    else:
+                        y = self._forward(tree, x, k, m, micro_batches[m], layer_rng)
+                if k == self.pieces - 1:
+                    losses.append(y.detach().float())
+                    y = y.float() * multiplier
+                else:
+                    sends += self._send("act", m, k + 1, y.detach(), signature, mailbox)
+                saved[(m, c)] = (x, y)
+                deferred[(m, c)] = store
+            elif action.kind == "B":
+                x, y = saved.pop((m, c))
+                grad_y = None if k == self.pieces - 1 else \
+                    self._receive("grad", m, k, signature, mailbox, (tuple(y.shape), y.dtype))
+                wants_x = k > 0 and x.requires_grad
+                inputs = ([x] if wants_x else []) + chunk_leaves[c]
+                grads = torch.autograd.grad(y, inputs, grad_y, allow_unused=True)
+                if wants_x:
+                    sends += self._send("grad", m, k - 1, grads[0], signature, mailbox)
+                    grads = grads[1:]
+                with torch.no_grad():
+                    for leaf, g in zip(chunk_leaves[c], grads):
+                        if g is not None:
+                            acc_of[id(leaf)].add_(g)
+                if not split:
+                    deferred.pop((m, c))
+            else:  # "W": the deferred weight gradients
+                with torch.no_grad():
+                    for w, x_in, grad in deferred.pop((m, c)):
+                        base = w if w._base is None else w._base
+                        dw = grad.reshape(-1, grad.shape[-1]).t().matmul(x_in.reshape(-1, x_in.shape[-1]))
+                        acc_of[id(base)].view(w.shape).add_(dw)
+        for pending in sends:
+            pending.wait()
+        self._sum_tied(acc, acc_views)
+        return losses, Flat(acc, local)
+
+    def _forward(self, tree: PyTree, x: torch.Tensor, k: int, m: int, micro_batch: PyTree,
+                 layer_rng: Callable[[int, int], Optional[torch.Generator]]) -> torch.Tensor:
+        seq = self.layers.layers
+        for i in range(self.plan.bounds[k], self.plan.bounds[k + 1]):
+            x = seq[i].fn(tree, x, rng=layer_rng(m, i), ops=self.ops)
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"pipeline layer {seq[i].name!r} returned {type(x).__name__}; a layer's output must "
+                                "be one tensor (what crosses a stage boundary)")
+        if k == self.pieces - 1:
+            loss = self.layers.loss(x, micro_batch, ops=self.ops)
+            if loss.dim() != 0:
+                raise ValueError(f"the layer sequence's loss must be a scalar, got shape {list(loss.shape)}")
+            return loss
+        return x
+
+    def _leaves_of_chunk(self, leaves: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
+        """The parameter tensors the layers of `chunk` use (floating ones: the differentiable ones)."""
+        seq = self.layers.layers
+        uses = [u for i in self.plan.layers_of(self.stage, chunk) for u in seq[i].uses]
+        return [leaf for info, leaf in zip(self.layout.params, leaves) if leaf.requires_grad and
+                any(info.path == u or info.path.startswith(u + ".") for u in uses)]
+
+    # -- transfers between pieces ----------------------------------------------------------------
+
+    def _send(self, kind: str, m: int, to_piece: int, t: torch.Tensor, signature, mailbox) -> list[Pending]:
+        """Send `t` (an activation entering piece `to_piece`, or a gradient leaving it backwards)."""
+        peer = to_piece % self.stages
+        t = t.detach().contiguous()
+        if peer == self.stage:
+            mailbox[(kind, m, to_piece)] = t
+            return []
+        out = []
+        key = (signature, to_piece)
+        if kind == "act" and key not in self.shapes:
+            self.shapes[key] = (tuple(t.shape), t.dtype)
+            out.append(self.comm.start_send(_encode(t), peer))
+        out.append(self.comm.start_send(t, peer))
+        return out
+
+    def _receive(self, kind: str, m: int, piece: int, signature, mailbox, shape_dtype) -> torch.Tensor:
+        """The activation entering `piece` (kind "act"), or the gradient of its output ("grad")."""
+        source = piece + 1 if kind == "grad" else piece - 1
+        if (kind, m, piece) in mailbox:
+            return mailbox.pop((kind, m, piece))
+        peer = source % self.stages
+        what = (f"the {'activation' if kind == 'act' else 'gradient'} of micro-batch {m} "
+                f"{'for' if kind == 'act' else 'from'} pipeline piece {piece if kind == 'act' else source} "
+                f"from pipe stage {peer}")
+        if kind == "act":
+            key = (signature, piece)
+            if key not in self.shapes:
+                meta = self.comm.recv_(torch.empty(_META, dtype=torch.int64), peer, what + " (its shape)")
+                self.shapes[key] = _decode(meta)
+            shape_dtype = self.shapes[key]
+        shape, dtype = shape_dtype
+        return self.comm.recv_(torch.empty(shape, dtype=dtype, device=self.device), peer, what)
+
+    def _sum_tied(self, acc: torch.Tensor, views: list[torch.Tensor]) -> None:
+        """Sum the gradients of parameters held by several stages over those stages."""
+        index = {info.path: i for i, info in enumerate(self.layout.params)}
+        for paths, comm in self.tie_groups:
+            packed = comm.all_reduce_(torch.cat([views[index[p]] for p in paths]))
+            at = 0
+            for p in paths:
+                view = views[index[p]]
+                view.copy_(packed[at:at + view.numel()])
+                at += view.numel()
+
+    # -- evaluation --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def eval_loss(self, params: Flat, batch: PyTree) -> Optional[float]:
+        """The loss of `batch` as one micro-batch through every piece in order (no gradients); the
+        last piece's stage returns it, the others None."""
+        tree = tree_unflatten(self.layout.local.treedef, [t for _, t in params.items()])
+        self.device = params.device
+        signature = ("eval",) + tuple((tuple(t.shape), t.dtype) for t in tree_flatten_with_paths(batch)[1]
+                                      if isinstance(t, torch.Tensor))
+        mailbox: dict = {}
+        sends: list[Pending] = []
+        loss = None
+        for c in range(self.plan.virtual_stages):
+            k = self.plan.piece(self.stage, c)
+            x = self.layers.inputs(batch) if k == 0 else self._receive("act", 0, k, signature, mailbox, None)
+            y = self._forward(tree, x, k, 0, batch, lambda m, i: None)
+            if k == self.pieces - 1:
+                loss = float(y)
+            else:
+                sends += self._send("act", 0, k + 1, y, signature, mailbox)
+        for pending in sends:
+            pending.wait()
+        return loss
+
+
+def _encode(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() > _META - 2 or t.dtype not in _DTYPES:
+        raise ValueError(f"a pipeline activation must have at most {_META - 2} dims and a dtype of {_DTYPES}; "
+                         f"got shape {list(t.shape)}, {t.dtype}")
+    meta = torch.zeros(_META, dtype=torch.int64)
+    meta[0], meta[1] = _DTYPES.index(t.dtype), t.dim()
+    meta[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return meta
+
+
+def _decode(meta: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    ndim = int(meta[1])
+    return tuple(int(d) for d in meta[2:2 + ndim]), _DTYPES[int(meta[0])]
+
+
+def _tie_groups(layout: Layout, mesh) -> list[tuple[list[str], AxisComm]]:
+    """For each set of stages sharing parameters: (this stage's shared paths, the collectives of the
+    ranks at those stages with this rank's data and model coordinates, logged as the `pipe` axis).
+    Every rank creates every group, in the same order (torch requires it)."""
+    plan = layout.pipeline
+    by_stages: dict[tuple[int, ...], list[str]] = {}
+    for path, stages in plan.tied:
+        by_stages.setdefault(stages, []).append(path)
+    out = []
+    sizes = [mesh.sizes[a] for a in AXES]
+    for stages, paths in sorted(by_stages.items()):
+        for data in range(mesh.sizes["data"]):
+            for model in range(mesh.sizes["model"]):
+                ranks = [(s * sizes[1] + data) * sizes[2] + model for s in stages]
+                group = dist.new_group(ranks, timeout=mesh.timeout)
+                if mesh.rank in ranks:
+                    out.append((paths, AxisComm("pipe", group, ranks, mesh.log, mesh.rank)))
+    return out
+
+
+__all__ = ["PipelineExecutor"]
