@@ -441,20 +441,28 @@ def _accepts_keyword(fn: Callable, name: str) -> bool:
     return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
-def make_eval_step(loss_fn: LossFn, *, plan: Optional[Plan] = None, mesh=None) -> Callable[[TrainState, PyTree], float]:
+def make_eval_step(loss_fn: LossFn | Model, *, plan: Optional[Plan] = None,
+                   mesh=None) -> Callable[[TrainState, PyTree], float]:
     """`eval_step(state, batch) -> loss` without gradients or dropout (does not donate).
 
     A loss that takes `train=` (a functionalized module's) runs its module in eval mode: dropout
     off, BatchNorm on its running statistics, which stay untouched. Under a plan (the state's),
     the forward runs with the plan's ops and the loss is averaged over data ranks: every rank
-    must call it.
+    must call it. A pipeline plan needs the `Model` (its layers); the batch then goes through the
+    stages as one micro-batch and every stage returns the last stage's loss.
     """
+    model = loss_fn if isinstance(loss_fn, Model) else None
+    loss_fn = model.loss if model is not None else loss_fn
+    if plan is not None and plan.find("pipeline") is not None and (model is None or model.layers is None):
+        raise ValueError("a pipeline plan needs the model's layer sequence: pass the Model itself "
+                         "(make_eval_step(model, plan=plan, mesh=mesh))")
     parallel_aware = _accepts_keyword(loss_fn, "ops")
     options = {}
     if _accepts_keyword(loss_fn, "train"):
         options["train"] = False
     takes_buffers = _accepts_keyword(loss_fn, "buffers")
     runtimes: dict = {}
+    executors: dict = {}  # a pipeline's, by the same key
 
     @torch.no_grad()
     def eval_step(state: TrainState, batch: PyTree) -> float:
@@ -468,7 +476,13 @@ def make_eval_step(loss_fn: LossFn, *, plan: Optional[Plan] = None, mesh=None) -
         if key not in runtimes:
             runtimes.clear()
             runtimes[key] = ParallelRuntime(layout, mesh, state.precision, state.params, train=False)
+            executors.clear()
+            if layout.pipeline is not None:
+                executors[key] = PipelineExecutor(layout, mesh, model.layers, torch.float32)
         runtime = runtimes[key]
+        if layout.pipeline is not None:
+            loss = executors[key].eval_loss(state.params, batch)
+            return runtime.mean_loss(loss if loss is not None else 0.0)
         ops = runtime.ops(None)
         try:
             params = runtime.view(state.params, ops, parallel_aware)

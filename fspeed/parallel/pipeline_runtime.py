@@ -100,7 +100,8 @@ class PipelineExecutor:
             ops = transform.wrap_ops(ops, mesh, layout.tensor_axes)
         self.ops = ops
         self.shapes: dict = {}  # (batch signature, piece) -> (shape, dtype) of the activation entering the piece
-        self.tie_groups = _tie_groups(layout, mesh)
+        self.mesh = mesh
+        self.tie_groups: Optional[list] = None  # created by the first step (every rank), not by evaluation
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -155,7 +156,11 @@ class PipelineExecutor:
                     self._receive("grad", m, k, signature, mailbox, (tuple(y.shape), y.dtype))
                 wants_x = k > 0 and x.requires_grad
                 inputs = ([x] if wants_x else []) + chunk_leaves[c]
-                grads = torch.autograd.grad(y, inputs, grad_y, allow_unused=True)
+                if split:  # a recompute (activation checkpointing) inside backward defers as its forward did
+                    with _DeferWeightGrads({id(t) for t in chunk_leaves[c]}, deferred[(m, c)]):
+                        grads = torch.autograd.grad(y, inputs, grad_y, allow_unused=True)
+                else:
+                    grads = torch.autograd.grad(y, inputs, grad_y, allow_unused=True)
                 if wants_x:
                     sends += self._send("grad", m, k - 1, grads[0], signature, mailbox)
                     grads = grads[1:]
@@ -235,6 +240,8 @@ class PipelineExecutor:
 
     def _sum_tied(self, acc: torch.Tensor, views: list[torch.Tensor]) -> None:
         """Sum the gradients of parameters held by several stages over those stages."""
+        if self.tie_groups is None:
+            self.tie_groups = _tie_groups(self.layout, self.mesh)
         index = {info.path: i for i, info in enumerate(self.layout.params)}
         for paths, comm in self.tie_groups:
             packed = comm.all_reduce_(torch.cat([views[index[p]] for p in paths]))
