@@ -508,10 +508,12 @@ FILL_OR_POSITIVE = Check(lambda v: v == -1 or v > 0, "> 0, or -1 for all remaini
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig(ValidatedConfig):
-    """Mesh sizes: data-parallel ranks (-1 = the world divided by the rest) and tensor-slicing ranks."""
+    """Mesh sizes: data-parallel ranks (-1 = the world divided by the rest), tensor-slicing ranks and
+    pipeline stages."""
 
     data: int = setting(-1, FILL_OR_POSITIVE)
     tensor: int = setting(1, POSITIVE)
+    pipe: int = setting(1, POSITIVE)  # pipeline stages (the `pipeline` section says how)
     timeout_s: float = setting(300.0, POSITIVE)  # a collective waiting longer fails with a clear error
 
 
@@ -583,6 +585,37 @@ class ActivationCheckpointingConfig(ValidatedConfig):
                      ContiguousArena() if self.contiguous_memory_optimization else None)
 
 
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")  # fspeed.parallel.schedules.SCHEDULES
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSection(ValidatedConfig):
+    """Pipeline parallelism (`fspeed.parallel.pipeline`), used when parallel.pipe > 1. Its micro-batches
+    are the gradient accumulation (train.grad_accum), as DeepSpeed's PipelineEngine."""
+
+    micro_batches: Optional[int] = setting(None, POSITIVE)  # null: train.grad_accum; set: it is train.grad_accum
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    partition: str = "parameters"  # uniform | parameters | type:<regex> | explicit counts "3,4,4,3"
+    virtual_stages: int = setting(1, POSITIVE)  # model chunks per stage (interleaved_1f1b: >= 2)
+    activation_checkpoint_interval: int = setting(0, NON_NEGATIVE)  # DeepSpeed's: checkpoint groups of k layers
+
+    def relation_problems(self) -> list[Problem]:
+        if (self.schedule == "interleaved_1f1b") != (self.virtual_stages > 1):
+            return [Problem("virtual_stages", "must be >= 2 with schedule interleaved_1f1b and 1 otherwise",
+                            self.virtual_stages)]
+        return []
+
+    def to_library(self, micro_batches: int, remat=None):
+        """The `fs.pipeline(...)` plan of these keys with the run's micro-batch count."""
+        from fspeed.parallel.pipeline import pipeline  # noqa: PLC0415 (the schema module stays free of torch)
+
+        partition = self.partition
+        if partition and partition[0].isdigit():
+            partition = tuple(int(c) for c in partition.split(","))
+        return pipeline(micro_batches, self.schedule, partition, self.virtual_stages,
+                        self.activation_checkpoint_interval, remat)
+
+
 KINDS: dict[str, dict[str, type]] = {"optimizer": OPTIMIZERS, "scheduler": SCHEDULERS, "precision": PRECISIONS}
 """Config groups whose option is picked by the node's `name` field, and the class for each name."""
 
@@ -597,6 +630,7 @@ SECTIONS: dict[str, type] = {
     "monitor": MonitorConfig,
     "zero": ZeroSection,
     "parallel": ParallelConfig,
+    "pipeline": PipelineSection,
     "comms_logger": CommsLoggerConfig,
     "sparse_attention": SparseAttentionSection,
     "activation_checkpointing": ActivationCheckpointingConfig,
@@ -633,6 +667,7 @@ class RunConfig(ValidatedConfig):
     comms_logger: CommsLoggerConfig
     sparse_attention: SparseAttentionSection
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
     curriculum: CurriculumSection = field(default_factory=CurriculumSection)
     progressive_layer_drop: ProgressiveLayerDropSection = field(default_factory=ProgressiveLayerDropSection)
     deepspeed_config: Optional[str] = None
@@ -642,6 +677,9 @@ class RunConfig(ValidatedConfig):
     batch: BatchTriad = field(init=False)
 
     def relation_problems(self) -> list[Problem]:
+        problems = self._pipeline_problems()
+        if problems:
+            return problems
         if self.activation_checkpointing.budget_mib is not None and (self.zero.stage == 3 or self.parallel.tensor > 1):
             return [Problem("activation_checkpointing.budget_mib", "measures the policies on one process with the whole "
                             "model, which zero.stage=3 and tensor slicing do not hold", self.activation_checkpointing.budget_mib,
@@ -672,7 +710,33 @@ class RunConfig(ValidatedConfig):
                             f"so optimizer.lr={lr})", sched.warmup_min_lr)]
         return []
 
+    def _pipeline_problems(self) -> list[Problem]:
+        pipe, p = self.parallel.pipe, self.pipeline
+        if pipe == 1:
+            changed = [k for k in ("micro_batches", "activation_checkpoint_interval") if getattr(p, k)]
+            changed += [k for k, default in (("schedule", "1f1b"), ("partition", "parameters"), ("virtual_stages", 1))
+                        if getattr(p, k) != default]
+            if changed:
+                return [Problem(f"pipeline.{changed[0]}", "applies to pipeline stages, and parallel.pipe is 1",
+                                getattr(p, changed[0]), hint="set parallel.pipe > 1, or leave the pipeline section")]
+            return []
+        if self.zero.stage == 3:
+            return [Problem("zero.stage", "3 cannot run with pipeline stages (parallel.pipe > 1); DeepSpeed allows "
+                            "0-1, fspeed 0-2", 3, "0, 1 or 2")]
+        if p.micro_batches is not None and self.train.grad_accum is not None and p.micro_batches != self.train.grad_accum:
+            return [Problem("pipeline.micro_batches", f"is the gradient accumulation, and train.grad_accum is "
+                            f"{self.train.grad_accum}", p.micro_batches, f"{self.train.grad_accum}, or null")]
+        if self.activation_checkpointing.budget_mib is not None:
+            return [Problem("activation_checkpointing.budget_mib", "measures the whole model on one process; with "
+                            "pipeline stages use pipeline.activation_checkpoint_interval", self.activation_checkpointing.budget_mib)]
+        if self.progressive_layer_drop.enabled:
+            return [Problem("progressive_layer_drop.enabled", "drops blocks of the whole model per step, which pipeline "
+                            "stages do not run as one", True, "false with parallel.pipe > 1")]
+        return []
+
     def __post_init__(self) -> None:
+        if self.parallel.pipe > 1 and self.pipeline.micro_batches is not None and self.train.grad_accum is None:
+            object.__setattr__(self, "train", dataclasses.replace(self.train, grad_accum=self.pipeline.micro_batches))
         super().__post_init__()
         t = self.train
         try:

@@ -85,6 +85,8 @@ class Pipeline:
     schedule: str = "1f1b"
     partition: Partition = "parameters"
     virtual_stages: int = 1
+    activation_checkpoint_interval: int = 0
+    remat: Any = None  # a `fspeed.Remat` for the checkpointed groups (None: full recompute)
     name: str = "pipeline"
     phase: int = COMPUTE
 
@@ -127,14 +129,20 @@ class Pipeline:
 
     def __repr__(self) -> str:
         extra = f", virtual_stages={self.virtual_stages}" if self.virtual_stages != 1 else ""
+        if self.activation_checkpoint_interval:
+            extra += f", activation_checkpoint_interval={self.activation_checkpoint_interval}"
         return f"pipeline(micro_batches={self.micro_batches}, schedule={self.schedule!r}, " \
                f"partition={self.partition!r}{extra})"
 
 
 def pipeline(micro_batches: int, schedule: str = "1f1b", partition: Partition = "parameters",
-             virtual_stages: int = 1) -> Plan:
+             virtual_stages: int = 1, activation_checkpoint_interval: int = 0, remat: Any = None) -> Plan:
     """Pipeline parallelism over `pipe` (module docstring): `micro_batches` per step (the gradient
-    accumulation), a schedule of `fspeed.parallel.schedules.SCHEDULES`, a partition method."""
+    accumulation), a schedule of `fspeed.parallel.schedules.SCHEDULES`, a partition method, model
+    chunks per stage (`virtual_stages`, interleaved_1f1b). `activation_checkpoint_interval=k`
+    (DeepSpeed's) checkpoints each run of k consecutive layers of a stage that has parameters: only
+    its input is kept and it is recomputed in backward, with `remat`'s policy (a `fspeed.Remat`;
+    default full recompute; its `every` is not used here)."""
     from .schedules import SCHEDULES  # noqa: PLC0415 (kept light: schedules are pure data)
 
     if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
@@ -148,13 +156,19 @@ def pipeline(micro_batches: int, schedule: str = "1f1b", partition: Partition = 
                          f"got {schedule!r}")
     if schedule == "interleaved_1f1b" and virtual_stages < 2:
         raise ValueError("schedule='interleaved_1f1b' needs virtual_stages >= 2 (model chunks per stage)")
+    if not isinstance(activation_checkpoint_interval, int) or activation_checkpoint_interval < 0:
+        raise ValueError(f"pipeline(activation_checkpoint_interval={activation_checkpoint_interval!r}) must be an "
+                         "integer >= 0 (0: no checkpointing)")
+    if remat is not None and not activation_checkpoint_interval:
+        raise ValueError("pipeline(remat=...) sets how checkpointed layer groups run; give "
+                         "activation_checkpoint_interval > 0 too")
     if not isinstance(partition, str):
         partition = tuple(partition)
         if not partition or not all(isinstance(c, int) and c >= 1 for c in partition):
             raise ValueError(f"pipeline(partition={partition!r}): explicit layer counts must be positive integers")
     else:
         _check_method(partition)
-    return Plan((Pipeline(micro_batches, schedule, partition, virtual_stages),))
+    return Plan((Pipeline(micro_batches, schedule, partition, virtual_stages, activation_checkpoint_interval, remat),))
 
 
 def partition_layers(method: Partition, layers: Sequence[Any], param_counts: Sequence[int], pieces: int) -> list[int]:

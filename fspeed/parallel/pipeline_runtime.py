@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..activation_checkpointing import Remat, checkpointed
 from ..flat import Flat
 from ..models.ops import DenseOps
 from ..pytree import PyTree, tree_flatten_with_paths, tree_unflatten
@@ -101,6 +102,8 @@ class PipelineExecutor:
         self.ops = ops
         self.shapes: dict = {}  # (batch signature, piece) -> (shape, dtype) of the activation entering the piece
         self.mesh = mesh
+        self.interval = pipe.activation_checkpoint_interval
+        self.remat = pipe.remat if pipe.remat is not None else Remat()
         self.tie_groups: Optional[list] = None  # created by the first step (every rank), not by evaluation
 
     # -- one step ---------------------------------------------------------------------------
@@ -184,16 +187,31 @@ class PipelineExecutor:
     def _forward(self, tree: PyTree, x: torch.Tensor, k: int, m: int, micro_batch: PyTree,
                  layer_rng: Callable[[int, int], Optional[torch.Generator]]) -> torch.Tensor:
         seq = self.layers.layers
-        for i in range(self.plan.bounds[k], self.plan.bounds[k + 1]):
-            x = seq[i].fn(tree, x, rng=layer_rng(m, i), ops=self.ops)
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"pipeline layer {seq[i].name!r} returned {type(x).__name__}; a layer's output must "
-                                "be one tensor (what crosses a stage boundary)")
+        lo, hi = self.plan.bounds[k], self.plan.bounds[k + 1]
+        group = self.interval or hi - lo
+        for start in range(lo, hi, group):
+            members = range(start, min(start + group, hi))
+            generators = [_own(layer_rng(m, i)) for i in members]
+            if self.interval and torch.is_grad_enabled() and any(seq[i].uses for i in members):
+                x = checkpointed(self.remat, self._run_layers, tree, x, *generators, members=members,
+                                 label=f"{seq[members[0]].name}..{seq[members[-1]].name}")
+            else:
+                x = self._run_layers(tree, x, *generators, members=members)
         if k == self.pieces - 1:
             loss = self.layers.loss(x, micro_batch, ops=self.ops)
             if loss.dim() != 0:
                 raise ValueError(f"the layer sequence's loss must be a scalar, got shape {list(loss.shape)}")
             return loss
+        return x
+
+    def _run_layers(self, tree: PyTree, x: torch.Tensor, *generators: Optional[torch.Generator],
+                    members: range) -> torch.Tensor:
+        seq = self.layers.layers
+        for i, rng in zip(members, generators):
+            x = seq[i].fn(tree, x, rng=rng, ops=self.ops)
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"pipeline layer {seq[i].name!r} returned {type(x).__name__}; a layer's output must "
+                                "be one tensor (what crosses a stage boundary)")
         return x
 
     def _leaves_of_chunk(self, leaves: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
@@ -275,6 +293,16 @@ class PipelineExecutor:
         for pending in sends:
             pending.wait()
         return loss
+
+
+def _own(rng: Optional[torch.Generator]) -> Optional[torch.Generator]:
+    """A generator of its own in `rng`'s state (the step reseeds one generator per layer; a
+    checkpointed group keeps each layer's to replay it)."""
+    if rng is None:
+        return None
+    own = torch.Generator(device=rng.device)
+    own.set_state(rng.get_state())
+    return own
 
 
 def _encode(t: torch.Tensor) -> torch.Tensor:
