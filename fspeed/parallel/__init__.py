@@ -9,7 +9,8 @@ every private torch API fspeed uses is in `fspeed.torch_internals`), `mesh`, `pl
 their composition), `config` (ZeRO's keys), `zero` and `tensor_slicing` (the two transforms),
 `layout` (a plan resolved for a tree), `memory` and `explain` (one accounting), `grads`
 (gradient delivery and bucketed reduction during backward), `ops` (how units enter a model),
-`offload` (host buffers and copies), `runtime` (storage and the boundary train_step calls).
+`offload` (host buffers and copies), `runtime` (storage and the boundary train_step calls),
+`schedules` (pipeline schedules as per-stage action lists, checked and simulated; pure Python).
 """
 
 from .comm import CommError, CommLog
@@ -21,12 +22,14 @@ from .mesh import Mesh, init_distributed, shutdown_distributed
 from .ops import UnitParams
 from .plan import Placement, Plan, Transform
 from .runtime import gather_params
+from .schedules import SCHEDULES, Action, Schedule, build_schedule, show_schedule
 from .specs import P, PartitionSpec
 from .tensor_slicing import tensor_slicing
 from .zero import zero
 
 __all__ = [
-    "CommError", "CommLog", "Layout", "MemoryEstimate", "Mesh", "OffloadOptimizerConfig", "OffloadParamConfig", "P",
-    "PartitionSpec", "Placement", "Plan", "Transform", "UnitParams", "ZeroConfig", "estimate_memory", "explain",
-    "gather_params", "init_distributed", "resolve", "shutdown_distributed", "tensor_slicing", "zero",
+    "SCHEDULES", "Action", "CommError", "CommLog", "Layout", "MemoryEstimate", "Mesh", "OffloadOptimizerConfig", "OffloadParamConfig", "P",
+    "PartitionSpec", "Placement", "Plan", "Schedule", "Transform", "UnitParams", "ZeroConfig", "estimate_memory", "explain",
+    "build_schedule", "gather_params", "init_distributed", "resolve", "show_schedule", "shutdown_distributed",
+    "tensor_slicing", "zero",
 ]
