@@ -28,8 +28,8 @@ from .tensor_slicing import tensor_slicing
 from .zero import zero
 
 __all__ = [
-    "SCHEDULES", "Action", "CommError", "CommLog", "Layout", "MemoryEstimate", "Mesh", "OffloadOptimizerConfig", "OffloadParamConfig", "P",
-    "PartitionSpec", "Placement", "Plan", "Schedule", "Transform", "UnitParams", "ZeroConfig", "estimate_memory", "explain",
-    "build_schedule", "gather_params", "init_distributed", "resolve", "show_schedule", "shutdown_distributed",
-    "tensor_slicing", "zero",
+    "SCHEDULES", "Action", "CommError", "CommLog", "Layout", "MemoryEstimate", "Mesh", "OffloadOptimizerConfig",
+    "OffloadParamConfig", "P", "PartitionSpec", "Placement", "Plan", "Schedule", "Transform", "UnitParams",
+    "ZeroConfig", "build_schedule", "estimate_memory", "explain", "gather_params", "init_distributed", "resolve",
+    "show_schedule", "shutdown_distributed", "tensor_slicing", "zero",
 ]
