@@ -197,3 +197,60 @@ def test_bad_shapes_are_refused(args, message):
         build_schedule(*args)
     with pytest.raises(ValueError, match=message):
         bubble_fraction(*args)
+
+
+def runs_without_deadlock(schedule):
+    """An independent oracle: the graph of data dependencies plus each stage's order has no cycle."""
+    stages, last = schedule.stages, schedule.stages * schedule.virtual_stages - 1
+    where = {(a.kind, a.micro, piece(a, s, stages)): (s, i) for s, row in enumerate(schedule.actions)
+             for i, a in enumerate(row)}
+    edges = {node: [] for node in where}
+    for (kind, m, k), (s, i) in where.items():
+        inputs = {"F": [("F", m, k - 1)] if k > 0 else [],
+                  "B": [("F", m, k)] + ([("B", m, k + 1)] if k < last else []),
+                  "W": [("B", m, k)]}[kind]
+        if i > 0:
+            a = schedule.actions[s][i - 1]
+            inputs.append((a.kind, a.micro, piece(a, s, stages)))
+        if any(node not in where for node in inputs):
+            return False
+        edges[(kind, m, k)] = inputs
+    state = {}
+
+    def acyclic(node):
+        stack = [(node, iter(edges[node]))]
+        state[node] = "open"
+        while stack:
+            current, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                state[current] = "done"
+                stack.pop()
+            elif state.get(child) == "open":
+                return False
+            elif child not in state:
+                state[child] = "open"
+                stack.append((child, iter(edges[child])))
+        return True
+
+    return all(state.get(node) == "done" or acyclic(node) for node in edges)
+
+
+@settings(max_examples=150, deadline=None)
+@given(shapes(), st.data())
+def test_check_schedule_agrees_with_a_graph_oracle_on_swapped_orders(shape, data):
+    schedule = build_schedule(*shape)
+    stage = data.draw(st.integers(0, schedule.stages - 1))
+    row = list(schedule.actions[stage])
+    i, j = data.draw(st.integers(0, len(row) - 1)), data.draw(st.integers(0, len(row) - 1))
+    row[i], row[j] = row[j], row[i]
+    broken = edited(schedule, stage, row)
+    in_micro_order = all(
+        [a.micro for a in r if a.kind == "B" and a.chunk == c] == list(range(schedule.micro_batches))
+        for r in broken.actions for c in range(schedule.virtual_stages))
+    try:
+        check_schedule(broken)
+        accepted = True
+    except ValueError:
+        accepted = False
+    assert accepted == (runs_without_deadlock(broken) and in_micro_order)
