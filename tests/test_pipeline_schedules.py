@@ -58,6 +58,8 @@ def test_every_schedule_is_complete_ordered_and_runs(shape):
                 assert position[Action("B", action.micro, action.chunk)] < position[action]
         for chunk in range(virtual):
             assert [a.micro for a in actions if a.kind == "B" and a.chunk == chunk] == list(range(micro))
+            if schedule.split_backward:   # weight gradients accumulate in micro-batch order too
+                assert [a.micro for a in actions if a.kind == "W" and a.chunk == chunk] == list(range(micro))
         if name in ("1f1b", "zero_bubble"):
             assert schedule.in_flight(stage) <= stages - stage
             assert schedule.in_flight(stage) == min(stages - stage, micro)
@@ -118,9 +120,10 @@ def test_orders_are_the_reference_ones():
     assert rows(build_schedule("1f1b", 3, 4)) == [        # PipeDream-flush: p - s - 1 warmup forwards
         "F0 F1 F2 B0 F3 B1 B2 B3", "F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"]
     assert rows(build_schedule("gpipe", 2, 3)) == ["F0 F1 F2 B0 B1 B2"] * 2
-    # ZB-H1: stage s defers the W's of its first s micro-batches to after its last B.
+    # ZB-H1 (the paper's steady state F(x) B(x-p+1+s) W(x-p+1)): on stage s each W trails its B by s.
     assert rows(build_schedule("zero_bubble", 2, 4)) == [
-        "F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3", "F0 B0 F1 B1 W1 F2 B2 W2 F3 B3 W3 W0"]
+        "F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3", "F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3"]
+    assert rows(build_schedule("zero_bubble", 3, 5))[2] == "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 F4 B4 W2 W3 W4"
     # Megatron interleaved, p = 2, v = 2, m = 4: stage 0 warms up (p - 1) * 2 + (v - 1) * p = 4 forwards.
     assert rows(build_schedule("interleaved_1f1b", 2, 4, 2))[0].split()[:5] == ["F0.0", "F1.0", "F0.1", "F1.1", "F2.0"]
     assert rows(build_schedule("interleaved_1f1b", 2, 4, 2))[1].split()[:4] == ["F0.0", "F1.0", "F0.1", "B0.1"]

@@ -17,9 +17,9 @@ Schedules (p stages, m micro-batches, v virtual stages):
 - interleaved_1f1b: Megatron's interleaved schedule (Narayanan et al. 2021): micro-batches go
   through the chunks in groups of p; warmup (p - s - 1) * 2 + (v - 1) * p, all of them
   when m == p; needs m % p == 0.
-- zero_bubble: ZB-H1 (Qi et al. 2023): 1F1B's order of F and B with B split from W; stage s
-  defers the W of its first s micro-batches to the end, where they fill the cooldown bubble,
-  and the shorter B chain shrinks the warmup bubble. Same in-flight bound as 1F1B.
+- zero_bubble: ZB-H1 (Qi et al. 2023): 1F1B's order of F and B with B split from W; on stage s
+  each W trails its B by s micro-batches, so the shorter B chain shrinks the warmup bubble and
+  the last s W's fill the cooldown one. Same in-flight bound as 1F1B (F's whose B has not run).
 """
 
 from __future__ import annotations
@@ -107,15 +107,15 @@ def _gpipe(stages: int, micro_batches: int, stage: int) -> list[Action]:
 
 
 def _zero_bubble_h1(stages: int, micro_batches: int, stage: int) -> list[Action]:
-    """ZB-H1 on one stage: 1F1B's F/B order; each W right after its B, except that stage s holds back
-    the W's of its first s micro-batches until after its last B, where 1F1B leaves that stage idle."""
-    deferred = min(stage, micro_batches)
+    """ZB-H1 on one stage: 1F1B's F/B order; stage s runs W(j) right after B(j + s), so s W's wait
+    while the B's hurry up the pipeline, and its last s W's fill the cooldown where 1F1B idles.
+    W's stay in micro-batch order, so weight gradients accumulate in the order of the reference."""
     order: list[Action] = []
     for action in _one_f_one_b(stages, micro_batches, stage):
         order.append(action)
-        if action.kind == "B" and action.micro >= deferred:
-            order.append(Action("W", action.micro, 0))
-    return order + [Action("W", m, 0) for m in range(deferred)]
+        if action.kind == "B" and action.micro >= stage:
+            order.append(Action("W", action.micro - stage, 0))
+    return order + [Action("W", m, 0) for m in range(max(0, micro_batches - stage), micro_batches)]
 
 
 def _interleaved(stages: int, micro_batches: int, virtual_stages: int, stage: int) -> list[Action]:
