@@ -127,6 +127,11 @@ def test_orders_are_the_reference_ones():
     # Megatron interleaved, p = 2, v = 2, m = 4: stage 0 warms up (p - 1) * 2 + (v - 1) * p = 4 forwards.
     assert rows(build_schedule("interleaved_1f1b", 2, 4, 2))[0].split()[:5] == ["F0.0", "F1.0", "F0.1", "F1.1", "F2.0"]
     assert rows(build_schedule("interleaved_1f1b", 2, 4, 2))[1].split()[:4] == ["F0.0", "F1.0", "F0.1", "B0.1"]
+    # Megatron's warmup (p - s - 1) * 2 + (v - 1) * p, then 1F1B: one more forward in flight.
+    interleaved = build_schedule("interleaved_1f1b", 4, 8, 2)
+    assert [interleaved.in_flight(s) for s in range(4)] == [11, 9, 7, 5]
+    # ... and with m == p every forward first (Megatron's all-warmup case).
+    assert build_schedule("interleaved_1f1b", 2, 2, 2).in_flight(1) == 4
 
 
 def test_show_schedule_prints_rows_and_bubbles():
