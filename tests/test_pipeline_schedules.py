@@ -262,3 +262,15 @@ def test_check_schedule_agrees_with_a_graph_oracle_on_swapped_orders(shape, data
     except ValueError:
         accepted = False
     assert accepted == (runs_without_deadlock(broken) and in_micro_order)
+
+
+@pytest.mark.parametrize("forward, backward, weight", [(1, 1, 1), (1, 1.2, 0.8), (1, 1, 0.5), (1, 2, 0)])
+def test_zero_bubble_idles_the_papers_bound_at_any_costs(forward, backward, weight):
+    # Qi et al. 2023, Table 2: ZB-H1 idles (p - 1)(T_F + T_B - T_W) per stage, 1F1B (p - 1)(T_F + T_B + T_W).
+    for stages, micro in [(2, 4), (3, 3), (4, 8), (5, 7), (6, 12)]:
+        idle = (stages - 1) * (forward + backward - weight)
+        work = micro * (forward + backward + weight)
+        timeline = simulate(build_schedule("zero_bubble", stages, micro), forward, backward, weight)
+        assert timeline.makespan == pytest.approx(work + idle)
+        one_f_one_b = simulate(build_schedule("1f1b", stages, micro), forward, backward, weight)
+        assert one_f_one_b.makespan == pytest.approx(work + (stages - 1) * (forward + backward + weight))
