@@ -143,6 +143,9 @@ def test_show_schedule_prints_rows_and_bubbles():
     assert "F0.1" in show_schedule(build_schedule("interleaved_1f1b", 2, 2, 2))
     zero_bubble = show_schedule(build_schedule("zero_bubble", 2, 4))
     assert "W0" in zero_bubble and "theory 0.0769, simulated 0.0769" in zero_bubble
+    one_f_one_b = build_schedule("1f1b", 2, 2)
+    deadlocked = Schedule("1f1b", 2, 2, 1, False, (one_f_one_b.actions[1], one_f_one_b.actions[0]))
+    assert "bubble: none (1f1b: deadlock" in show_schedule(deadlocked)
 
 
 def edited(schedule, stage, actions):
@@ -274,3 +277,20 @@ def test_zero_bubble_idles_the_papers_bound_at_any_costs(forward, backward, weig
         assert timeline.makespan == pytest.approx(work + idle)
         one_f_one_b = simulate(build_schedule("1f1b", stages, micro), forward, backward, weight)
         assert one_f_one_b.makespan == pytest.approx(work + (stages - 1) * (forward + backward + weight))
+
+
+def test_1f1b_is_deepspeeds_train_schedule():
+    # DeepSpeed's TrainSchedule runs 2 (m + p - 1) steps; at step t stage s computes a forward when t and s
+    # have the same parity (micro t // 2 - s // 2), else a backward (micro (t + 1) // 2 - p + (s + 1) // 2),
+    # skipping micro-batch ids outside 0..m-1.
+    for stages in range(1, 7):
+        for micro in range(1, 13):
+            schedule = build_schedule("1f1b", stages, micro)
+            for stage in range(stages):
+                steps = []
+                for t in range(2 * (micro + stages - 1)):
+                    forward = t % 2 == stage % 2
+                    m = t // 2 - stage // 2 if forward else (t + 1) // 2 - stages + (stage + 1) // 2
+                    if 0 <= m < micro:
+                        steps.append(Action("F" if forward else "B", m, 0))
+                assert tuple(steps) == schedule.actions[stage], (stages, micro, stage)

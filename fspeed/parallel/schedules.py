@@ -50,7 +50,8 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
 
     def in_flight(self, stage: int) -> int:
-        """The most forwards on `stage` whose B has not run yet: its activation memory, in micro-batches."""
+        """The most forwards on `stage` whose B has not run yet: its activation memory, in micro-batches
+        (zero_bubble's pending W's hold a smaller part, the inputs and output gradients W needs)."""
         live = peak = 0
         for action in self.actions[stage]:
             live += {"F": 1, "B": -1}.get(action.kind, 0)
@@ -273,11 +274,13 @@ def show_schedule(schedule: Schedule) -> str:
     head = len(f"stage {schedule.stages - 1}")
     rows = [f"{f'stage {s}':<{head}} | " + " ".join(c.ljust(width) for c in row).rstrip()
             for s, row in enumerate(cells)]
-    theory = bubble_fraction(schedule.name, schedule.stages, schedule.micro_batches, schedule.virtual_stages)
-    simulated = simulate(schedule).bubble_fraction
+    try:
+        theory = bubble_fraction(schedule.name, schedule.stages, schedule.micro_batches, schedule.virtual_stages)
+        bubble = f"bubble: theory {theory:.4f}, simulated {simulate(schedule).bubble_fraction:.4f}"
+    except ValueError as error:   # a hand-made schedule still prints, with what is wrong with it
+        bubble = f"bubble: none ({error})"
     title = (f"{schedule.name}: {schedule.stages} stages x {schedule.micro_batches} micro-batches"
              + (f" x {schedule.virtual_stages} chunks" if chunked else "")
              + (", backward split into B (input grad) and W (weight grad)" if schedule.split_backward else ""))
     unsplit = "" if schedule.split_backward else "; B here is B + W, 2 units"
-    return "\n".join([title, *rows, f"bubble: theory {theory:.4f}, simulated {simulated:.4f} "
-                                    f"(F = B = W = 1 unit{unsplit})"])
+    return "\n".join([title, *rows, f"{bubble} (F = B = W = 1 unit{unsplit})"])
