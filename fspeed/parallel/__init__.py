@@ -1,4 +1,4 @@
-"""The parallel wing: meshes, partition specs, plans (ZeRO, tensor slicing) and their runtime.
+"""The parallel wing: meshes, partition specs, plans (ZeRO, tensor slicing, pipeline) and their runtime.
 
     mesh = fs.Mesh(data=-1, model=2)
     plan = fs.zero(stage=3) | fs.tensor_slicing(fs.models.gpt_rules)     # transforms compose with |
@@ -9,7 +9,9 @@ every private torch API fspeed uses is in `fspeed.torch_internals`), `mesh`, `pl
 their composition), `config` (ZeRO's keys), `zero` and `tensor_slicing` (the two transforms),
 `layout` (a plan resolved for a tree), `memory` and `explain` (one accounting), `grads`
 (gradient delivery and bucketed reduction during backward), `ops` (how units enter a model),
-`offload` (host buffers and copies), `runtime` (storage and the boundary train_step calls).
+`offload` (host buffers and copies), `runtime` (storage and the boundary train_step calls),
+`schedules` (pipeline schedules as per-stage action lists, checked and simulated; pure Python),
+`pipeline` (the pipeline transform: layers to stages) and `pipeline_runtime` (a stage's step).
 """
 
 from .comm import CommError, CommLog
@@ -21,14 +23,15 @@ from .mesh import Mesh, init_distributed, shutdown_distributed
 from .ops import UnitParams
 from .plan import Placement, Plan, Transform
 from .runtime import gather_params
+from .schedules import SCHEDULES, Action, Schedule, build_schedule, show_schedule
 from .specs import P, PartitionSpec
 from .tensor_slicing import tensor_slicing
 from .pipeline import StagePlan, pipeline
 from .zero import zero
 
 __all__ = [
-    "CommError", "CommLog", "Layout", "MemoryEstimate", "Mesh", "OffloadOptimizerConfig", "OffloadParamConfig", "P",
-    "PartitionSpec", "Placement", "Plan", "Transform", "UnitParams", "ZeroConfig", "estimate_memory", "explain",
-    "gather_params", "init_distributed", "resolve", "shutdown_distributed", "tensor_slicing", "zero",
-    "StagePlan", "pipeline",
+    "SCHEDULES", "Action", "CommError", "CommLog", "Layout", "MemoryEstimate", "Mesh", "OffloadOptimizerConfig",
+    "OffloadParamConfig", "P", "PartitionSpec", "Placement", "Plan", "Schedule", "Transform", "UnitParams",
+    "ZeroConfig", "build_schedule", "estimate_memory", "explain", "gather_params", "init_distributed", "resolve",
+    "show_schedule", "shutdown_distributed", "tensor_slicing", "zero", "StagePlan", "pipeline",
 ]
