@@ -159,11 +159,7 @@ class PipelineExecutor:
                     self._receive("grad", m, k, signature, mailbox, (tuple(y.shape), y.dtype))
                 wants_x = k > 0 and x.requires_grad
                 inputs = ([x] if wants_x else []) + chunk_leaves[c]
-                if split:  # a recompute (activation checkpointing) inside backward defers as its forward did
-                    with _DeferWeightGrads({id(t) for t in chunk_leaves[c]}, deferred[(m, c)]):
-                        grads = torch.autograd.grad(y, inputs, grad_y, allow_unused=True)
-                else:
-                    grads = torch.autograd.grad(y, inputs, grad_y, allow_unused=True)
+                grads = torch.autograd.grad(y, inputs, grad_y, allow_unused=True)
                 if wants_x:
                     sends += self._send("grad", m, k - 1, grads[0], signature, mailbox)
                     grads = grads[1:]
