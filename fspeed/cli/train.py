@@ -69,15 +69,19 @@ def _parallel_setup(run: RunConfig, rules):
     """(mesh, plan) for this run: None, None for a plain single process. `rules`: the model's
     tensor-slicing rules (used when parallel.tensor > 1)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1 and run.zero.stage == 0 and run.parallel.tensor == 1:
+    if world == 1 and run.zero.stage == 0 and run.parallel.tensor == 1 and run.parallel.pipe == 1:
         return None, None
     if world > 1:
         init_distributed(timeout_s=run.parallel.timeout_s)
     log_comms = CommLog(enabled=run.comms_logger.enabled, verbose=run.comms_logger.verbose)
-    mesh = Mesh(data=run.parallel.data, model=run.parallel.tensor, log=log_comms)
+    mesh = Mesh(data=run.parallel.data, model=run.parallel.tensor, pipe=run.parallel.pipe, log=log_comms)
     plan = zero(build_zero_config(run))  # stage, buckets, overlap, prefetch and the offload blocks
     if run.parallel.tensor > 1:
         plan = plan | tensor_slicing(rules)
+    if run.parallel.pipe > 1:
+        interval = run.pipeline.activation_checkpoint_interval
+        remat = run.activation_checkpointing.to_library() if interval else None
+        plan = plan | run.pipeline.to_library(run.batch.grad_accum, remat)
     return mesh, plan
 
 
@@ -117,9 +121,9 @@ def _user_job(run: RunConfig) -> _Job:
 
 
 def data_parallel_size(cfg: DictConfig) -> int:
-    """The data-parallel degree of a launch: from WORLD_SIZE and parallel.tensor / parallel.data."""
+    """The data-parallel degree of a launch: from WORLD_SIZE and parallel.tensor x parallel.pipe / parallel.data."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    tensor, data_size = int(cfg.parallel.tensor), int(cfg.parallel.data)
+    tensor, data_size = int(cfg.parallel.tensor) * int(cfg.parallel.get("pipe", 1)), int(cfg.parallel.data)
     if data_size == -1:
         if world % tensor:
             raise ConfigError([Problem("parallel.tensor", f"does not divide the world size {world}", tensor)])
@@ -191,11 +195,14 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
 
     log.info("%s", estimate_memory(params, plan or Plan(), mesh.sizes if mesh else {"data": 1}, precision,
                                    optimizer_state_bytes=state_bytes_per_parameter(optimizer),
-                                   logical_axes=model.logical_axes, activations=activations))
+                                   logical_axes=model.logical_axes, activations=activations, layers=model.layers))
+    if state.layout.pipeline is not None:
+        log.info("pipeline stages:\n%s", state.layout.pipeline.describe())
     timers = step_timers(run)
-    train_step = make_train_step(model.loss, optimizer, grad_accum=triad.grad_accum, plan=plan, mesh=mesh,
+    stepped = model if state.layout.pipeline is not None else model.loss  # a pipeline runs the model's layers
+    train_step = make_train_step(stepped, optimizer, grad_accum=triad.grad_accum, plan=plan, mesh=mesh,
                                  on_nonfinite=on_nonfinite_policy(run), timers=timers)
-    eval_step = make_eval_step(model.loss, plan=plan, mesh=mesh)
+    eval_step = make_eval_step(stepped, plan=plan, mesh=mesh)
 
     def save(s):  # with a mesh, a collective: every rank writes its own shard
         loader_state = batches.state_dict()
@@ -474,7 +481,7 @@ def _launch(overrides: list[str], flags: list[str]) -> int:
         run_dir = Path("outputs").resolve() / time.strftime("%Y-%m-%d/%H-%M-%S")
         overrides = [*overrides, f"hydra.run.dir={run_dir}"]
     cfg = _compose_as_the_ranks_will(overrides)
-    data_size, tensor = int(cfg.parallel.data), int(cfg.parallel.tensor)
+    data_size, tensor = int(cfg.parallel.data), int(cfg.parallel.tensor) * int(cfg.parallel.get("pipe", 1))
     if data_size == -1:
         raise ConfigError([Problem("parallel.data", "--launch needs the number of data-parallel ranks", -1,
                                    "a positive integer, e.g. parallel.data=2")])

@@ -23,20 +23,25 @@ from .plan import Plan
 
 
 def explain(plan: Plan, params: PyTree, mesh, logical_axes: Optional[Mapping] = None,
-            precision: str = "bf16") -> str:
-    """The table described in the module docstring (`precision` prices the bytes)."""
+            precision: str = "bf16", layers=None) -> str:
+    """The table described in the module docstring (`precision` prices the bytes). Under a pipeline
+    (`layers`: the model's `LayerSequence`) the table is this rank's stage's, each parameter with the
+    stages holding it, after the layers of every stage."""
     if logical_axes is None and hasattr(params, "logical_axes"):
         raise TypeError("pass the params tree, and the model's logical axes as logical_axes=")
-    layout = resolve(plan, params, mesh.sizes, mesh.coords, logical_axes)
+    layout = resolve(plan, params, mesh.sizes, mesh.coords, logical_axes, layers=layers)
     policy = _precision(precision)
-    return _table(layout, policy) + "\n\n" + str(layout_memory(layout, policy))
+    stages = "" if layout.pipeline is None else layout.pipeline.describe() + "\n\n"
+    return stages + _table(layout, policy) + "\n\n" + str(layout_memory(layout, policy))
 
 
 def _table(layout: Layout, policy) -> str:
     elem = torch.empty(0, dtype=policy.param_dtype).element_size()
     n = layout.data_size
     sharded = {i for u in layout.units for i in u.sharded_params}
-    rows = [("parameter", "global shape", "compute spec", "storage", "local shape", "param bytes/rank", "placed by")]
+    plan = layout.pipeline
+    rows = [("parameter", "global shape", "compute spec", "storage", "local shape", "param bytes/rank", "placed by")
+            + (("stages",) if plan is not None else ())]
     for i, p in enumerate(layout.params):
         numel = ceil_div(p.local_numel, n) if i in sharded else p.local_numel
         storage = p.placement.describe()
@@ -44,7 +49,8 @@ def _table(layout: Layout, policy) -> str:
             storage += " (persistent)"
         placed = ", ".join(sorted({f"{axis}: {by}" for _, axis, by in p.placement.placed_by})) or "-"
         rows.append((p.path, str(list(p.shape)), repr(p.spec), storage, str(list(p.local_shape)),
-                     f"{numel * elem:,}", placed))
+                     f"{numel * elem:,}", placed)
+                    + ((",".join(map(str, plan.stages_holding(p.path))),) if plan is not None else ()))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.append(f"\n{layout.describe()}: {sum(math.prod(p.shape) for p in layout.params):,} parameters, "

@@ -102,27 +102,32 @@ def _precision(precision: Union[Precision, str]) -> Precision:
 
 
 def _layout(params_or_numel: Union[PyTree, int], plan: Plan, mesh_sizes: Mapping[str, int],
-            logical_axes=None) -> Layout:
+            logical_axes=None, layers=None) -> Layout:
+    """The layout of rank 0's coordinates; under a pipeline, of the stage holding the most parameters."""
     if isinstance(params_or_numel, bool) or (isinstance(params_or_numel, int) and params_or_numel < 1):
         raise ValueError(f"params_or_numel={params_or_numel!r}: pass a parameter tree or a positive element count")
     params = {"params": torch.empty(params_or_numel, device="meta")} if isinstance(params_or_numel, int) \
         else params_or_numel
     sizes = {axis: int(size) for axis, size in mesh_sizes.items()}
-    return resolve(plan, params, sizes, {axis: 0 for axis in sizes}, logical_axes)
+    stages = [resolve(plan, params, sizes, {**{axis: 0 for axis in sizes}, "pipe": s}, logical_axes, layers=layers)
+              for s in range(sizes.get("pipe", 1) if plan.find("pipeline") is not None else 1)]
+    return max(stages, key=lambda layout: layout.local.numel)
 
 
 def estimate_memory(params_or_numel: Union[PyTree, int], plan: Plan, mesh_sizes: Mapping[str, int],
                     precision: Union[Precision, str] = "bf16", *, optimizer_state_bytes: int = ADAM_STATE_BYTES,
-                    logical_axes=None, activations: int = 0) -> MemoryEstimate:
+                    logical_axes=None, activations: int = 0, layers=None) -> MemoryEstimate:
     """Per-rank device and CPU bytes of the model states `plan` gives (see the module docstring).
 
     `params_or_numel`: the parameter tree (global shapes; meta tensors are fine) or a parameter
     count (one flat tensor: stage 3 then has a single unit). `mesh_sizes`: {"data": N, "model": M}.
     `optimizer_state_bytes`: per parameter, 8 for Adam's two fp32 moments, 4 for SGD momentum.
     `activations`: bytes a micro-batch's forward keeps for backward (`fs.measure_activations`, under
-    the run's activation checkpointing), counted among the transients of a step.
+    the run's activation checkpointing), counted among the transients of a step. `layers` (the
+    model's `LayerSequence`): what a pipeline plan cuts into stages; the estimate is then the
+    heaviest stage's.
     """
-    estimate = layout_memory(_layout(params_or_numel, plan, mesh_sizes, logical_axes), _precision(precision),
+    estimate = layout_memory(_layout(params_or_numel, plan, mesh_sizes, logical_axes, layers), _precision(precision),
                              optimizer_state_bytes)
     if activations:
         estimate = dataclasses.replace(estimate, peak={**estimate.peak, "activations": activations})
