@@ -612,6 +612,44 @@ def _activation_checkpointing(ds: Mapping[str, Any], w: _Ledger) -> None:
         w.emit("activation_checkpointing (a setting on)", "activation_checkpointing.policy", "full")
 
 
+def _pipeline(ds: Mapping[str, Any], w: _Ledger) -> None:
+    """`pipeline` -> parallel.pipe and the pipeline section. DeepSpeed's engine runs 1F1B with
+    gradient_accumulation_steps micro-batches, as fspeed's default; `partition` "best" is its
+    PipelineModule default, partition_method "parameters"; fspeed always seeds every layer from
+    (seed, step, micro-batch, layer), which is what seed_layers asks for."""
+    block = w.known_block("pipeline", ds["pipeline"], K.PIPELINE_KEYS)
+    if block is None:
+        return
+    if all(key in K.PIPELINE_KEYS and _same(value, K.PIPELINE_KEYS[key]) for key, value in block.items()):
+        w.accept("pipeline", dict(block), "DeepSpeed's defaults: stages from the model (fspeed: parallel.pipe), "
+                 "partition by parameters, no layer checkpointing")
+        return
+    stages = block.get("stages", "auto")
+    if stages != "auto":
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            w.unsupported("pipeline.stages", stages, '"auto" or a positive integer')
+        else:
+            w.emit("pipeline.stages", "parallel.pipe", stages)
+    partition = block.get("partition", "best")
+    if partition == "best":
+        w.accept("pipeline.partition", partition, "DeepSpeed's default: PipelineModule's partition_method "
+                 "'parameters', fspeed's pipeline.partition default")
+    elif isinstance(partition, str) and (partition.lower() in ("uniform", "parameters") or
+                                         partition.lower().startswith("type:")):
+        w.emit("pipeline.partition", "pipeline.partition", partition)
+    else:
+        w.unsupported("pipeline.partition", partition, "best, uniform, parameters, type:<regex>")
+    if "seed_layers" in block:
+        w.accept("pipeline.seed_layers", block["seed_layers"], "fspeed always seeds each layer from (seed, step, "
+                 "micro-batch, layer): the masks do not depend on the stage a layer runs on")
+    if "activation_checkpoint_interval" in block:
+        w.emit("pipeline.activation_checkpoint_interval", "pipeline.activation_checkpoint_interval",
+               block["activation_checkpoint_interval"])
+    for key in ("pipe_partitioned", "grad_partitioned"):
+        if key in block:
+            w.accept(f"pipeline.{key}", block[key], K.PIPELINE_PARTITIONED_REASON)
+
+
 def _event_monitor(ds: Mapping[str, Any], name: str, w: _Ledger) -> None:
     """`csv_monitor` / `tensorboard`: enabled -> the monitor's switch; output_path/job_name -> its
     directory `<output_path>/<job_name>` (DeepSpeed's layout). With output_path empty fspeed writes
@@ -742,6 +780,7 @@ _BLOCKS = {  # top-level key -> its translator (the others: event monitors, wall
     "flops_profiler": _flops_profiler, "sparse_attention": _sparse_attention,
     "activation_checkpointing": _activation_checkpointing, "curriculum_learning": translate_curriculum_learning,
     "progressive_layer_drop": translate_progressive_layer_drop, "data_efficiency": translate_data_efficiency,
+    "pipeline": _pipeline,
 }
 _HANDLED = {*K.TRIAD, "gradient_clipping", "steps_per_print", "fp16", "bf16", "bfloat16", "data_types",
             "optimizer", "scheduler", "zero_allow_untested_optimizer"}

@@ -197,10 +197,6 @@ ENABLED_BLOCKS = (  # accepted when absent, empty or {"enabled": false, ...}
 ENABLED_BLOCK_REASON = "disabled: DeepSpeed does not use the feature either"
 
 BLOCK_DEFAULTS: dict[str, tuple[dict[str, Any], str]] = {  # accepted when every key is at its default
-    "pipeline": ({
-        "stages": "auto", "partition": "best", "seed_layers": False, "activation_checkpoint_interval": 0,
-        "pipe_partitioned": True, "grad_partitioned": True,
-    }, "DeepSpeed's defaults; read only by the pipeline engine (PipelineModule models), which fspeed does not have"),
     "checkpoint": ({
         "tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False,
         "parallel_write": {"pipeline_stage": False},
@@ -208,6 +204,13 @@ BLOCK_DEFAULTS: dict[str, tuple[dict[str, Any], str]] = {  # accepted when every
     "timers": ({"throughput": {"enabled": True, "synchronized": True}},
                "DeepSpeed's defaults: throughput reporting on; fspeed's log lines report tokens/s"),
 }
+PIPELINE_KEYS: dict[str, Any] = {  # DeepSpeed's defaults
+    "stages": "auto", "partition": "best", "seed_layers": False, "activation_checkpoint_interval": 0,
+    "pipe_partitioned": True, "grad_partitioned": True,
+}
+PIPELINE_PARTITIONED_REASON = ("DeepSpeed splits an activation sent between stages over the tensor-slicing ranks and "
+                               "gathers it on the receiver; fspeed's tensor ranks each send their whole copy: the same "
+                               "values, more bytes")
 ACTIVATION_CHECKPOINTING_KEYS: dict[str, Any] = {  # DeepSpeed's defaults
     "partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
     "number_checkpoints": None, "synchronize_checkpoint_boundary": False, "profile": False,
@@ -404,7 +407,7 @@ TRANSLATED_TOP_LEVEL = (
     "scheduler", "zero_optimization", "csv_monitor", "comms_logger", "tensor_parallel", "sparse_attention",
     "activation_checkpointing",
     "tensorboard", "wandb", "flops_profiler", "wall_clock_breakdown",
-    "curriculum_learning", "progressive_layer_drop", "data_efficiency",
+    "curriculum_learning", "progressive_layer_drop", "data_efficiency", "pipeline",
 )
 ALL_TOP_LEVEL = tuple(sorted({*TRANSLATED_TOP_LEVEL, *NO_EFFECT, "zero_allow_untested_optimizer", *SCALAR_DEFAULTS,
                               *ENABLED_BLOCKS, *BLOCK_DEFAULTS}))
