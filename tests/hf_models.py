@@ -143,3 +143,46 @@ class LMDataset(torch.utils.data.Dataset):
 def lm_datasets(size: int = 256, seed: int = 0) -> tuple[LMDataset, LMDataset]:
     """(train, validation): fspeed-train's data._target_ for the language models."""
     return LMDataset(size, seed), LMDataset(32, seed + 1)
+
+
+class _GPT2Embed(nn.Module):
+    """GPT-2's token and position embeddings as one layer (its `wte` is also the head's weight)."""
+
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding):
+        super().__init__()
+        self.wte, self.wpe = wte, wpe
+
+    def forward(self, ids):
+        return self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+
+
+class _FirstOutput(nn.Module):
+    """A Hugging Face block returning (hidden, ...) as a layer returning the hidden state."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        out = self.block(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def hf_gpt2_layers(seed: int = 0, layers: int = 3):
+    """A Hugging Face GPT-2 as a pipeline layer list (DeepSpeed's PipelineModule, fspeed's `sequential`):
+    embeddings, blocks, final norm, and the head tied to the token embedding (TiedLayer)."""
+    import fspeed as fs
+
+    gpt2 = hf_gpt2(seed, layers=layers).transformer
+    embed = _GPT2Embed(gpt2.wte, gpt2.wpe)
+    return fs.models.sequential(
+        [fs.models.TiedLayer("embed", embed), *[_FirstOutput(b) for b in gpt2.h], gpt2.ln_f,
+         fs.models.TiedLayer("embed", embed, forward=lambda m, x: x @ m.wte.weight.t())],
+        loss_fn=lambda logits, batch: F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten()),
+        name="hf-gpt2-layers")
+
+
+def lm_dict_batch(rows: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=g)
+    return {"inputs": ids[:, :-1], "targets": ids[:, 1:]}

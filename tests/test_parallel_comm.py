@@ -38,9 +38,10 @@ def test_bus_bandwidth_formulas_and_summary():
     assert "Comm. Op" in table and "all_reduce" in table and "4.00 KB" in table and "1.00 MB" in table
 
 
-def test_a_pipe_axis_is_refused_until_pipelines_exist():
-    with pytest.raises(ValueError, match="pipe=2: pipeline parallelism is not built yet"):
-        fs.Mesh(data=1, pipe=2)
+def test_a_pipe_axis_needs_a_pipeline_in_the_plan():
+    from fspeed.parallel.plan import ParamEntry
+    with pytest.raises(ValueError, match=r"pipe=2 but no transform .* fs.pipeline\(micro_batches=...\)"):
+        fs.zero(stage=1).place([ParamEntry("w", (4,), (None,))], {"pipe": 2, "data": 1, "model": 1})
 
 
 def test_single_mesh_ignores_the_process_group_and_pending_ops_record_the_timeline():

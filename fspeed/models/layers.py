@@ -145,12 +145,13 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
 
     seq = LayerSequence(layers, inputs, loss)
 
-    def model_loss(params: PyTree, batch: Any, *, rng: Optional[torch.Generator] = None, ops: Any = DENSE):
+    # not parallel-aware (no ops=): under a plan without a pipeline the step hands them plain tensors
+    def model_loss(params: PyTree, batch: Any, *, rng: Optional[torch.Generator] = None):
         return seq.run(params, batch, rng=rng)
 
-    def apply(params: PyTree, x: Any, *, rng: Optional[torch.Generator] = None, ops: Any = DENSE):
+    def apply(params: PyTree, x: Any, *, rng: Optional[torch.Generator] = None):
         for layer_ in layers:
-            x = layer_.fn(params, x, rng=rng, ops=ops)
+            x = layer_.fn(params, x, rng=rng)
         return x
 
     units = {f"{prefix}.{n}": prefix for prefix, m in seen.items() for n, _ in m.named_parameters()}

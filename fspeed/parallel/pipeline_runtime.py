@@ -105,6 +105,7 @@ class PipelineExecutor:
         self.interval = pipe.activation_checkpoint_interval
         self.remat = pipe.remat if pipe.remat is not None else Remat()
         self.tie_groups: Optional[list] = None  # created by the first step (every rank), not by evaluation
+        self.peak_in_flight = 0  # the most micro-batches whose forward graph this stage held at once
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -153,6 +154,7 @@ class PipelineExecutor:
                     sends += self._send("act", m, k + 1, y.detach(), signature, mailbox)
                 saved[(m, c)] = (x, y)
                 deferred[(m, c)] = store
+                self.peak_in_flight = max(self.peak_in_flight, len(saved))
             elif action.kind == "B":
                 x, y = saved.pop((m, c))
                 grad_y = None if k == self.pieces - 1 else \

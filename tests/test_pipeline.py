@@ -1,0 +1,327 @@
+"""Pipeline parallelism: stages from a model's layers, every schedule and partition against the
+one-process reference (hypothesis), PP x DP x ZeRO, PP x TP, fp16 overflow on one stage, tied
+parameters, in-flight micro-batches, evaluation, checkpoints, a Hugging Face model as layers."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fspeed as fs
+from fspeed.parallel.pipeline import balanced_bounds, partition_layers, uniform_bounds
+from fspeed.testing import assert_trains_like_one_process
+from tests.hf_models import hf_gpt2_layers, lm_dict_batch
+
+VOCAB, SEQ = 64, 16
+
+
+def gpt(n_layer: int = 4, tie: bool = True):
+    return fs.models.gpt(fs.models.GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=n_layer, d_model=32, n_head=4,
+                                             tie_embeddings=tie))
+
+
+def gpt2_layers():
+    return gpt(2)
+
+
+def gpt3_layers():
+    return gpt(3)
+
+
+def gpt4_layers():
+    return gpt(4)
+
+
+def gpt6_layers():
+    return gpt(6)
+
+
+def gpt3_untied():
+    return gpt(3, tie=False)
+
+
+def batch(rows: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"inputs": torch.randint(0, VOCAB, (rows, SEQ), generator=g),
+            "targets": torch.randint(0, VOCAB, (rows, SEQ), generator=g)}
+
+
+def sgd():
+    """Clipping (by the norm over every stage) then SGD with momentum: Adam would blow the rounding
+    noise of near-zero gradients (summed in another order over stages and data ranks) up to its step size."""
+    return fs.optim.chain(fs.optim.clip_by_global_norm(1.0), fs.optim.sgd(0.1, momentum=0.9))
+
+
+BUILDERS = {2: gpt2_layers, 3: gpt3_layers, 4: gpt4_layers, 6: gpt6_layers}
+
+# -- partitions and the plan (one process) --------------------------------------------------------
+
+
+class _L:
+    def __init__(self, kind):
+        self.kind = kind
+
+
+def test_uniform_partition_is_deepspeeds():
+    assert uniform_bounds(10, 4) == [0, 3, 6, 8, 10]  # the first n % p pieces one more
+    assert uniform_bounds(4, 4) == [0, 1, 2, 3, 4]
+
+
+@settings(max_examples=40, deadline=None)
+@given(weights=st.lists(st.integers(0, 50), min_size=1, max_size=9), data=st.data())
+def test_balanced_partition_minimises_the_heaviest_piece(weights, data):
+    pieces = data.draw(st.integers(1, len(weights)))
+    bounds = balanced_bounds(weights, pieces)
+    assert bounds[0] == 0 and bounds[-1] == len(weights) and all(a < b for a, b in zip(bounds, bounds[1:]))
+    heaviest = max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+    best = math.inf
+    import itertools
+    for cuts in itertools.combinations(range(1, len(weights)), pieces - 1):
+        edges = [0, *cuts, len(weights)]
+        best = min(best, max(sum(weights[a:b]) for a, b in zip(edges, edges[1:])))
+    assert heaviest == best
+
+
+def test_partition_methods_and_their_errors():
+    layers = [_L("Embedding"), _L("TransformerBlock"), _L("TransformerBlock"), _L("TransformerBlock"), _L("Head")]
+    assert partition_layers("type:block", layers, [1] * 5, 2) in ([0, 2, 5], [0, 3, 5])
+    assert partition_layers((2, 3), layers, [1] * 5, 2) == [0, 2, 5]
+    with pytest.raises(ValueError, match="matches no layer kind"):
+        partition_layers("type:conv", layers, [1] * 5, 2)
+    with pytest.raises(ValueError, match="needs 2 layer counts"):
+        partition_layers((2, 2), layers, [1] * 5, 2)
+    with pytest.raises(ValueError, match="allowed: uniform, parameters"):
+        fs.pipeline(4, partition="best")
+    with pytest.raises(ValueError, match="schedule='gpipeline'"):
+        fs.pipeline(4, schedule="gpipeline")
+    with pytest.raises(ValueError, match="needs schedule='interleaved_1f1b'"):
+        fs.pipeline(4, virtual_stages=2)
+    with pytest.raises(ValueError, match="micro_batches=0"):
+        fs.pipeline(0)
+
+
+def test_stages_hold_their_layers_and_the_tied_embedding():
+    model = gpt(4)
+    params = model.init(torch.Generator().manual_seed(0))
+    plan = fs.pipeline(4, partition="uniform")
+    first = fs.parallel.resolve(plan, params, {"pipe": 2, "data": 1, "model": 1}, {"pipe": 0}, layers=model.layers)
+    last = fs.parallel.resolve(plan, params, {"pipe": 2, "data": 1, "model": 1}, {"pipe": 1}, layers=model.layers)
+    assert {"wte", "wpe", "blocks.1.ln1.weight"} <= set(first.local.paths)
+    assert "blocks.2.ln1.weight" not in first.local.paths
+    assert "wte" in last.local.paths and "blocks.3.mlp.w_in" in last.local.paths and "wpe" not in last.local.paths
+    assert first.pipeline.tied == (("wte", (0, 1)),)
+    assert "stage 0: embed..blocks.1 (3)" in first.pipeline.describe()
+    with pytest.raises(ValueError, match="fewer than the 8 pipeline pieces"):
+        fs.parallel.resolve(fs.pipeline(8), params, {"pipe": 8}, {"pipe": 0}, layers=model.layers)
+    with pytest.raises(ValueError, match="needs the model's layer sequence"):
+        fs.parallel.resolve(plan, params, {"pipe": 2}, {"pipe": 0})
+    with pytest.raises(ValueError, match="ZeRO stage 3 with a pipeline"):
+        fs.parallel.resolve(fs.zero(3) | plan, params, {"pipe": 2}, {"pipe": 0}, layers=model.layers)
+    table = fs.explain(plan, params, fs.Mesh.single(), model.logical_axes, layers=model.layers)
+    assert "stages" in table and "stage 0: embed..head (6)" in table
+
+
+def test_layer_sequences_compute_the_models_loss():
+    model = gpt(3)
+    params = model.init(torch.Generator().manual_seed(0))
+    b = batch(2, 0)
+    assert torch.equal(model.layers.run(params, b), model.loss(params, b))
+    seq = hf_gpt2_layers()
+    p = seq.init()
+    assert sorted(p) == ["1", "2", "3", "4", "tied"] and len(seq.layers.layers) == 6
+    assert torch.isfinite(seq.loss(p, lm_dict_batch(2, 0)))
+
+
+def test_a_step_needs_the_model_and_whole_steps():
+    model = gpt(2)
+    opt = fs.optim.adamw(1e-3)
+    with pytest.raises(ValueError, match="pass the Model itself"):
+        fs.make_train_step(model.loss, opt, plan=fs.pipeline(2), mesh=fs.Mesh.single())
+    with pytest.raises(ValueError, match="grad_accum=3 but the pipeline runs micro_batches=2"):
+        fs.make_train_step(model, opt, grad_accum=3, plan=fs.pipeline(2), mesh=fs.Mesh.single())
+
+
+def test_one_stage_pipeline_matches_the_plain_step():
+    """pipe=1: every piece on this process (interleaved chunks hand activations over locally)."""
+    model = gpt(3)
+    opt = fs.optim.sgd(0.1)  # Adam would blow up the rounding noise of the key bias (whose true gradient is 0)
+    plan = fs.pipeline(2, schedule="interleaved_1f1b", virtual_stages=2, partition="uniform")
+    mesh = fs.Mesh.single()
+    params = model.init(torch.Generator().manual_seed(0))
+    piped = fs.init_train_state(params, opt, plan=plan, mesh=mesh, model=model)
+    plain = fs.init_train_state(params, opt, model=model)
+    step_p = fs.make_train_step(model, opt, plan=plan, mesh=mesh)
+    step_1 = fs.make_train_step(model.loss, opt, grad_accum=2)
+    for i in range(2):
+        piped, mp = step_p(piped, batch(4, i))
+        plain, m1 = step_1(plain, batch(4, i))
+        assert mp["loss"] == pytest.approx(m1["loss"], rel=1e-6)
+    for path, t in zip(fs.tree_paths(plain.params.tree()), fs.pytree.tree_leaves(plain.params.tree())):
+        torch.testing.assert_close(dict(piped.params.items())[path], t, rtol=1e-5, atol=1e-6)
+
+
+# -- against the one-process reference on gloo worlds ---------------------------------------------
+
+CASES = st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
+
+
+@settings(max_examples=8, deadline=None)
+@given(schedule=CASES, partition=st.sampled_from(["uniform", "parameters", "type:block", "explicit"]),
+       pipe=st.sampled_from([2, 4]), n_layer=st.integers(2, 4), micro=st.integers(1, 4), stage=st.sampled_from([0, 1, 2]),
+       seed=st.integers(0, 3))
+def test_every_schedule_and_partition_trains_like_one_process(world4, schedule, partition, pipe, n_layer, micro,
+                                                              stage, seed):
+    virtual = 2 if schedule == "interleaved_1f1b" else 1
+    pieces = pipe * virtual
+    layers = n_layer + 2
+    if layers < pieces:
+        n_layer, layers = 6, 8
+    if schedule == "interleaved_1f1b":
+        micro = pipe * max(1, micro // pipe)
+    if partition == "explicit":
+        partition = tuple(uniform_bounds(layers, pieces)[k + 1] - uniform_bounds(layers, pieces)[k]
+                          for k in range(pieces))
+    plan = fs.zero(stage) | fs.pipeline(micro, schedule, partition, virtual)
+    assert_trains_like_one_process(BUILDERS[n_layer], plan,
+                                   make_batch=batch, world_size=4, pipe=pipe, world=world4, steps=2, seed=seed,
+                                   optimizer=sgd)
+
+
+def test_pipe_times_tensor_slicing_trains_like_one_process(world4):
+    plan = fs.zero(1) | fs.tensor_slicing(fs.models.gpt_rules) | fs.pipeline(2, "1f1b")
+    assert_trains_like_one_process(gpt3_layers, plan, make_batch=batch, world_size=4, pipe=2, tensor=2,
+                                   world=world4, steps=2, atol=1e-5)
+
+
+def test_a_hugging_face_gpt2_as_layers_trains_like_one_process(world4):
+    assert_trains_like_one_process(hf_gpt2_layers, fs.zero(1) | fs.pipeline(2, "zero_bubble"),
+                                   make_batch=lm_dict_batch, world_size=4, pipe=2, world=world4, steps=2,
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_untied_gpt_with_checkpointed_layer_groups_trains_like_one_process(world4):
+    plan = fs.pipeline(2, "1f1b", activation_checkpoint_interval=2)
+    assert_trains_like_one_process(gpt3_untied, plan, make_batch=batch, world_size=4, pipe=4, world=world4, steps=2)
+
+
+def _overflow_on_stage_0(steps: int = 3):
+    """fp16 on 2 stages; stage 0's gradient is poisoned (inf) at step 2 only. Returns per rank: the
+    skipped flags, the loss scales, whether the weights moved at step 2, and this stage's wte copy."""
+    from fspeed.parallel import pipeline_runtime
+
+    model = gpt(2)
+    mesh = fs.Mesh(data=1, pipe=2)
+    plan = fs.pipeline(2)
+    opt = fs.optim.adamw(1e-3)
+    state = fs.init_train_state(model.init(torch.Generator().manual_seed(0)), opt, plan=plan, mesh=mesh, model=model,
+                                precision=fs.precision.fp16(initial_scale_power=8))
+    step = fs.make_train_step(model, opt, plan=plan, mesh=mesh)
+    original = pipeline_runtime.PipelineExecutor.step
+    calls = []
+
+    def poisoned(self, *args, **kwargs):
+        losses, grads = original(self, *args, **kwargs)
+        calls.append(1)
+        if self.stage == 0 and len(calls) == 2:
+            grads.buffer[0] = float("inf")
+        return losses, grads
+    pipeline_runtime.PipelineExecutor.step = poisoned
+    out = {"skipped": [], "scale": [], "moved": []}
+    try:
+        for i in range(steps):
+            before = state.master.buffer.clone()
+            state, metrics = step(state, batch(4, i))
+            out["skipped"].append(metrics["skipped"])
+            out["scale"].append(metrics["loss_scale"])
+            out["moved"].append(not torch.equal(before, state.master.buffer))
+    finally:
+        pipeline_runtime.PipelineExecutor.step = original
+    out["wte"] = dict(state.master.items())["wte"].clone()
+    return out
+
+
+def test_fp16_overflow_on_one_stage_skips_the_step_on_all_and_ties_stay_equal(world2):
+    first, last = world2.run(_overflow_on_stage_0)
+    for rank in (first, last):
+        assert rank["skipped"] == [False, True, False]
+        assert rank["moved"] == [True, False, True]
+    assert first["scale"] == last["scale"]  # one loss scale (DeepSpeed's hysteresis 2: the first overflow keeps it)
+    assert torch.equal(first["wte"], last["wte"])  # the tied embedding's two copies are one value
+
+
+def _in_flight(schedule: str, micro: int):
+    """(this rank's stage, the most micro-batches its executor held at once in one step)."""
+    from fspeed.parallel import pipeline_runtime
+
+    model = gpt(2)
+    mesh = fs.Mesh(data=1, pipe=4)
+    plan = fs.pipeline(micro, schedule)
+    opt = fs.optim.sgd(1e-2)
+    state = fs.init_train_state(model.init(torch.Generator().manual_seed(0)), opt, plan=plan, mesh=mesh, model=model)
+    step = fs.make_train_step(model, opt, plan=plan, mesh=mesh)
+    original, seen = pipeline_runtime.PipelineExecutor.step, []
+
+    def watched(self, *args, **kwargs):
+        seen.append(self)
+        return original(self, *args, **kwargs)
+    pipeline_runtime.PipelineExecutor.step = watched
+    try:
+        step(state, batch(micro, 0))
+    finally:
+        pipeline_runtime.PipelineExecutor.step = original
+    return mesh.coordinate("pipe"), seen[0].peak_in_flight
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_1f1b_holds_at_most_stages_minus_index_micro_batches(world4, schedule):
+    held = dict(world4.run(_in_flight, schedule, 8))
+    for stage, peak in held.items():
+        assert peak == (min(4 - stage, 8) if schedule == "1f1b" else 8), (stage, peak)
+
+
+def _resume(directory: str):
+    model = gpt(2)
+    mesh = fs.Mesh(data=2, pipe=2)
+    plan = fs.zero(1) | fs.pipeline(2)
+    opt = fs.optim.adamw(1e-3)
+
+    def fresh(seed):
+        return fs.init_train_state(model.init(torch.Generator().manual_seed(seed)), opt, plan=plan, mesh=mesh,
+                                   model=model)
+    step = fs.make_train_step(model, opt, plan=plan, mesh=mesh)
+    evaluate = fs.make_eval_step(model, plan=plan, mesh=mesh)
+    state, straight = fresh(0), []
+    for i in range(4):
+        if i == 2:
+            fs.save_checkpoint(directory, state, mesh=mesh)
+        state, metrics = step(state, batch(2, i))
+        straight.append(metrics["loss"])
+    resumed, _ = fs.load_checkpoint(directory, fresh(1), mesh=mesh)
+    again = []
+    for i in range(2, 4):
+        resumed, metrics = step(resumed, batch(2, i))
+        again.append(metrics["loss"])
+    full = fs.gather_params(state, mesh)
+    return straight, again, evaluate(state, batch(2, 9)), {p: t for p, t in zip(fs.tree_paths(full),
+                                                                                 fs.pytree.tree_leaves(full))}
+
+
+def test_a_pipeline_run_resumes_exactly_and_loads_into_one_process(world4, tmp_path):
+    results = world4.run(_resume, str(tmp_path / "ck"))
+    straight, again, eval_loss, full = results[0]
+    assert again == straight[2:]
+    assert all(r[2] == eval_loss for r in results)  # every stage reports the last stage's loss
+    model = gpt(2)
+    assert sorted(full) == sorted(fs.tree_paths(model.init(torch.Generator().manual_seed(0))))
+    opt = fs.optim.adamw(1e-3)
+    local, _ = fs.load_checkpoint(tmp_path / "ck", fs.init_train_state(model.init(torch.Generator().manual_seed(1)),
+                                                                        opt, model=model))
+    step = fs.make_train_step(model.loss, opt, grad_accum=2)  # each data rank trained on the same batch(2, i)
+    losses = []
+    for i in range(2, 4):
+        local, metrics = step(local, batch(2, i))
+        losses.append(metrics["loss"])
+    assert losses == pytest.approx(straight[2:], rel=1e-6)
+    assert fs.make_eval_step(model.loss)(local, batch(2, 9)) == pytest.approx(eval_loss, rel=1e-5)
