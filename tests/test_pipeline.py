@@ -325,3 +325,13 @@ def test_a_pipeline_run_resumes_exactly_and_loads_into_one_process(world4, tmp_p
         losses.append(metrics["loss"])
     assert losses == pytest.approx(straight[2:], rel=1e-6)
     assert fs.make_eval_step(model.loss)(local, batch(2, 9)) == pytest.approx(eval_loss, rel=1e-5)
+
+
+def test_show_schedule_of_a_plan_on_a_mesh():
+    plan = fs.zero(1) | fs.pipeline(micro_batches=4, schedule="zero_bubble")
+    text = fs.parallel.show_schedule(plan, {"pipe": 2, "data": 1})
+    assert text.splitlines()[1] == "stage 0 | F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3" and "theory 0.0769" in text
+    with pytest.raises(ValueError, match="has no pipeline"):
+        fs.parallel.show_schedule(fs.zero(1), {"pipe": 2})
+    with pytest.raises(ValueError, match="a 'pipe' entry"):
+        fs.parallel.show_schedule(plan, 2)

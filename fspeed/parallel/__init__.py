@@ -23,10 +23,10 @@ from .mesh import Mesh, init_distributed, shutdown_distributed
 from .ops import UnitParams
 from .plan import Placement, Plan, Transform
 from .runtime import gather_params
-from .schedules import SCHEDULES, Action, Schedule, build_schedule, show_schedule
+from .schedules import SCHEDULES, Action, Schedule, build_schedule
 from .specs import P, PartitionSpec
 from .tensor_slicing import tensor_slicing
-from .pipeline import StagePlan, pipeline
+from .pipeline import StagePlan, pipeline, show_schedule
 from .zero import zero
 
 __all__ = [

@@ -174,6 +174,24 @@ def pipeline(micro_batches: int, schedule: str = "1f1b", partition: Partition = 
     return Plan((Pipeline(micro_batches, schedule, partition, virtual_stages, activation_checkpoint_interval, remat),))
 
 
+def show_schedule(plan: Union[Plan, "Schedule"], mesh: Any = None) -> str:
+    """The schedule a plan's pipeline runs on a mesh, per stage (`F0 F1 B0 F2 B1 ...`), and its
+    bubble: `show_schedule(plan, mesh)`, where `mesh` is a `Mesh` or its sizes (`{"pipe": 4}`,
+    no process group needed); or `show_schedule(schedule)` for a built `Schedule`."""
+    from .schedules import Schedule, build_schedule  # noqa: PLC0415
+    from .schedules import show_schedule as show  # noqa: PLC0415
+
+    if isinstance(plan, Schedule):
+        return show(plan)
+    pipe = plan.find("pipeline") if isinstance(plan, Plan) else None
+    if pipe is None:
+        raise ValueError(f"show_schedule: {plan!r} has no pipeline; add fs.pipeline(micro_batches=...) to the plan")
+    sizes = getattr(mesh, "sizes", mesh)
+    if not isinstance(sizes, Mapping) or "pipe" not in sizes:
+        raise ValueError(f"show_schedule(plan, mesh): mesh must be a Mesh or sizes with a 'pipe' entry, got {mesh!r}")
+    return show(build_schedule(pipe.schedule, int(sizes["pipe"]), pipe.micro_batches, pipe.virtual_stages))
+
+
 def partition_layers(method: Partition, layers: Sequence[Any], param_counts: Sequence[int], pieces: int) -> list[int]:
     """The `pieces + 1` boundaries cutting `layers` into consecutive pieces by `method` (module docstring)."""
     n = len(layers)
@@ -265,4 +283,5 @@ def _prod(shape: Sequence[int]) -> int:
 
 
 __all__ = ["PARTITION_METHODS", "Pipeline", "StagePlan", "balanced_bounds", "partition_layers", "pipeline",
+           "show_schedule",
            "uniform_bounds"]

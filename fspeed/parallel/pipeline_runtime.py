@@ -22,6 +22,7 @@ depend on where the layer runs.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -106,6 +107,8 @@ class PipelineExecutor:
         self.remat = pipe.remat if pipe.remat is not None else Remat()
         self.tie_groups: Optional[list] = None  # created by the first step (every rank), not by evaluation
         self.peak_in_flight = 0  # the most micro-batches whose forward graph this stage held at once
+        self.timeline: Optional[list] = None  # a list: each step appends (action, start, end) of its compute,
+        # receives excluded (time.perf_counter, one clock for all processes of a machine; benchmarks/pipeline.py)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -139,6 +142,7 @@ class PipelineExecutor:
                     self._receive("act", m, k, signature, mailbox, None)
                 if k > 0 and x.is_floating_point():
                     x.requires_grad_(True)
+                start = time.perf_counter()
                 store: list = []
                 with torch.enable_grad():
                     if split:
@@ -159,6 +163,7 @@ class PipelineExecutor:
                 x, y = saved.pop((m, c))
                 grad_y = None if k == self.pieces - 1 else \
                     self._receive("grad", m, k, signature, mailbox, (tuple(y.shape), y.dtype))
+                start = time.perf_counter()
                 wants_x = k > 0 and x.requires_grad
                 inputs = ([x] if wants_x else []) + chunk_leaves[c]
                 grads = torch.autograd.grad(y, inputs, grad_y, allow_unused=True)
@@ -172,11 +177,14 @@ class PipelineExecutor:
                 if not split:
                     deferred.pop((m, c))
             else:  # "W": the deferred weight gradients
+                start = time.perf_counter()
                 with torch.no_grad():
                     for w, x_in, grad in deferred.pop((m, c)):
                         base = w if w._base is None else w._base
                         dw = grad.reshape(-1, grad.shape[-1]).t().matmul(x_in.reshape(-1, x_in.shape[-1]))
                         acc_of[id(base)].view(w.shape).add_(dw)
+            if self.timeline is not None:
+                self.timeline.append((action, start, time.perf_counter()))
         for pending in sends:
             pending.wait()
         self._sum_tied(acc, acc_views)

@@ -1,0 +1,243 @@
+"""Pipeline parallelism on 2 gloo ranks (one thread each, one stage each): the bubble each schedule
+leaves, measured against its theory, and fspeed's step time against torch.distributed.pipelining's
+Schedule1F1B (and DeepSpeed's PipelineEngine when it runs) on the same model, stages and data.
+
+The model is the reference GPT (untied embeddings, so every engine can hold it as two stages),
+cut uniformly: stage 0 = embed + blocks 0..L/2-1, stage 1 = the rest + head. Bubble: every stage
+records the start and end of each schedule action's compute (receives excluded); over a step,
+bubble = 1 - busy / (stages * span), span = first start to last end over both stages (one clock:
+perf_counter is the machine's monotonic clock). The theory (`bubble_fraction`) takes F = B = W and
+free communication. Step time: a whole `train_step` (schedule, gradient delivery, AdamW) against
+torch's `schedule.step` + `torch.optim.AdamW(foreach=True)`, alternating step by step in one run.
+
+    python benchmarks/pipeline.py [--layers 8] [--d-model 256] [--seq 64] [--rows 4] [--steps 6]
+
+Last lines: pipeline_bubble_over_theory (1F1B, 8 micro-batches), pipeline_step_time_vs_torch (1F1B,
+8 micro-batches, fspeed / torch, median), zero_bubble_over_1f1b (4 micro-batches, step span),
+pipeline_step_time_vs_deepspeed (or the reason it did not run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fspeed as fs
+from fspeed.parallel.pipeline_runtime import PipelineExecutor
+from fspeed.parallel.schedules import bubble_fraction
+from fspeed.pytree import tree_flatten_with_paths, tree_unflatten
+from fspeed.train_step import split_micro_batches
+from fspeed.testing import GlooWorld
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+SCHEDULE_RUNS = (("gpipe", 4, 1), ("1f1b", 4, 1), ("zero_bubble", 4, 1), ("interleaved_1f1b", 4, 2),
+                 ("gpipe", 8, 1), ("1f1b", 8, 1), ("zero_bubble", 8, 1), ("interleaved_1f1b", 8, 2))
+
+
+def model_config(args: argparse.Namespace) -> fs.models.GPTConfig:
+    return fs.models.GPTConfig(vocab_size=256, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
+                               d_model=args.d_model, tie_embeddings=False)
+
+
+def make_batch(args: argparse.Namespace, micro_batches: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 256, (micro_batches * args.rows, args.seq + 1), generator=g)
+    return {"inputs": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}
+
+
+def fspeed_setup(args: argparse.Namespace, schedule: str, micro_batches: int, virtual: int):
+    model = fs.models.gpt(model_config(args))
+    mesh = fs.Mesh(data=1, pipe=2)
+    plan = fs.pipeline(micro_batches, schedule=schedule, partition="uniform", virtual_stages=virtual)
+    opt = fs.optim.adamw(1e-4)
+    state = fs.init_train_state(model.init(torch.Generator().manual_seed(0)), opt, plan=plan, mesh=mesh, model=model)
+    return model, mesh, state, fs.make_train_step(model, opt, plan=plan, mesh=mesh)
+
+
+def measure_bubble(args: argparse.Namespace, schedule: str, micro_batches: int, virtual: int) -> dict:
+    """Per step: this stage's busy seconds and its first start and last end (rank-local results)."""
+    torch.manual_seed(0)
+    model, mesh, state, _ = fspeed_setup(args, schedule, micro_batches, virtual)
+    executor = PipelineExecutor(state.layout, mesh, model.layers, torch.float32)
+    micro = split_micro_batches(make_batch(args, micro_batches), micro_batches)
+    steps = []
+    for i in range(args.warmup + args.steps):
+        executor.timeline = []
+        dist.barrier()
+        executor.step(state.params, micro, 1.0 / micro_batches, lambda m, layer: None)
+        if i >= args.warmup:
+            t = executor.timeline
+            steps.append({"busy": sum(end - start for _, start, end in t), "start": t[0][1], "end": t[-1][2],
+                          "kinds": {k: sum(e - s for a, s, e in t if a.kind == k) for k in "FBW"}})
+    return {"stage": mesh.coords["pipe"], "steps": steps}
+
+
+class TorchStage(nn.Module):
+    """The same layer functions on this stage's parameters, as an nn.Module for torch's pipelining."""
+
+    def __init__(self, model: fs.models.Model, params, layer_range: range):
+        super().__init__()
+        self.seq, self.layer_range = model.layers, layer_range
+        uses = [u for i in layer_range for u in self.seq.layers[i].uses]
+        paths, leaves, self.treedef = tree_flatten_with_paths(params)
+        self.keep = [any(p == u or p.startswith(u + ".") for u in uses) for p in paths]
+        self.weights = nn.ParameterList([nn.Parameter(leaf.clone()) for leaf, k in zip(leaves, self.keep) if k])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        held = iter(self.weights)
+        tree = tree_unflatten(self.treedef, [next(held) if k else None for k in self.keep])
+        for i in self.layer_range:
+            x = self.seq.layers[i].fn(tree, x)
+        return x
+
+
+def torch_setup(args: argparse.Namespace, micro_batches: int, bounds: list[int]):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B  # noqa: PLC0415
+
+    model = fs.models.gpt(model_config(args))
+    stage = dist.get_rank()
+    module = TorchStage(model, model.init(torch.Generator().manual_seed(0)), range(bounds[stage], bounds[stage + 1]))
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    pipe_stage = PipelineStage(module, stage, 2, torch.device("cpu"))
+    schedule = Schedule1F1B(pipe_stage, micro_batches, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, weight_decay=0.0, foreach=True)
+    return schedule, opt
+
+
+def compare_step_time(args: argparse.Namespace, micro_batches: int) -> dict:
+    """fspeed's train_step and torch's 1F1B step + AdamW, alternating; seconds per step on this rank."""
+    _, mesh, state, step = fspeed_setup(args, "1f1b", micro_batches, 1)
+    bounds = list(state.layout.pipeline.bounds)
+    schedule, opt = torch_setup(args, micro_batches, bounds)
+    batch = make_batch(args, micro_batches)
+    rank = dist.get_rank()
+    times = {"fspeed": [], "torch": []}
+    losses = {}
+    for i in range(args.warmup + args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        state, metrics = step(state, batch)
+        dist.barrier()
+        t1 = time.perf_counter()
+        out: list = []
+        if rank == 0:
+            schedule.step(batch["inputs"])
+        else:
+            schedule.step(target=batch["targets"], losses=out)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        t2 = time.perf_counter()
+        if i == 0:
+            losses = {"fspeed": float(metrics["loss"]), "torch": float(torch.stack(out).mean()) if out else None}
+        if i >= args.warmup:
+            times["fspeed"].append(t1 - t0)
+            times["torch"].append(t2 - t1)
+    return {"times": times, "losses": losses, "bounds": bounds}
+
+
+def bubble_rows(results: dict) -> list[dict]:
+    rows = []
+    for (name, m, v), per_rank in results.items():
+        fractions, spans = [], []
+        for k in range(len(per_rank[0]["steps"])):
+            stages = [r["steps"][k] for r in per_rank]
+            span = max(s["end"] for s in stages) - min(s["start"] for s in stages)
+            fractions.append(1 - sum(s["busy"] for s in stages) / (len(stages) * span))
+            spans.append(span)
+        theory = bubble_fraction(name, 2, m, v)
+        kinds = {k: statistics.median(st["steps"][0]["kinds"][k] for st in per_rank) for k in "FBW"}
+        rows.append({"schedule": name, "micro": m, "virtual": v, "measured": statistics.median(fractions),
+                     "theory": theory, "span": statistics.median(spans), "kinds": kinds})
+    return rows
+
+
+def print_bubbles(rows: list[dict]) -> None:
+    print("\nBubble per schedule (2 stages; busy = compute of the stage's actions, receives excluded)")
+    print(f"{'schedule':<18}{'micro':>6}{'v':>3}{'measured':>10}{'theory':>9}{'ratio':>7}{'step ms':>9}"
+          f"{'F ms':>8}{'B ms':>8}{'W ms':>8}")
+    for r in rows:
+        k = r["kinds"]
+        print(f"{r['schedule']:<18}{r['micro']:>6}{r['virtual']:>3}{r['measured']:>10.3f}{r['theory']:>9.3f}"
+              f"{r['measured'] / r['theory']:>7.2f}{r['span'] * 1e3:>9.1f}{k['F'] * 1e3:>8.1f}{k['B'] * 1e3:>8.1f}"
+              f"{k['W'] * 1e3:>8.1f}")
+
+
+def deepspeed_times(args: argparse.Namespace, micro_batches: int) -> tuple[list[float] | None, str]:
+    try:
+        from pipeline_deepspeed import DeepSpeedUnavailable, measure_deepspeed_pipeline  # noqa: PLC0415
+    except ImportError as err:
+        return None, f"benchmarks/pipeline_deepspeed.py not importable ({err})"
+    try:
+        result = measure_deepspeed_pipeline(n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
+                                            seq_len=args.seq, vocab=256, micro_rows=args.rows,
+                                            micro_batches=micro_batches, steps=args.steps, warmup=args.warmup)
+    except DeepSpeedUnavailable as err:
+        return None, str(err)
+    return result["step_s"], f"first loss {result['first_loss']:.4f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=4, help="rows per micro-batch")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per measurement")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--no-deepspeed", action="store_true")
+    args = parser.parse_args()
+    print(f"GPT: {args.layers} layers, d_model {args.d_model}, seq {args.seq}, vocab 256, untied; "
+          f"{args.rows} rows per micro-batch; 2 gloo ranks x 1 thread", flush=True)
+    bubbles = {}
+    with GlooWorld(2, timeout_s=1200) as world:
+        for name, m, v in SCHEDULE_RUNS:
+            bubbles[(name, m, v)] = world.run(measure_bubble, args, name, m, v)
+            print(f"  measured {name} with {m} micro-batches", flush=True)
+        compare = {m: world.run(compare_step_time, args, m) for m in (4, 8)}
+        print("  measured fspeed against torch.distributed.pipelining", flush=True)
+    rows = bubble_rows(bubbles)
+    print_bubbles(rows)
+
+    ds = {} if args.no_deepspeed else {m: deepspeed_times(args, m) for m in (4, 8)}
+    print("\nStep time, 1F1B (median of rank 0's steps; the same init, data and stages)")
+    print(f"{'micro':>6}{'fspeed ms':>11}{'torch ms':>10}{'fspeed/torch':>14}{'DeepSpeed ms':>14}{'fspeed/DS':>11}"
+          f"   first loss fspeed / torch")
+    ratios = {}
+    for m, per_rank in compare.items():
+        t = per_rank[0]["times"]
+        ours, theirs = statistics.median(t["fspeed"]), statistics.median(t["torch"])
+        ds_t, ds_note = ds.get(m, (None, "not run (--no-deepspeed)"))
+        ds_ms = f"{statistics.median(ds_t) * 1e3:>14.1f}{ours / statistics.median(ds_t):>11.2f}" if ds_t else \
+            f"{'-':>14}{'-':>11}"
+        losses = per_rank[1]["losses"]
+        print(f"{m:>6}{ours * 1e3:>11.1f}{theirs * 1e3:>10.1f}{ours / theirs:>14.3f}{ds_ms}"
+              f"   {losses['fspeed']:.4f} / {losses['torch']:.4f}")
+        ratios[m] = (ours / theirs, ours / statistics.median(ds_t) if ds_t else None, ds_note)
+    for m, (_, _, note) in ratios.items():
+        print(f"  DeepSpeed PipelineEngine, {m} micro-batches: {note}")
+
+    by = {(r["schedule"], r["micro"]): r for r in rows}
+    one_f = by[("1f1b", 8)]
+    print(f"\npipeline_bubble_over_theory={one_f['measured'] / one_f['theory']:.3f}")
+    print(f"pipeline_step_time_vs_torch={ratios[8][0]:.3f}")
+    print(f"zero_bubble_over_1f1b={by[('zero_bubble', 4)]['span'] / by[('1f1b', 4)]['span']:.3f}")
+    ds8 = ratios[8][1]
+    print(f"pipeline_step_time_vs_deepspeed={ds8:.3f}" if ds8 is not None else
+          "pipeline_step_time_vs_deepspeed=nan")
+
+
+if __name__ == "__main__":
+    main()
