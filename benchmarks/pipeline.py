@@ -63,22 +63,28 @@ def fspeed_setup(args: argparse.Namespace, schedule: str, micro_batches: int, vi
     return model, mesh, state, fs.make_train_step(model, opt, plan=plan, mesh=mesh)
 
 
-def measure_bubble(args: argparse.Namespace, schedule: str, micro_batches: int, virtual: int) -> dict:
-    """Per step: this stage's busy seconds and its first start and last end (rank-local results)."""
-    torch.manual_seed(0)
-    model, mesh, state, _ = fspeed_setup(args, schedule, micro_batches, virtual)
-    executor = PipelineExecutor(state.layout, mesh, model.layers, torch.float32)
+def measure_bubbles(args: argparse.Namespace, micro_batches: int) -> dict:
+    """Every schedule's steps at `micro_batches`, alternating step by step (the machine's noise falls
+    on all alike): per schedule and step, this stage's busy seconds per action kind, first start and
+    last end (rank-local results)."""
+    fs.retain_freed_host_memory()
+    runs = {}
+    for name, m, v in SCHEDULE_RUNS:
+        if m == micro_batches:
+            model, mesh, state, _ = fspeed_setup(args, name, m, v)
+            runs[(name, m, v)] = (PipelineExecutor(state.layout, mesh, model.layers, torch.float32), state.params)
     micro = split_micro_batches(make_batch(args, micro_batches), micro_batches)
-    steps = []
+    steps: dict = {key: [] for key in runs}
     for i in range(args.warmup + args.steps):
-        executor.timeline = []
-        dist.barrier()
-        executor.step(state.params, micro, 1.0 / micro_batches, lambda m, layer: None)
-        if i >= args.warmup:
+        for key, (executor, params) in runs.items():
+            executor.timeline = []
+            dist.barrier()
+            executor.step(params, micro, 1.0 / micro_batches, lambda m, layer: None)
             t = executor.timeline
-            steps.append({"busy": sum(end - start for _, start, end in t), "start": t[0][1], "end": t[-1][2],
-                          "kinds": {k: sum(e - s for a, s, e in t if a.kind == k) for k in "FBW"}})
-    return {"stage": mesh.coords["pipe"], "steps": steps}
+            if i >= args.warmup:
+                steps[key].append({"busy": {k: sum(e - s for a, s, e in t if a.kind == k) for k in "FBW"},
+                                   "start": t[0][1], "end": t[-1][2]})
+    return steps
 
 
 class TorchStage(nn.Module):
@@ -117,6 +123,7 @@ def torch_setup(args: argparse.Namespace, micro_batches: int, bounds: list[int])
 
 def compare_step_time(args: argparse.Namespace, micro_batches: int) -> dict:
     """fspeed's train_step and torch's 1F1B step + AdamW, alternating; seconds per step on this rank."""
+    fs.retain_freed_host_memory()
     _, mesh, state, step = fspeed_setup(args, "1f1b", micro_batches, 1)
     bounds = list(state.layout.pipeline.bounds)
     schedule, opt = torch_setup(args, micro_batches, bounds)
@@ -140,7 +147,7 @@ def compare_step_time(args: argparse.Namespace, micro_batches: int) -> dict:
         dist.barrier()
         t2 = time.perf_counter()
         if i == 0:
-            losses = {"fspeed": float(metrics["loss"]), "torch": float(torch.stack(out).mean()) if out else None}
+            losses = {"fspeed": float(metrics["loss"]), "torch": float(torch.stack(out).detach().mean()) if out else None}
         if i >= args.warmup:
             times["fspeed"].append(t1 - t0)
             times["torch"].append(t2 - t1)
@@ -151,13 +158,13 @@ def bubble_rows(results: dict) -> list[dict]:
     rows = []
     for (name, m, v), per_rank in results.items():
         fractions, spans = [], []
-        for k in range(len(per_rank[0]["steps"])):
-            stages = [r["steps"][k] for r in per_rank]
+        for k in range(len(per_rank[0])):
+            stages = [r[k] for r in per_rank]
             span = max(s["end"] for s in stages) - min(s["start"] for s in stages)
-            fractions.append(1 - sum(s["busy"] for s in stages) / (len(stages) * span))
+            fractions.append(1 - sum(sum(s["busy"].values()) for s in stages) / (len(stages) * span))
             spans.append(span)
         theory = bubble_fraction(name, 2, m, v)
-        kinds = {k: statistics.median(st["steps"][0]["kinds"][k] for st in per_rank) for k in "FBW"}
+        kinds = {k: statistics.median(st[n]["busy"][k] for st in per_rank for n in range(len(st))) for k in "FBW"}
         rows.append({"schedule": name, "micro": m, "virtual": v, "measured": statistics.median(fractions),
                      "theory": theory, "span": statistics.median(spans), "kinds": kinds})
     return rows
@@ -165,6 +172,7 @@ def bubble_rows(results: dict) -> list[dict]:
 
 def print_bubbles(rows: list[dict]) -> None:
     print("\nBubble per schedule (2 stages; busy = compute of the stage's actions, receives excluded)")
+    print("(step ms: median first start to last end over both stages; F/B/W ms: a stage's total per step)")
     print(f"{'schedule':<18}{'micro':>6}{'v':>3}{'measured':>10}{'theory':>9}{'ratio':>7}{'step ms':>9}"
           f"{'F ms':>8}{'B ms':>8}{'W ms':>8}")
     for r in rows:
@@ -195,7 +203,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--rows", type=int, default=4, help="rows per micro-batch")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per measurement")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-deepspeed", action="store_true")
     args = parser.parse_args()
@@ -203,9 +211,10 @@ def main() -> None:
           f"{args.rows} rows per micro-batch; 2 gloo ranks x 1 thread", flush=True)
     bubbles = {}
     with GlooWorld(2, timeout_s=1200) as world:
-        for name, m, v in SCHEDULE_RUNS:
-            bubbles[(name, m, v)] = world.run(measure_bubble, args, name, m, v)
-            print(f"  measured {name} with {m} micro-batches", flush=True)
+        for m in sorted({m for _, m, _ in SCHEDULE_RUNS}):
+            per_rank = world.run(measure_bubbles, args, m)
+            bubbles.update({key: [r[key] for r in per_rank] for key in per_rank[0]})
+            print(f"  measured every schedule with {m} micro-batches", flush=True)
         compare = {m: world.run(compare_step_time, args, m) for m in (4, 8)}
         print("  measured fspeed against torch.distributed.pipelining", flush=True)
     rows = bubble_rows(bubbles)

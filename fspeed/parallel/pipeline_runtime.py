@@ -60,7 +60,7 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
-        ctx.store.append((w, x, grad))
+        ctx.store.append((w, x.detach(), grad.detach()))  # data only: no path back into the graph (a cycle)
         gx = grad.matmul(w) if ctx.needs_input_grad[0] else None
         gb = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, None, gb, None
@@ -178,11 +178,13 @@ class PipelineExecutor:
                     deferred.pop((m, c))
             else:  # "W": the deferred weight gradients
                 start = time.perf_counter()
+                store = deferred.pop((m, c))
                 with torch.no_grad():
-                    for w, x_in, grad in deferred.pop((m, c)):
+                    for w, x_in, grad in store:
                         base = w if w._base is None else w._base
                         dw = grad.reshape(-1, grad.shape[-1]).t().matmul(x_in.reshape(-1, x_in.shape[-1]))
                         acc_of[id(base)].view(w.shape).add_(dw)
+                store.clear()  # the graph's nodes still hold the list; its tensors go now
             if self.timeline is not None:
                 self.timeline.append((action, start, time.perf_counter()))
         for pending in sends:
