@@ -332,12 +332,18 @@ class AxisComm:
     def recv_(self, out: torch.Tensor, peer: int, what: str) -> torch.Tensor:
         """Receive into the contiguous `out` from axis rank `peer`; a failure or timeout names `what`
         (the tensor, its micro-batch and the peer stage) besides the op and the axis."""
-        self._check("recv", out)
         try:
-            self._start("recv", _nbytes(out), lambda: dist.irecv(out, src=self.ranks[peer], group=self.group)).wait()
+            self.start_recv(out, peer).wait()
         except CommError as err:
             raise CommError(f"while receiving {what}: {err}") from err
         return out
+
+    def start_recv(self, out: torch.Tensor, peer: int) -> "Pending":
+        """Post a receive into the contiguous `out` from axis rank `peer` without waiting (a receive
+        posted early lets the transfer land while this rank computes)."""
+        self._check("recv", out)
+        return self._start("recv", _nbytes(out), lambda: dist.irecv(out, src=self.ranks[peer], group=self.group),
+                           keep=out)
 
     # -- functional collectives, used inside autograd Functions ------------------------------
 

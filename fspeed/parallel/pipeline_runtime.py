@@ -34,7 +34,7 @@ from ..activation_checkpointing import Remat, checkpointed
 from ..flat import Flat
 from ..models.ops import DenseOps
 from ..pytree import PyTree, tree_flatten_with_paths, tree_unflatten
-from .comm import AxisComm, Pending
+from .comm import AxisComm, CommError, Pending
 from .layout import Layout
 from .mesh import AXES
 from .schedules import Action, Schedule, build_schedule
@@ -107,6 +107,7 @@ class PipelineExecutor:
         self.remat = pipe.remat if pipe.remat is not None else Remat()
         self.tie_groups: Optional[list] = None  # created by the first step (every rank), not by evaluation
         self.peak_in_flight = 0  # the most micro-batches whose forward graph this stage held at once
+        self.posted: dict = {}  # receives posted ahead: (kind, micro, piece) -> (Pending, buffer)
         self.timeline: Optional[list] = None  # a list: each step appends (action, start, end) of its compute,
         # receives excluded (time.perf_counter, one clock for all processes of a machine; benchmarks/pipeline.py)
 
@@ -134,7 +135,8 @@ class PipelineExecutor:
         mailbox: dict[tuple[str, int, int], torch.Tensor] = {}  # transfers within this stage
         sends: list[Pending] = []
         losses: list[torch.Tensor] = []
-        for action in self.schedule.actions[self.stage]:
+        actions = self.schedule.actions[self.stage]
+        for i, action in enumerate(actions):
             m, c = action.micro, action.chunk
             k = self.plan.piece(self.stage, c)
             if action.kind == "F":
@@ -142,6 +144,7 @@ class PipelineExecutor:
                     self._receive("act", m, k, signature, mailbox, None)
                 if k > 0 and x.is_floating_point():
                     x.requires_grad_(True)
+                self._post_next(actions, i, signature)
                 start = time.perf_counter()
                 store: list = []
                 with torch.enable_grad():
@@ -163,6 +166,7 @@ class PipelineExecutor:
                 x, y = saved.pop((m, c))
                 grad_y = None if k == self.pieces - 1 else \
                     self._receive("grad", m, k, signature, mailbox, (tuple(y.shape), y.dtype))
+                self._post_next(actions, i, signature)
                 start = time.perf_counter()
                 wants_x = k > 0 and x.requires_grad
                 inputs = ([x] if wants_x else []) + chunk_leaves[c]
@@ -177,6 +181,7 @@ class PipelineExecutor:
                 if not split:
                     deferred.pop((m, c))
             else:  # "W": the deferred weight gradients
+                self._post_next(actions, i, signature)
                 start = time.perf_counter()
                 store = deferred.pop((m, c))
                 with torch.no_grad():
@@ -246,6 +251,27 @@ class PipelineExecutor:
         out.append(self.comm.start_send(t, peer))
         return out
 
+    def _post_next(self, actions: Sequence[Action], i: int, signature) -> None:
+        """Post the receive the action after `i` will need, when it comes from another stage and its
+        shape is known: the transfer then lands while action i computes. Receives are still posted in
+        the order the schedule needs them, so they pair with the peer's sends as before."""
+        if i + 1 >= len(actions):
+            return
+        action = actions[i + 1]
+        k = self.plan.piece(self.stage, action.chunk)
+        if action.kind == "F" and k > 0:
+            kind, source, shape_dtype = "act", k - 1, self.shapes.get((signature, k))
+        elif action.kind == "B" and k < self.pieces - 1:
+            kind, source, shape_dtype = "grad", k + 1, self.shapes.get((signature, k + 1))
+        else:
+            return
+        peer = source % self.stages
+        if peer == self.stage or shape_dtype is None:
+            return  # a transfer within this stage (the mailbox), or the first of a new batch shape
+        shape, dtype = shape_dtype
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        self.posted[(kind, action.micro, k)] = (self.comm.start_recv(out, peer), out)
+
     def _receive(self, kind: str, m: int, piece: int, signature, mailbox, shape_dtype) -> torch.Tensor:
         """The activation entering `piece` (kind "act"), or the gradient of its output ("grad")."""
         source = piece + 1 if kind == "grad" else piece - 1
@@ -255,6 +281,13 @@ class PipelineExecutor:
         what = (f"the {'activation' if kind == 'act' else 'gradient'} of micro-batch {m} "
                 f"{'for' if kind == 'act' else 'from'} pipeline piece {piece if kind == 'act' else source} "
                 f"from pipe stage {peer}")
+        if (kind, m, piece) in self.posted:
+            pending, out = self.posted.pop((kind, m, piece))
+            try:
+                pending.wait()
+            except CommError as err:
+                raise CommError(f"while receiving {what}: {err}") from err
+            return out
         if kind == "act":
             key = (signature, piece)
             if key not in self.shapes:
