@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 REPO = Path(__file__).resolve().parent.parent
-FALLBACK_PYTHON = Path("/work/reshape/.venv/bin/python")
 WORLD = 2
 
 
@@ -58,10 +57,8 @@ def _default_python() -> str:
         return os.environ["FSPEED_DEEPSPEED_PYTHON"]
     if _has_deepspeed(sys.executable):
         return sys.executable
-    if FALLBACK_PYTHON.exists():
-        return str(FALLBACK_PYTHON)
-    raise DeepSpeedUnavailable(f"deepspeed is not importable in {sys.executable} and no FSPEED_DEEPSPEED_PYTHON "
-                               f"or {FALLBACK_PYTHON} is set up")
+    raise DeepSpeedUnavailable(f"deepspeed is not importable in {sys.executable}: pip install -e '.[bench]', or set "
+                               "FSPEED_DEEPSPEED_PYTHON to an interpreter that has it")
 
 
 def _first_error(output: str) -> str:

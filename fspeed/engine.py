@@ -41,7 +41,7 @@ from .pytree import PyTree
 from .train_init import init_train_state
 from .train_state import TrainState
 from .timers import StepTimers
-from .train_step import TrainStep, make_eval_step, make_train_step
+from .train_step import TrainStep, make_eval_step, make_train_step, stack_micro_batches
 
 log = logging.getLogger("fspeed")
 
@@ -54,7 +54,8 @@ class Engine:
         self.model, self._module, self.state, self.train_step = model, module, state, train_step
         self.plan, self.mesh, self.config = plan, mesh, run
         self.lr_schedule = schedule
-        self.eval_step = make_eval_step(model.loss, plan=plan, mesh=mesh)
+        piped = plan is not None and plan.find("pipeline") is not None
+        self.eval_step = make_eval_step(model if piped else model.loss, plan=plan, mesh=mesh)
         self._step = None  # the step in progress
         self._pending_loss: Optional[torch.Tensor] = None
         self.metrics: dict[str, Any] = {}
@@ -123,6 +124,9 @@ class Engine:
         stacked `batch` of them; returns the mean loss (DeepSpeed's pipeline-engine call)."""
         if (data_iter is None) == (batch is None):
             raise ValueError("train_batch: pass data_iter= or batch= (one of them)")
+        if data_iter is not None and self.train_step.pipelined is not None:
+            # a pipeline interleaves the micro-batches itself: they enter the step together
+            batch = stack_micro_batches([next(data_iter) for _ in range(self.train_step.grad_accum)])
         if batch is not None:
             step = self.state.step
             self.state, self.metrics = self.train_step(self.state, self._efficiency(batch))
@@ -207,8 +211,8 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
     if world > 1 and not torch.distributed.is_initialized():
         init_distributed()
     probe, _ = compose_run_config(config, overrides, dp_world_size=1)
-    tensor = probe.parallel.tensor
-    data = probe.parallel.data if probe.parallel.data > 0 else max(1, world // tensor)
+    tensor, pipe = probe.parallel.tensor, probe.parallel.pipe
+    data = probe.parallel.data if probe.parallel.data > 0 else max(1, world // (tensor * pipe))
     run, _ = compose_run_config(config, overrides, dp_world_size=data)
     _refuse_cli_monitors(run)
     module = model if isinstance(model, nn.Module) else None
@@ -233,17 +237,26 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
         groups = deepspeed_groups(module, model_parameters, run)
         if groups is not None:
             optimizer = _grouped(optimizer, groups)
+    if pipe > 1 and model.layers is None:
+        raise ValueError(f"initialize: parallel.pipe={pipe} (DeepSpeed's pipeline stages) cuts the model at its "
+                         f"layers, and {model.name} has none: pass fs.models.sequential([...], loss_fn=...) "
+                         "(DeepSpeed's PipelineModule) or the reference GPT")
     plan = None
-    if world > 1 or run.zero.stage > 0 or tensor > 1:
-        mesh = mesh or Mesh(data=run.parallel.data, model=tensor,
+    if world > 1 or run.zero.stage > 0 or tensor > 1 or pipe > 1:
+        mesh = mesh or Mesh(data=run.parallel.data, model=tensor, pipe=pipe,
                             log=CommLog(enabled=run.comms_logger.enabled, verbose=run.comms_logger.verbose))
         plan = zero(build_zero_config(run))
         if tensor > 1:
             plan = plan | tensor_slicing(fs_rules(model))
+        if pipe > 1:
+            interval = run.pipeline.activation_checkpoint_interval
+            plan = plan | run.pipeline.to_library(run.batch.grad_accum,
+                                                  run.activation_checkpointing.to_library() if interval else None)
     params = model.init(torch.Generator().manual_seed(run.train.seed))
     state = init_train_state(params, optimizer, precision=precision, seed=run.train.seed, plan=plan,
                              mesh=mesh if plan is not None else None, model=model)
-    step = make_train_step(model.loss, optimizer, grad_accum=run.batch.grad_accum, plan=plan,
+    piped = pipe > 1
+    step = make_train_step(model if piped else model.loss, optimizer, grad_accum=run.batch.grad_accum, plan=plan,
                            mesh=mesh if plan is not None else None,
                            timers=StepTimers() if run.wall_clock_breakdown else None)  # breakdown in engine.metrics
     engine = Engine(model, module, state, step, plan, mesh if plan is not None else None, run, schedule)

@@ -89,6 +89,19 @@ def split_micro_batches(batch: PyTree, n: int) -> list[PyTree]:
     return [tree_unflatten(treedef, [chunk[i] for chunk in chunks]) for i in range(n)]
 
 
+def stack_micro_batches(micro_batches: list[PyTree]) -> PyTree:
+    """The inverse of `split_micro_batches`: the micro-batches' tensors concatenated along dim 0 (other
+    leaves from the first); they must have equal row counts, so the step splits them back as given."""
+    flat = [tree_flatten_with_paths(mb) for mb in micro_batches]
+    rows = {leaf.shape[0] for _, leaves, _ in flat for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim()}
+    if len(rows) > 1 or any(f[2] != flat[0][2] for f in flat):
+        raise ValueError(f"the micro-batches of a pipeline step need one structure and equal row counts; got rows "
+                         f"{sorted(rows)}")
+    leaves = [torch.cat(group) if isinstance(group[0], torch.Tensor) and group[0].dim() else group[0]
+              for group in zip(*(f[1] for f in flat))]
+    return tree_unflatten(flat[0][2], leaves)
+
+
 def dropout_seed(rng_seed: int, step: int, micro: int) -> int:
     """A 63-bit seed for (run seed, step, micro-batch): splitmix64 mixing, stable across processes."""
     x = (rng_seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + micro * 0x94D049BB133111EB) & (2**64 - 1)

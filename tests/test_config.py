@@ -401,3 +401,21 @@ def test_lr_schedules_follow_the_config(scheduler, count, expected):
     from fspeed.config.build import build_lr_schedule
 
     assert build_lr_schedule(compose_run(f"scheduler={scheduler}"))(count) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (("pipeline.micro_batches=4",), "pipeline.micro_batches = 4: applies to pipeline stages, and parallel.pipe is 1"),
+    (("parallel.pipe=2", "zero.stage=3"), "zero.stage = 3: 3 cannot run with pipeline stages"),
+    (("parallel.pipe=2", "pipeline.micro_batches=4", "train.grad_accum=2"), "is the gradient accumulation"),
+    (("parallel.pipe=2", "activation_checkpointing.policy=full"), "pipeline stages do not run"),
+    (("parallel.pipe=2", "pipeline.activation_checkpoint_interval=1", "activation_checkpointing.policy=full",
+      "activation_checkpointing.every=2"), "activation_checkpointing.every = 2: is not used by pipeline stages"),
+])
+def test_pipeline_relations_are_checked(overrides, expected):
+    assert expected in error_of(*overrides)
+
+
+def test_a_pipeline_with_checkpointed_groups_composes():
+    run = compose_run("parallel.pipe=2", "pipeline.micro_batches=4", "pipeline.activation_checkpoint_interval=2",
+                      "activation_checkpointing.policy=full")
+    assert run.batch.grad_accum == 4 and run.pipeline.activation_checkpoint_interval == 2

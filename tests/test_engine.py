@@ -160,3 +160,45 @@ def test_engine_breakdown_and_monitors_it_does_not_run():
     assert engine.metrics["fwd_ms"] > 0 and engine.metrics["step_ms"] > 0
     with pytest.raises(fs.config.ConfigError, match="monitor.tensorboard.*fspeed-train's"):
         fs.initialize(model=small_cnn(), config={**config, "tensorboard": {"enabled": True}}, loss_fn=cnn_loss)
+
+
+def engine_pipeline_case(steps=2):
+    """fs.initialize with a DeepSpeed config's pipeline block and a layer list (DeepSpeed's
+    PipelineModule), trained by train_batch(data_iter), against the functional API's pipeline."""
+    from tests.hf_models import hf_gpt2_layers, lm_dict_batch
+    config = {**ds_config(1, micro=2, accum=4), "pipeline": {"stages": 2, "partition": "uniform"}}
+    engine, _, _, _ = fs.initialize(model=hf_gpt2_layers(), config=config)
+    mesh = engine.mesh
+    losses = []
+    for s in range(steps):
+        micro = fs.train_step.split_micro_batches(lm_dict_batch(8, s), 4)
+        losses.append(engine.train_batch(data_iter=iter(micro)))
+    eval_loss = engine.eval_batch(lm_dict_batch(4, 99))
+    plan = engine.plan
+    model = hf_gpt2_layers()
+    from fspeed.config.build import build_optimizer
+    from fspeed.config.compose import compose_run_config
+    run, _ = compose_run_config(config, dp_world_size=1)
+    opt = build_optimizer(run)
+    state = fs.init_train_state(model.init(), opt, seed=run.train.seed, plan=plan, mesh=mesh, model=model)
+    step = fs.make_train_step(model, opt, plan=plan, mesh=mesh)
+    reference = []
+    for s in range(steps):
+        state, metrics = step(state, lm_dict_batch(8, s))
+        reference.append(metrics["loss"])
+    a, b = fs.gather_params(engine.state, mesh), fs.gather_params(state, mesh)
+    return fs.Flat.from_tree(a).buffer, fs.Flat.from_tree(b).buffer, losses, reference, eval_loss, repr(plan), \
+        mesh.sizes
+
+
+def test_initialize_runs_a_deepspeed_pipeline_block_with_train_batch(world2):
+    for engine_params, functional_params, losses, reference, eval_loss, plan, sizes in \
+            world2.run(engine_pipeline_case):
+        assert "pipeline" in plan and sizes["pipe"] == 2 and sizes["data"] == 1
+        assert torch.equal(engine_params, functional_params) and losses == reference
+        assert eval_loss > 0
+
+
+def test_initialize_refuses_a_pipeline_for_a_model_without_layers():
+    with pytest.raises(ValueError, match="cuts the model at its layers"):
+        fs.initialize(model=hf_gpt2(), config={**ds_config(0), "pipeline": {"stages": 2}})

@@ -726,6 +726,15 @@ class RunConfig(ValidatedConfig):
         if p.micro_batches is not None and self.train.grad_accum is not None and p.micro_batches != self.train.grad_accum:
             return [Problem("pipeline.micro_batches", f"is the gradient accumulation, and train.grad_accum is "
                             f"{self.train.grad_accum}", p.micro_batches, f"{self.train.grad_accum}, or null")]
+        ac = self.activation_checkpointing
+        if ac.policy != "none" and not p.activation_checkpoint_interval:
+            return [Problem("activation_checkpointing.policy", "checkpoints the blocks of the model's loss, which "
+                            "pipeline stages do not run; with parallel.pipe > 1 set "
+                            "pipeline.activation_checkpoint_interval (the policy then says how each group of layers "
+                            "is recomputed)", ac.policy, hint="pipeline.activation_checkpoint_interval=1")]
+        if ac.every != 1:
+            return [Problem("activation_checkpointing.every", "is not used by pipeline stages: their checkpointed "
+                            "groups are pipeline.activation_checkpoint_interval layers", ac.every, "1")]
         if self.activation_checkpointing.budget_mib is not None:
             return [Problem("activation_checkpointing.budget_mib", "measures the whole model on one process; with "
                             "pipeline stages use pipeline.activation_checkpoint_interval", self.activation_checkpointing.budget_mib)]
