@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import fspeed as fs
 from fspeed.parallel.pipeline_runtime import PipelineExecutor
-from fspeed.parallel.schedules import bubble_fraction
+from fspeed.parallel.schedules import bubble_fraction, build_schedule, simulate
 from fspeed.pytree import tree_flatten_with_paths, tree_unflatten
 from fspeed.train_step import split_micro_batches
 from fspeed.testing import GlooWorld
@@ -165,20 +165,25 @@ def bubble_rows(results: dict) -> list[dict]:
             spans.append(span)
         theory = bubble_fraction(name, 2, m, v)
         kinds = {k: statistics.median(st[n]["busy"][k] for st in per_rank for n in range(len(st))) for k in "FBW"}
+        per_action = {k: kinds[k] / (m * v) for k in "FBW"}  # one chunk of one micro-batch, both stages' median
+        simulated = simulate(build_schedule(name, 2, m, v), per_action["F"], per_action["B"], per_action["W"])
         rows.append({"schedule": name, "micro": m, "virtual": v, "measured": statistics.median(fractions),
-                     "theory": theory, "span": statistics.median(spans), "kinds": kinds})
+                     "theory": theory, "simulated": simulated.bubble_fraction, "span": statistics.median(spans),
+                     "kinds": kinds})
     return rows
 
 
 def print_bubbles(rows: list[dict]) -> None:
     print("\nBubble per schedule (2 stages; busy = compute of the stage's actions, receives excluded)")
-    print("(step ms: median first start to last end over both stages; F/B/W ms: a stage's total per step)")
-    print(f"{'schedule':<18}{'micro':>6}{'v':>3}{'measured':>10}{'theory':>9}{'ratio':>7}{'step ms':>9}"
+    print("(theory: F = B = W, free communication; sim: the schedule simulated with the measured F, B, W costs,\n"
+          " free communication; step ms: median first start to last end over both stages; F/B/W ms: a stage's\n"
+          " total per step)")
+    print(f"{'schedule':<18}{'micro':>6}{'v':>3}{'measured':>10}{'theory':>9}{'ratio':>7}{'sim':>7}{'step ms':>9}"
           f"{'F ms':>8}{'B ms':>8}{'W ms':>8}")
     for r in rows:
         k = r["kinds"]
         print(f"{r['schedule']:<18}{r['micro']:>6}{r['virtual']:>3}{r['measured']:>10.3f}{r['theory']:>9.3f}"
-              f"{r['measured'] / r['theory']:>7.2f}{r['span'] * 1e3:>9.1f}{k['F'] * 1e3:>8.1f}{k['B'] * 1e3:>8.1f}"
+              f"{r['measured'] / r['theory']:>7.2f}{r['simulated']:>7.3f}{r['span'] * 1e3:>9.1f}{k['F'] * 1e3:>8.1f}{k['B'] * 1e3:>8.1f}"
               f"{k['W'] * 1e3:>8.1f}")
 
 
@@ -244,6 +249,12 @@ def main() -> None:
     one_f = by[("1f1b", 8)]
     print(f"\npipeline_bubble_over_theory={one_f['measured'] / one_f['theory']:.3f}")
     print(f"pipeline_step_time_vs_torch={ratios[8][0]:.3f}")
+    zb = by[("zero_bubble", 4)]["kinds"]
+    costs = [zb[k] / 4 for k in "FBW"]
+    sim = simulate(build_schedule("zero_bubble", 2, 4), *costs).makespan / simulate(build_schedule("1f1b", 2, 4),
+                                                                                      *costs).makespan
+    print(f"  zero bubble over 1F1B simulated with zero bubble's measured F, B, W costs: {sim:.3f} (theory 0.867 "
+          "takes F = B = W)")
     print(f"zero_bubble_over_1f1b={by[('zero_bubble', 4)]['span'] / by[('1f1b', 4)]['span']:.3f}")
     ds8 = ratios[8][1]
     print(f"pipeline_step_time_vs_deepspeed={ds8:.3f}" if ds8 is not None else

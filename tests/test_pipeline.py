@@ -353,10 +353,10 @@ def test_zero_bubble_steps_keep_no_tensor_alive():
 
     def live_tensors() -> int:
         gc.collect()
-        return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+        return sum(type(o) is torch.Tensor or type(o) is torch.nn.Parameter for o in gc.get_objects())
     for _ in range(2):
         executor.step(state.params, micro, 0.25, lambda m, i: None)
     before = live_tensors()
-    for _ in range(3):
+    for _ in range(5):  # the leak kept 2 tensors per linear per micro-batch: +320 here
         executor.step(state.params, micro, 0.25, lambda m, i: None)
-    assert live_tensors() == before
+    assert live_tensors() <= before  # other tests' garbage may go meanwhile, nothing of ours may stay

@@ -482,6 +482,8 @@ def _launch(overrides: list[str], flags: list[str]) -> int:
         overrides = [*overrides, f"hydra.run.dir={run_dir}"]
     cfg = _compose_as_the_ranks_will(overrides)
     data_size, tensor = int(cfg.parallel.data), int(cfg.parallel.tensor) * int(cfg.parallel.get("pipe", 1))
+    if data_size == -1 and tensor > 1:
+        data_size = 1  # parallel.tensor x parallel.pipe ranks, one model replica
     if data_size == -1:
         raise ConfigError([Problem("parallel.data", "--launch needs the number of data-parallel ranks", -1,
                                    "a positive integer, e.g. parallel.data=2")])
