@@ -117,6 +117,9 @@ def test_stages_hold_their_layers_and_the_tied_embedding():
         fs.parallel.resolve(fs.pipeline(8), params, {"pipe": 8}, {"pipe": 0}, layers=model.layers)
     with pytest.raises(ValueError, match="needs the model's layer sequence"):
         fs.parallel.resolve(plan, params, {"pipe": 2}, {"pipe": 0})
+    with pytest.raises(ValueError, match="micro_batches=3, stages=2; use 2 or 4"):  # when the state is built
+        fs.parallel.resolve(fs.pipeline(3, schedule="interleaved_1f1b", virtual_stages=2), params, {"pipe": 2},
+                            {"pipe": 0}, layers=model.layers)
     with pytest.raises(ValueError, match="ZeRO stage 3 with a pipeline"):
         fs.parallel.resolve(fs.zero(3) | plan, params, {"pipe": 2}, {"pipe": 0}, layers=model.layers)
     table = fs.explain(plan, params, fs.Mesh.single(), model.logical_axes, layers=model.layers)

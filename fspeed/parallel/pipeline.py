@@ -103,8 +103,11 @@ class Pipeline:
     def stage_plan(self, layers: Any, paths: Sequence[str], shapes: Sequence[tuple[int, ...]], treedef: Any,
                    mesh_sizes: Mapping[str, int], mesh_coords: Mapping[str, int]) -> StagePlan:
         """Cut `layers` (a `LayerSequence`) into this mesh's pieces and say who holds what."""
+        from .schedules import build_schedule  # noqa: PLC0415
+
         stages = int(mesh_sizes.get("pipe", 1))
         pieces = stages * self.virtual_stages
+        build_schedule(self.schedule, stages, self.micro_batches, self.virtual_stages)  # its errors, before training
         seq = layers.layers
         uses = [_params_used(layer, paths) for layer in seq]
         used = {p for u in uses for p in u}
