@@ -660,3 +660,20 @@ def test_activation_checkpointing_block_translates():
     run = run_from({**BASE, "activation_checkpointing": {"partition_activations": True},
                     "tensor_parallel": {"autotp_size": 2}}, dp_world_size=1)
     assert run.activation_checkpointing.partition_activations and run.parallel.tensor == 2
+
+
+def test_pipeline_block_translates():
+    run = run_from({**BASE, "gradient_accumulation_steps": 4,
+                    "pipeline": {"stages": 2, "partition": "type:Block", "activation_checkpoint_interval": 2,
+                                 "seed_layers": True, "pipe_partitioned": True}})
+    assert (run.parallel.pipe, run.pipeline.partition, run.pipeline.activation_checkpoint_interval) == \
+        (2, "type:Block", 2)
+    assert run.batch.grad_accum == 4
+    t = translate_deepspeed_config({"pipeline": {"stages": 2, "seed_layers": False}})
+    assert "pipeline.seed_layers" in t.summary() and "pipeline.stages" in t.summary()
+    assert run_from({**BASE, "pipeline": {"stages": "auto"}}).parallel.pipe == 1  # DeepSpeed's defaults
+    with pytest.raises(ConfigError, match="pipeline.partition"):
+        run_from({**BASE, "pipeline": {"stages": 2, "partition": "random"}})
+    # the checkpointing block turns checkpointing on: under stages, one layer per checkpointed group
+    run = run_from({**BASE, "activation_checkpointing": {"cpu_checkpointing": True}, "pipeline": {"stages": 2}})
+    assert (run.activation_checkpointing.policy, run.pipeline.activation_checkpoint_interval) == ("full", 1)

@@ -612,6 +612,12 @@ def _activation_checkpointing(ds: Mapping[str, Any], w: _Ledger) -> None:
         w.emit("activation_checkpointing (a setting on)", "activation_checkpointing.policy", "full")
 
 
+def _checkpointing_on(ds: Mapping[str, Any]) -> bool:
+    """Whether the `activation_checkpointing` block turns a setting on (see `_activation_checkpointing`)."""
+    block = ds.get("activation_checkpointing")
+    return isinstance(block, Mapping) and any(block.get(key) is True for key in K.ACTIVATION_CHECKPOINTING_TRANSLATED)
+
+
 def _pipeline(ds: Mapping[str, Any], w: _Ledger) -> None:
     """`pipeline` -> parallel.pipe and the pipeline section. DeepSpeed's engine runs 1F1B with
     gradient_accumulation_steps micro-batches, as fspeed's default; `partition` "best" is its
@@ -645,6 +651,10 @@ def _pipeline(ds: Mapping[str, Any], w: _Ledger) -> None:
     if "activation_checkpoint_interval" in block:
         w.emit("pipeline.activation_checkpoint_interval", "pipeline.activation_checkpoint_interval",
                block["activation_checkpoint_interval"])
+    elif isinstance(stages, int) and stages > 1 and _checkpointing_on(ds):
+        # the activation_checkpointing block turns fspeed's checkpointing on for every block; the stages
+        # checkpoint their layers one by one (DeepSpeed's PipelineModule interval 1)
+        w.emit("pipeline (with activation_checkpointing on)", "pipeline.activation_checkpoint_interval", 1)
     for key in ("pipe_partitioned", "grad_partitioned"):
         if key in block:
             w.accept(f"pipeline.{key}", block[key], K.PIPELINE_PARTITIONED_REASON)
