@@ -255,8 +255,7 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
     params = model.init(torch.Generator().manual_seed(run.train.seed))
     state = init_train_state(params, optimizer, precision=precision, seed=run.train.seed, plan=plan,
                              mesh=mesh if plan is not None else None, model=model)
-    piped = pipe > 1
-    step = make_train_step(model if piped else model.loss, optimizer, grad_accum=run.batch.grad_accum, plan=plan,
+    step = make_train_step(model if pipe > 1 else model.loss, optimizer, grad_accum=run.batch.grad_accum, plan=plan,
                            mesh=mesh if plan is not None else None,
                            timers=StepTimers() if run.wall_clock_breakdown else None)  # breakdown in engine.metrics
     engine = Engine(model, module, state, step, plan, mesh if plan is not None else None, run, schedule)

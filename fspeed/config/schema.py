@@ -735,9 +735,9 @@ class RunConfig(ValidatedConfig):
         if ac.every != 1:
             return [Problem("activation_checkpointing.every", "is not used by pipeline stages: their checkpointed "
                             "groups are pipeline.activation_checkpoint_interval layers", ac.every, "1")]
-        if self.activation_checkpointing.budget_mib is not None:
+        if ac.budget_mib is not None:
             return [Problem("activation_checkpointing.budget_mib", "measures the whole model on one process; with "
-                            "pipeline stages use pipeline.activation_checkpoint_interval", self.activation_checkpointing.budget_mib)]
+                            "pipeline stages use pipeline.activation_checkpoint_interval", ac.budget_mib)]
         if self.progressive_layer_drop.enabled:
             return [Problem("progressive_layer_drop.enabled", "drops blocks of the whole model per step, which pipeline "
                             "stages do not run as one", True, "false with parallel.pipe > 1")]

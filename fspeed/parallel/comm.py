@@ -332,11 +332,7 @@ class AxisComm:
     def recv_(self, out: torch.Tensor, peer: int, what: str) -> torch.Tensor:
         """Receive into the contiguous `out` from axis rank `peer`; a failure or timeout names `what`
         (the tensor, its micro-batch and the peer stage) besides the op and the axis."""
-        try:
-            self.start_recv(out, peer).wait()
-        except CommError as err:
-            raise CommError(f"while receiving {what}: {err}") from err
-        return out
+        return self.finish_recv(self.start_recv(out, peer), out, what)
 
     def start_recv(self, out: torch.Tensor, peer: int) -> "Pending":
         """Post a receive into the contiguous `out` from axis rank `peer` without waiting (a receive
@@ -344,6 +340,15 @@ class AxisComm:
         self._check("recv", out)
         return self._start("recv", _nbytes(out), lambda: dist.irecv(out, src=self.ranks[peer], group=self.group),
                            keep=out)
+
+    @staticmethod
+    def finish_recv(pending: "Pending", out: torch.Tensor, what: str) -> torch.Tensor:
+        """Wait for a receive `start_recv` posted into `out`; a failure or timeout names `what`."""
+        try:
+            pending.wait()
+        except CommError as err:
+            raise CommError(f"while receiving {what}: {err}") from err
+        return out
 
     # -- functional collectives, used inside autograd Functions ------------------------------
 

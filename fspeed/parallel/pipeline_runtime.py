@@ -34,7 +34,7 @@ from ..activation_checkpointing import Remat, checkpointed
 from ..flat import Flat
 from ..models.ops import DenseOps
 from ..pytree import PyTree, tree_flatten_with_paths, tree_unflatten
-from .comm import AxisComm, CommError, Pending
+from .comm import AxisComm, Pending
 from .layout import Layout
 from .mesh import AXES
 from .schedules import Action, Schedule, build_schedule
@@ -282,12 +282,7 @@ class PipelineExecutor:
                 f"{'for' if kind == 'act' else 'from'} pipeline piece {piece if kind == 'act' else source} "
                 f"from pipe stage {peer}")
         if (kind, m, piece) in self.posted:
-            pending, out = self.posted.pop((kind, m, piece))
-            try:
-                pending.wait()
-            except CommError as err:
-                raise CommError(f"while receiving {what}: {err}") from err
-            return out
+            return self.comm.finish_recv(*self.posted.pop((kind, m, piece)), what)
         if kind == "act":
             key = (signature, piece)
             if key not in self.shapes:
