@@ -27,17 +27,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
 import fspeed as fs
 from fspeed.parallel.pipeline_runtime import PipelineExecutor
 from fspeed.parallel.schedules import bubble_fraction, build_schedule, simulate
-from fspeed.pytree import tree_flatten_with_paths, tree_unflatten
 from fspeed.train_step import split_micro_batches
 from fspeed.testing import GlooWorld
 
 sys.path.insert(0, str(Path(__file__).parent))
+from pipeline_deepspeed import LayersModule  # noqa: E402 (the same layers-as-module for every engine)
 
 SCHEDULE_RUNS = (("gpipe", 4, 1), ("1f1b", 4, 1), ("zero_bubble", 4, 1), ("interleaved_1f1b", 4, 2),
                  ("gpipe", 8, 1), ("1f1b", 8, 1), ("zero_bubble", 8, 1), ("interleaved_1f1b", 8, 2))
@@ -87,31 +86,13 @@ def measure_bubbles(args: argparse.Namespace, micro_batches: int) -> dict:
     return steps
 
 
-class TorchStage(nn.Module):
-    """The same layer functions on this stage's parameters, as an nn.Module for torch's pipelining."""
-
-    def __init__(self, model: fs.models.Model, params, layer_range: range):
-        super().__init__()
-        self.seq, self.layer_range = model.layers, layer_range
-        uses = [u for i in layer_range for u in self.seq.layers[i].uses]
-        paths, leaves, self.treedef = tree_flatten_with_paths(params)
-        self.keep = [any(p == u or p.startswith(u + ".") for u in uses) for p in paths]
-        self.weights = nn.ParameterList([nn.Parameter(leaf.clone()) for leaf, k in zip(leaves, self.keep) if k])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        held = iter(self.weights)
-        tree = tree_unflatten(self.treedef, [next(held) if k else None for k in self.keep])
-        for i in self.layer_range:
-            x = self.seq.layers[i].fn(tree, x)
-        return x
-
-
 def torch_setup(args: argparse.Namespace, micro_batches: int, bounds: list[int]):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B  # noqa: PLC0415
 
     model = fs.models.gpt(model_config(args))
     stage = dist.get_rank()
-    module = TorchStage(model, model.init(torch.Generator().manual_seed(0)), range(bounds[stage], bounds[stage + 1]))
+    module = LayersModule(model.layers, model.init(torch.Generator().manual_seed(0)),
+                          range(bounds[stage], bounds[stage + 1]))
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

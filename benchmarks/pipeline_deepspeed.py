@@ -35,10 +35,37 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from fspeed.parallel.pipeline import _params_used
+from fspeed.pytree import tree_flatten_with_paths, tree_unflatten
 
 REPO = Path(__file__).resolve().parent.parent
 WORLD = 2
+
+
+class LayersModule(nn.Module):
+    """Layers `layer_range` of an fspeed `LayerSequence` as one nn.Module for another engine (DeepSpeed's
+    PipelineModule, torch's pipelining): the parameters those layers use, cloned from `params`, and the
+    layers' own functions on the tree rebuilt from them, so every engine runs the same math."""
+
+    def __init__(self, seq: Any, params: Any, layer_range: range):
+        super().__init__()
+        self.seq, self.layer_range = seq, layer_range
+        paths, leaves, self.treedef = tree_flatten_with_paths(params)
+        used = {p for i in layer_range for p in _params_used(seq.layers[i], paths)}
+        self.keep = [p in used for p in paths]
+        self.weights = nn.ParameterList([nn.Parameter(leaf.clone()) for leaf, k in zip(leaves, self.keep) if k])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        held = iter(self.weights)
+        tree = tree_unflatten(self.treedef, [next(held) if k else None for k in self.keep])
+        for i in self.layer_range:
+            x = self.seq.layers[i].fn(tree, x)
+        return x
 
 
 class DeepSpeedUnavailable(RuntimeError):
@@ -103,15 +130,12 @@ def measure_deepspeed_pipeline(*, n_layer: int, d_model: int, n_head: int, seq_l
 
 def _worker(args: argparse.Namespace) -> None:
     import deepspeed
-    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from deepspeed.pipe import PipelineModule
-    from torch import nn
 
     from fspeed.models.gpt import GPTConfig, gpt, gpt_layers
     from fspeed.parallel.pipeline import uniform_bounds
-    from fspeed.pytree import tree_flatten_with_paths, tree_unflatten
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -120,25 +144,10 @@ def _worker(args: argparse.Namespace) -> None:
     params = gpt(cfg).init(torch.Generator().manual_seed(0))
     seq = gpt_layers(cfg)
 
-    paths, leaves, treedef = tree_flatten_with_paths(params)
-
-    class LayerModule(nn.Module):
-        """One fspeed layer: the parameters under its `uses` paths, and `fn` on the tree rebuilt from them."""
-
-        def __init__(self, fn: Callable, uses: tuple[str, ...]):
-            super().__init__()
-            self.fn = fn
-            self.keep = [any(p == u or p.startswith(u + ".") for u in uses) for p in paths]
-            self.weights = nn.ParameterList([nn.Parameter(t.clone()) for t, k in zip(leaves, self.keep) if k])
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            held = iter(self.weights)
-            return self.fn(tree_unflatten(treedef, [next(held) if k else None for k in self.keep]), x)
-
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
-    layers = [LayerModule(layer.fn, layer.uses) for layer in seq.layers]
+    layers = [LayersModule(seq, params, range(i, i + 1)) for i in range(len(seq.layers))]
     module = PipelineModule(layers=layers, num_stages=WORLD, loss_fn=loss_fn, partition_method="uniform")
     expected = uniform_bounds(len(layers), WORLD)
     if module.parts != expected:
