@@ -294,14 +294,25 @@ def orphan_trial(command: Sequence[str], workdir: Path, target: str, world_size:
     workdir.mkdir(parents=True, exist_ok=True)
     process = start(command, cwd=workdir, log=workdir / "log.txt")
     workers: list[int] = []
+    seen: dict[int, int] = {}
+
+    def started() -> bool:  # the same `world_size` workers in two readings of /proc in a row
+        nonlocal seen
+        now = rank_pids(process.pid)
+        stable, seen = len(now) == world_size and now == seen, now
+        return stable or process.poll() is not None
+
     try:
-        if not wait_until(lambda: len(rank_pids(process.pid)) == world_size or process.poll() is not None, 120):
+        if not wait_until(started, 120):
             return Trial(f"{target}_kill", False, f"{world_size} workers did not start within 120 s")
+        if process.poll() is not None:
+            return Trial(f"{target}_kill", False, f"the launcher exited ({process.returncode}) before its workers "
+                         f"started:\n{(workdir / 'log.txt').read_text(errors='replace')[-2000:]}")
         time.sleep(delay_s)
-        workers = list(rank_pids(process.pid).values())
+        workers = list(seen.values())
         victim = agent_pid(process.pid) if target == "agent" else process.pid
-        if victim is None or len(workers) != world_size:
-            return Trial(f"{target}_kill", False, f"no {target} or workers found")
+        if victim is None:
+            return Trial(f"{target}_kill", False, f"no {target} process found below the launcher")
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
         gone = wait_until(lambda: not alive(workers), 10)

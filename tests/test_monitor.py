@@ -6,6 +6,7 @@ import csv
 import glob
 import json
 import struct
+import time
 
 import pytest
 
@@ -80,7 +81,9 @@ def test_wandb_offline_run_holds_the_scalars(tmp_path):
     for row in ROWS:
         monitor.write(row)
     monitor.close()
-    history = wandb_history(tmp_path)
+    deadline = time.monotonic() + 60  # under load wandb's service process can append the rows after finish()
+    while sorted(history := wandb_history(tmp_path)) != [0, 1, 2] and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert sorted(history) == [0, 1, 2], history
     assert history[1][TAGS["loss"]] == 4.5 and history[2][TAGS["loss"]] == 4.0
     assert history[0][TAGS["val_loss"]] == 5.0 and history[2][TAGS["val_loss"]] == 4.2
