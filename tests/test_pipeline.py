@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -193,7 +194,7 @@ def test_every_schedule_and_partition_trains_like_one_process(world4, schedule, 
 
 
 def test_pipe_times_tensor_slicing_trains_like_one_process(world4):
-    plan = fs.zero(1) | fs.tensor_slicing(fs.models.gpt_rules) | fs.pipeline(2, "1f1b")
+    plan = fs.zero(1) | fs.tensor_slicing(fs.models.gpt_rules) | fs.pipeline(2, "zero_bubble")
     assert_trains_like_one_process(gpt3_layers, plan, make_batch=batch, world_size=4, pipe=2, tensor=2,
                                    world=world4, steps=2, atol=1e-5)
 
@@ -363,3 +364,21 @@ def test_zero_bubble_steps_keep_no_tensor_alive():
     for _ in range(5):  # the leak kept 2 tensors per linear per micro-batch: +320 here
         executor.step(state.params, micro, 0.25, lambda m, i: None)
     assert live_tensors() <= before  # other tests' garbage may go meanwhile, nothing of ours may stay
+    # the weight passes did the linears' weight gradients: 2 blocks x 4 + the head, per micro-batch and step
+    assert executor.deferred_linears == 7 * 4 * 9
+
+
+def test_zero_bubble_defers_the_linears_of_a_modules_layers():
+    """Layers that call F.linear themselves (a Hugging Face GPT-2's Conv1D is addmm, its other linears
+    are nn.Linear) go through the torch-function mode; fspeed's own through ops: both defer."""
+    from fspeed.parallel.pipeline_runtime import PipelineExecutor
+    from fspeed.train_step import split_micro_batches
+    model = fs.models.sequential([torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 4)],
+                                 loss_fn=lambda y, b: F.mse_loss(y, b["targets"]), inputs=lambda b: b["inputs"])
+    plan = fs.pipeline(2, schedule="zero_bubble")
+    state = fs.init_train_state(model.init(), fs.optim.adamw(1e-3), plan=plan, mesh=fs.Mesh.single(), model=model)
+    executor = PipelineExecutor(state.layout, fs.Mesh.single(), model.layers, torch.float32)
+    micro = split_micro_batches({"inputs": torch.randn(4, 8), "targets": torch.randn(4, 4)}, 2)
+    _, grads = executor.step(state.params, micro, 0.5, lambda m, i: None)
+    assert executor.deferred_linears == 2 * 2
+    assert all(bool(g.abs().sum() > 0) for _, g in grads.items())

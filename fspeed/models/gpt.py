@@ -214,9 +214,9 @@ def gpt_layers(cfg: GPTConfig, attend=None) -> LayerSequence:
     def loss(logits: torch.Tensor, batch: dict, *, ops: DenseOps = DENSE) -> torch.Tensor:
         return ops.cross_entropy(logits, batch["targets"], vocab_axis="vocab")
 
-    layers = [Layer("embed", embed, ("wte", "wpe"), "Embedding")]
-    layers += [Layer(f"blocks.{i}", block(i), (f"blocks.{i}",), "TransformerBlock") for i in range(cfg.n_layer)]
-    layers.append(Layer("head", head, ("ln_f", "wte" if cfg.tie_embeddings else "head"), "Head"))
+    layers = [Layer("embed", embed, ("wte", "wpe"), "Embedding", True)]
+    layers += [Layer(f"blocks.{i}", block(i), (f"blocks.{i}",), "TransformerBlock", True) for i in range(cfg.n_layer)]
+    layers.append(Layer("head", head, ("ln_f", "wte" if cfg.tie_embeddings else "head"), "Head", True))
     return LayerSequence(tuple(layers), lambda batch: batch["inputs"], loss)
 
 

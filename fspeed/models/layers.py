@@ -29,12 +29,15 @@ from .ops import DENSE
 
 @dataclass(frozen=True)
 class Layer:
-    """One layer (module docstring). `kind` is what `partition="type:<regex>"` matches (a class name)."""
+    """One layer (module docstring). `kind` is what `partition="type:<regex>"` matches (a class name).
+    `linear_via_ops`: every `F.linear` on the layer's parameters goes through `ops.linear` (fspeed's
+    own layers), so zero bubble's weight-gradient split needs no torch-function mode on every op."""
 
     name: str
     fn: Callable[..., torch.Tensor]
     uses: tuple[str, ...]
     kind: str = ""
+    linear_via_ops: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,9 +123,13 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
 
     def layer(layer_name: str, prefix: str, module: Optional[nn.Module], call: Callable) -> Layer:
         caller = _Call(module, call) if module is not None else None
+        owns = module is not None and next(module.parameters(), None) is not None  # GELU, Dropout: no parameters
         def fn(params: PyTree, x: torch.Tensor, *, rng: Optional[torch.Generator] = None, ops: Any = DENSE):
             if module is None:
                 return call(None, x)
+            if not owns:
+                with _seeded(rng):
+                    return call(module, x)
             tree = params
             for part in prefix.split("."):
                 tree = tree[part]
@@ -132,7 +139,7 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
                 return torch.func.functional_call(caller, {f"inner.{k}": v for k, v in named.items()}, (x,),
                                                   strict=False, tie_weights=False)
         kind = type(module).__name__ if module is not None else "callable"
-        return Layer(layer_name, fn, (prefix,) if module is not None else (), kind)
+        return Layer(layer_name, fn, (prefix,) if owns else (), kind)
 
     layers = tuple(layer(*e) for e in entries)
 

@@ -45,17 +45,15 @@ _META = 10  # dtype, ndim, up to 8 dims
 
 class _DeferredLinear(torch.autograd.Function):
     """`F.linear` whose backward computes the input's (and bias's) gradient now and leaves the
-    weight's to the weight pass: it records (weight, input, output gradient) in `store`."""
+    weight's to the weight pass: it records (weight, input, output gradient) in `store`. (Written
+    with `forward(ctx, ...)`: a separate `setup_context` makes every call bind its arguments with
+    `inspect`, about 6% of a small layer's forward.)"""
 
     @staticmethod
-    def forward(x, w, b, store):
-        return F.linear(x, w, b)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, w, b, store = inputs
+    def forward(ctx, x, w, b, store):
         ctx.save_for_backward(x, w)
         ctx.store, ctx.has_bias = store, b is not None
+        return F.linear(x, w, b)
 
     @staticmethod
     def backward(ctx, grad):
@@ -66,9 +64,33 @@ class _DeferredLinear(torch.autograd.Function):
         return gx, None, gb, None
 
 
+def _deferred_or_plain_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], weights: set[int],
+                              store: list) -> torch.Tensor:
+    base = w if w._base is None else w._base
+    if id(base) in weights and torch.is_grad_enabled():
+        return _DeferredLinear.apply(x, w, b, store)
+    return F.linear(x, w, b)
+
+
+class _DeferringOps(DenseOps):
+    """Dense ops whose `linear` defers a stage weight's gradient (`_DeferredLinear`): zero bubble's
+    split for layers whose linears all go through ops (`Layer.linear_via_ops`), with no per-op cost."""
+
+    def __init__(self, weights: set[int], store: list):
+        self.weights, self.store = weights, store
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
+               out_axis: Optional[str] = None, in_axis: Optional[str] = None) -> torch.Tensor:
+        if w.dim() > 2:
+            w = w.flatten(0, -2)
+        if b is not None and b.dim() > 1:
+            b = b.flatten()
+        return _deferred_or_plain_linear(x, w, b, self.weights, self.store)
+
+
 class _DeferWeightGrads(TorchFunctionMode):
-    """During a zero-bubble forward: every `F.linear` whose weight is (a view of) a stage parameter
-    becomes a `_DeferredLinear` recording into `store`."""
+    """During a zero-bubble forward of layers that may call `F.linear` themselves (a module's): every
+    `F.linear` whose weight is (a view of) a stage parameter becomes a `_DeferredLinear`."""
 
     def __init__(self, weights: set[int], store: list):
         super().__init__()
@@ -76,12 +98,10 @@ class _DeferWeightGrads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and torch.is_grad_enabled():
+        if func is F.linear:
             x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
-            base = w if w._base is None else w._base
-            if id(base) in self.weights:
-                return _DeferredLinear.apply(x, w, b, self.store)
+            return _deferred_or_plain_linear(x, w, b, self.weights, self.store)
         return func(*args, **kwargs)
 
 
@@ -97,19 +117,23 @@ class PipelineExecutor:
         self.schedule: Schedule = build_schedule(pipe.schedule, plan.stages, pipe.micro_batches, plan.virtual_stages)
         self.micro_batches = pipe.micro_batches
         self.grad_dtype = grad_dtype
-        ops: Any = DenseOps()
-        for transform in layout.plan.ordered():
-            ops = transform.wrap_ops(ops, mesh, layout.tensor_axes)
-        self.ops = ops
-        self.shapes: dict = {}  # (batch signature, piece) -> (shape, dtype) of the activation entering the piece
         self.mesh = mesh
+        self.ops = self._wrapped(DenseOps())
+        self.shapes: dict = {}  # (batch signature, piece) -> (shape, dtype) of the activation entering the piece
         self.interval = pipe.activation_checkpoint_interval
         self.remat = pipe.remat if pipe.remat is not None else Remat()
         self.tie_groups: Optional[list] = None  # created by the first step (every rank), not by evaluation
         self.peak_in_flight = 0  # the most micro-batches whose forward graph this stage held at once
+        self.deferred_linears = 0  # weight gradients the weight passes computed (zero bubble), all steps
         self.posted: dict = {}  # receives posted ahead: (kind, micro, piece) -> (Pending, buffer)
         self.timeline: Optional[list] = None  # a list: each step appends (action, start, end) of its compute,
         # receives excluded (time.perf_counter, one clock for all processes of a machine; benchmarks/pipeline.py)
+
+    def _wrapped(self, ops: Any) -> Any:
+        """`ops` (the dense ones) wrapped by the layout's transforms (tensor slicing)."""
+        for transform in self.layout.plan.ordered():
+            ops = transform.wrap_ops(ops, self.mesh, self.layout.tensor_axes)
+        return ops
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -130,6 +154,9 @@ class PipelineExecutor:
         signature = tuple((tuple(t.shape), t.dtype) for t in tree_flatten_with_paths(micro_batches[0])[1]
                           if isinstance(t, torch.Tensor))
         split = self.schedule.split_backward
+        chunk_weights = [{id(t) for t in leaves_c} for leaves_c in chunk_leaves]
+        via_ops = [all(seq.linear_via_ops for seq in self.layers.layers[self.plan.bounds[k]:self.plan.bounds[k + 1]])
+                   for k in range(self.pieces)]
         saved: dict[tuple[int, int], tuple] = {}
         deferred: dict[tuple[int, int], list] = {}
         mailbox: dict[tuple[str, int, int], torch.Tensor] = {}  # transfers within this stage
@@ -148,12 +175,14 @@ class PipelineExecutor:
                 start = time.perf_counter()
                 store: list = []
                 with torch.enable_grad():
-                    if split:
-                        weights = {id(t) for t in chunk_leaves[c]}
-                        with _DeferWeightGrads(weights, store):
-                            y = self._forward(tree, x, k, m, micro_batches[m], layer_rng)
+                    if not split:
+                        y = self._forward(tree, x, k, m, micro_batches[m], layer_rng, self.ops)
+                    elif via_ops[k]:
+                        ops = self._wrapped(_DeferringOps(chunk_weights[c], store))
+                        y = self._forward(tree, x, k, m, micro_batches[m], layer_rng, ops)
                     else:
-                        y = self._forward(tree, x, k, m, micro_batches[m], layer_rng)
+                        with _DeferWeightGrads(chunk_weights[c], store):
+                            y = self._forward(tree, x, k, m, micro_batches[m], layer_rng, self.ops)
                 if k == self.pieces - 1:
                     losses.append(y.detach().float())
                     y = y.float() * multiplier
@@ -184,6 +213,7 @@ class PipelineExecutor:
                 self._post_next(actions, i, signature)
                 start = time.perf_counter()
                 store = deferred.pop((m, c))
+                self.deferred_linears += len(store)
                 with torch.no_grad():
                     for w, x_in, grad in store:
                         base = w if w._base is None else w._base
@@ -198,7 +228,7 @@ class PipelineExecutor:
         return losses, Flat(acc, local)
 
     def _forward(self, tree: PyTree, x: torch.Tensor, k: int, m: int, micro_batch: PyTree,
-                 layer_rng: Callable[[int, int], Optional[torch.Generator]]) -> torch.Tensor:
+                 layer_rng: Callable[[int, int], Optional[torch.Generator]], ops: Any) -> torch.Tensor:
         seq = self.layers.layers
         lo, hi = self.plan.bounds[k], self.plan.bounds[k + 1]
         group = self.interval or hi - lo
@@ -206,22 +236,22 @@ class PipelineExecutor:
             members = range(start, min(start + group, hi))
             generators = [_own(layer_rng(m, i)) for i in members]
             if self.interval and torch.is_grad_enabled() and any(seq[i].uses for i in members):
-                x = checkpointed(self.remat, self._run_layers, tree, x, *generators, members=members,
+                x = checkpointed(self.remat, self._run_layers, tree, x, *generators, members=members, ops=ops,
                                  label=f"{seq[members[0]].name}..{seq[members[-1]].name}")
             else:
-                x = self._run_layers(tree, x, *generators, members=members)
+                x = self._run_layers(tree, x, *generators, members=members, ops=ops)
         if k == self.pieces - 1:
-            loss = self.layers.loss(x, micro_batch, ops=self.ops)
+            loss = self.layers.loss(x, micro_batch, ops=ops)
             if loss.dim() != 0:
                 raise ValueError(f"the layer sequence's loss must be a scalar, got shape {list(loss.shape)}")
             return loss
         return x
 
     def _run_layers(self, tree: PyTree, x: torch.Tensor, *generators: Optional[torch.Generator],
-                    members: range) -> torch.Tensor:
+                    members: range, ops: Any) -> torch.Tensor:
         seq = self.layers.layers
         for i, rng in zip(members, generators):
-            x = seq[i].fn(tree, x, rng=rng, ops=self.ops)
+            x = seq[i].fn(tree, x, rng=rng, ops=ops)
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"pipeline layer {seq[i].name!r} returned {type(x).__name__}; a layer's output must "
                                 "be one tensor (what crosses a stage boundary)")
@@ -321,7 +351,7 @@ class PipelineExecutor:
         for c in range(self.plan.virtual_stages):
             k = self.plan.piece(self.stage, c)
             x = self.layers.inputs(batch) if k == 0 else self._receive("act", 0, k, signature, mailbox, None)
-            y = self._forward(tree, x, k, 0, batch, lambda m, i: None)
+            y = self._forward(tree, x, k, 0, batch, lambda m, i: None, self.ops)
             if k == self.pieces - 1:
                 loss = float(y)
             else:

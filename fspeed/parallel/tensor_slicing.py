@@ -21,7 +21,6 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..models.ops import flat_linear
 from .comm import AxisComm, all_reduce_max, copy_to_group, gather_from_group, reduce_in_group
 from .plan import COMPUTE, ParamEntry, Placement, Plan
 from .specs import AxisEntry, Rules, _rule_items, local_shape, logical_to_spec
@@ -88,11 +87,11 @@ class TensorSlicedOps:
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
                out_axis: Optional[str] = None, in_axis: Optional[str] = None) -> torch.Tensor:
         if out_axis in self.tensor_axes:  # column-parallel
-            return flat_linear(copy_to_group(x, self.model), w, b)
+            return self.inner.linear(copy_to_group(x, self.model), w, b)
         if in_axis in self.tensor_axes:  # row-parallel
-            y = reduce_in_group(flat_linear(x, w), self.model)
+            y = reduce_in_group(self.inner.linear(x, w), self.model)
             return y if b is None else y + b
-        return flat_linear(x, w, b)
+        return self.inner.linear(x, w, b)
 
     def embedding(self, ids: torch.Tensor, w: torch.Tensor, *, vocab_axis: Optional[str] = None,
                   padding_idx: Optional[int] = None) -> torch.Tensor:
