@@ -10,9 +10,13 @@ perf_counter is the machine's monotonic clock). The theory (`bubble_fraction`) t
 free communication. Step time: a whole `train_step` (schedule, gradient delivery, AdamW) against
 torch's `schedule.step` + `torch.optim.AdamW(foreach=True)`, alternating step by step in one run.
 
-    python benchmarks/pipeline.py [--layers 8] [--d-model 256] [--seq 64] [--rows 4] [--steps 6]
+    python benchmarks/pipeline.py [--layers 8] [--d-model 256] [--seq 128] [--rows 8] [--steps 8]
 
-Last lines: pipeline_bubble_over_theory (1F1B, 8 micro-batches), pipeline_step_time_vs_torch (1F1B,
+A micro-batch of 8 x 128 tokens by default (about 7 minutes with DeepSpeed): at 4 x 64 the
+per-operation Python cost of zero bubble's split backward is a visible share of these small layers.
+
+Last lines: pipeline_bubble_over_theory (1F1B, 8 micro-batches), pipeline_bubble_over_sim (the same
+over the bubble the stages' measured, unequal costs leave), pipeline_step_time_vs_torch (1F1B,
 8 micro-batches, fspeed / torch, median), zero_bubble_over_1f1b (4 micro-batches, step span),
 pipeline_step_time_vs_deepspeed (or the reason it did not run).
 """
@@ -146,26 +150,29 @@ def bubble_rows(results: dict) -> list[dict]:
             spans.append(span)
         theory = bubble_fraction(name, 2, m, v)
         kinds = {k: statistics.median(st[n]["busy"][k] for st in per_rank for n in range(len(st))) for k in "FBW"}
-        per_action = {k: kinds[k] / (m * v) for k in "FBW"}  # one chunk of one micro-batch, both stages' median
-        simulated = simulate(build_schedule(name, 2, m, v), per_action["F"], per_action["B"], per_action["W"])
+        # one chunk of one micro-batch on each stage (rank r is stage r): the stages' own costs
+        per_stage = {k: [statistics.median(step["busy"][k] for step in st) / (m * v) for st in per_rank] for k in "FBW"}
+        simulated = simulate(build_schedule(name, 2, m, v), per_stage["F"], per_stage["B"], per_stage["W"])
+        stage_busy = [sum(per_stage[k][r] for k in "FBW") * m * v for r in range(len(per_rank))]
         rows.append({"schedule": name, "micro": m, "virtual": v, "measured": statistics.median(fractions),
                      "theory": theory, "simulated": simulated.bubble_fraction, "span": statistics.median(spans),
-                     "kinds": kinds})
+                     "kinds": kinds, "imbalance": max(stage_busy) / min(stage_busy) - 1})
     return rows
 
 
 def print_bubbles(rows: list[dict]) -> None:
     print("\nBubble per schedule (2 stages; busy = compute of the stage's actions, receives excluded)")
-    print("(theory: F = B = W, free communication; sim: the schedule simulated with the measured F, B, W costs,\n"
-          " free communication; step ms: median first start to last end over both stages; F/B/W ms: a stage's\n"
-          " total per step)")
-    print(f"{'schedule':<18}{'micro':>6}{'v':>3}{'measured':>10}{'theory':>9}{'ratio':>7}{'sim':>7}{'step ms':>9}"
-          f"{'F ms':>8}{'B ms':>8}{'W ms':>8}")
+    print("(theory: equal stages, F = B = W, free communication; sim: the schedule simulated with each stage's\n"
+          " measured F, B, W costs, free communication: what the stages' unequal work alone leaves; imb: the\n"
+          " busier stage's work over the other's, - 1; step ms: median first start to last end over both\n"
+          " stages; F/B/W ms: a stage's total per step)")
+    print(f"{'schedule':<18}{'micro':>6}{'v':>3}{'measured':>10}{'theory':>9}{'ratio':>7}{'sim':>7}{'/sim':>6}"
+          f"{'imb':>6}{'step ms':>9}{'F ms':>8}{'B ms':>8}{'W ms':>8}")
     for r in rows:
         k = r["kinds"]
         print(f"{r['schedule']:<18}{r['micro']:>6}{r['virtual']:>3}{r['measured']:>10.3f}{r['theory']:>9.3f}"
-              f"{r['measured'] / r['theory']:>7.2f}{r['simulated']:>7.3f}{r['span'] * 1e3:>9.1f}{k['F'] * 1e3:>8.1f}{k['B'] * 1e3:>8.1f}"
-              f"{k['W'] * 1e3:>8.1f}")
+              f"{r['measured'] / r['theory']:>7.2f}{r['simulated']:>7.3f}{r['measured'] / r['simulated']:>6.2f}"
+              f"{r['imbalance']:>6.1%}{r['span'] * 1e3:>9.1f}{k['F'] * 1e3:>8.1f}{k['B'] * 1e3:>8.1f}{k['W'] * 1e3:>8.1f}")
 
 
 def deepspeed_times(args: argparse.Namespace, micro_batches: int) -> tuple[list[float] | None, str]:
@@ -187,9 +194,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--rows", type=int, default=4, help="rows per micro-batch")
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per measurement")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rows", type=int, default=8, help="rows per micro-batch")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-deepspeed", action="store_true")
     args = parser.parse_args()
@@ -228,7 +235,11 @@ def main() -> None:
 
     by = {(r["schedule"], r["micro"]): r for r in rows}
     one_f = by[("1f1b", 8)]
-    print(f"\npipeline_bubble_over_theory={one_f['measured'] / one_f['theory']:.3f}")
+    print(f"\n  1F1B, 8 micro-batches: the stages' work differs by {one_f['imbalance']:.1%} (the last holds the head and the "
+          f"loss), which alone leaves a bubble of {one_f['simulated']:.3f}; measured over that: "
+          f"{one_f['measured'] / one_f['simulated']:.3f}")
+    print(f"pipeline_bubble_over_theory={one_f['measured'] / one_f['theory']:.3f}")
+    print(f"pipeline_bubble_over_sim={one_f['measured'] / one_f['simulated']:.3f}")
     print(f"pipeline_step_time_vs_torch={ratios[8][0]:.3f}")
     zb = by[("zero_bubble", 4)]["kinds"]
     costs = [zb[k] / 4 for k in "FBW"]

@@ -112,6 +112,16 @@ def test_zero_bubble_beats_1f1b_at_two_stages_four_micro_batches():
     assert zero_bubble.makespan <= 0.92 * one_f_one_b.makespan
 
 
+def test_a_slower_stage_sets_the_pace():
+    """Per-stage costs: with the last stage 1.5x slower, 1F1B's step is its 2 x 1.5 x m units plus the
+    first stage's F before it and B after it; the idle share grows from 0.2 to 2/7."""
+    timeline = simulate(build_schedule("1f1b", 2, 4), [1, 1.5], [0.5, 0.75], [0.5, 0.75])
+    assert timeline.makespan == 1 + 2 * 1.5 * 4 + 1 and timeline.bubble_fraction == pytest.approx(2 / 7)
+    assert simulate(build_schedule("1f1b", 2, 4), [1, 1], 0.5, 0.5).makespan == 10.0
+    with pytest.raises(ValueError, match="forward has 3 costs for 2 stages"):
+        simulate(build_schedule("1f1b", 2, 4), [1, 1, 1])
+
+
 def test_orders_are_the_reference_ones():
     def rows(schedule):
         return [" ".join(f"{a.kind}{a.micro}" + (f".{a.chunk}" if schedule.virtual_stages > 1 else "") for a in row)

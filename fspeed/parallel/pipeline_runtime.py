@@ -217,8 +217,8 @@ class PipelineExecutor:
                 with torch.no_grad():
                     for w, x_in, grad in store:
                         base = w if w._base is None else w._base
-                        dw = grad.reshape(-1, grad.shape[-1]).t().matmul(x_in.reshape(-1, x_in.shape[-1]))
-                        acc_of[id(base)].view(w.shape).add_(dw)
+                        acc_of[id(base)].view(w.shape).addmm_(grad.reshape(-1, grad.shape[-1]).t(),
+                                                              x_in.reshape(-1, x_in.shape[-1]))
                 store.clear()  # the graph's nodes still hold the list; its tensors go now
             if self.timeline is not None:
                 self.timeline.append((action, start, time.perf_counter()))

@@ -25,7 +25,7 @@ Schedules (p stages, m micro-batches, v virtual stages):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence, Union
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
@@ -167,7 +167,7 @@ def _needs(action: Action, stage: int, stages: int, pieces: int) -> list[tuple[s
     return [("B", action.micro, piece)]
 
 
-def _execute(schedule: Schedule, cost: dict[str, float]) -> tuple[tuple[tuple[float, float, Action], ...], ...]:
+def _execute(schedule: Schedule, cost: dict[str, list[float]]) -> tuple[tuple[tuple[float, float, Action], ...], ...]:
     """Run every stage's list in order, each action once its inputs are done; ValueError on deadlock."""
     stages, pieces = schedule.stages, schedule.stages * schedule.virtual_stages
     done: dict[tuple[str, int, int], float] = {}
@@ -183,7 +183,7 @@ def _execute(schedule: Schedule, cost: dict[str, float]) -> tuple[tuple[tuple[fl
                 if any(key not in done for key in needs):
                     break
                 start = max([free_at[stage]] + [done[key] for key in needs])
-                free_at[stage] = start + cost[action.kind]
+                free_at[stage] = start + cost[action.kind][stage]
                 done[(action.kind, action.micro, action.chunk * stages + stage)] = free_at[stage]
                 busy[stage].append((start, free_at[stage], action))
                 next_index[stage] += 1
@@ -232,13 +232,24 @@ def check_schedule(schedule: Schedule) -> None:
         raise ValueError(f"{schedule.name}: {len(schedule.actions)} action lists for {schedule.stages} stages")
     for stage in range(schedule.stages):
         _check_stage(schedule, stage)
-    _execute(schedule, {"F": 1.0, "B": 1.0, "W": 1.0})
+    _execute(schedule, {k: [1.0] * schedule.stages for k in "FBW"})
 
 
-def simulate(schedule: Schedule, forward: float = 1.0, backward: float = 1.0, weight: float = 1.0) -> Timeline:
-    """Time `schedule` with these per-chunk costs (an unsplit B costs backward + weight), free communication."""
-    unsplit = backward if schedule.split_backward else backward + weight
-    busy = _execute(schedule, {"F": forward, "B": unsplit, "W": weight})
+Cost = Union[float, Sequence[float]]
+
+
+def simulate(schedule: Schedule, forward: Cost = 1.0, backward: Cost = 1.0, weight: Cost = 1.0) -> Timeline:
+    """Time `schedule` with these per-chunk costs (an unsplit B costs backward + weight), free
+    communication. A cost is one number for every stage or one per stage (stages of unequal work)."""
+    def per_stage(cost: Cost, name: str) -> list[float]:
+        if isinstance(cost, (int, float)):
+            return [float(cost)] * schedule.stages
+        if len(cost) != schedule.stages:
+            raise ValueError(f"simulate: {name} has {len(cost)} costs for {schedule.stages} stages")
+        return [float(c) for c in cost]
+    f, b, w = per_stage(forward, "forward"), per_stage(backward, "backward"), per_stage(weight, "weight")
+    unsplit = b if schedule.split_backward else [x + y for x, y in zip(b, w)]
+    busy = _execute(schedule, {"F": f, "B": unsplit, "W": w})
     makespan = max((intervals[-1][1] for intervals in busy if intervals), default=0.0)
     work = sum(end - start for intervals in busy for start, end, _ in intervals)
     idle = 1.0 - work / (schedule.stages * makespan) if makespan > 0 else 0.0
