@@ -182,7 +182,9 @@ class ContiguousArena:
 @dataclass(frozen=True)
 class Remat:
     """How checkpointed blocks run: the policy, every k-th block; the kept block inputs on the
-    host (`offload`), or 1/t of each on every tensor-slicing rank (`partition`); timing (`profile`)."""
+    host (`offload`), or 1/t of each on every tensor-slicing rank (`partition`); timing (`profile`);
+    a device synchronize at the start and end of each block's forward and backward (`synchronize`,
+    DeepSpeed's synchronize_checkpoint_boundary: what a block's time then covers is its own work)."""
 
     policy: RematPolicy = remat_policies.full
     every: int = 1
@@ -190,6 +192,7 @@ class Remat:
     partition: bool = False
     profile: Optional[RematProfile] = None
     contiguous: Optional[ContiguousArena] = None
+    synchronize: bool = False
 
     def __post_init__(self):
         if isinstance(self.policy, str):
@@ -223,10 +226,14 @@ def checkpointed(remat: Remat, fn: Callable, *args: Any, model_comm: Any = None,
     runs = [0]
     profile = remat.profile
     clock: dict[str, float] = {}
+    device = next((h.device for h in held if h is not None), None)
+    sync = _synchronizer(device) if remat.synchronize and device is not None else None
 
     def replayed(*a, **kw):
-        recompute = runs[0] > 0
+        recompute = runs[0] > 0  # the block's backward starts with its recompute
         runs[0] += 1
+        if sync is not None:
+            sync()
         a = [h.value() if h is not None else x for h, x in zip(held, a)]
         if recompute and states:  # fresh generators in the state of the first run
             for i, state in states.items():
@@ -234,7 +241,10 @@ def checkpointed(remat: Remat, fn: Callable, *args: Any, model_comm: Any = None,
                 g.set_state(state)
                 a[i] = g
         if profile is None:
-            return fn(*a, **kw)
+            out = fn(*a, **kw)
+            if sync is not None and not recompute:
+                sync()
+            return out
         start = synced_clock()
         try:
             return fn(*a, **kw)
@@ -242,10 +252,15 @@ def checkpointed(remat: Remat, fn: Callable, *args: Any, model_comm: Any = None,
             profile.add("recompute" if recompute else "forward", label, synced_clock() - start)
             if recompute:
                 clock["recomputed"] = synced_clock()
+            elif sync is not None:
+                sync()
 
     def backward_done(grad: torch.Tensor) -> torch.Tensor:
-        now = synced_clock()
-        profile.add("backward", label, now - clock.get("recomputed", now))
+        if sync is not None:
+            sync()
+        if profile is not None:
+            now = synced_clock()
+            profile.add("backward", label, now - clock.get("recomputed", now))
         return grad
 
     context_fn = remat.policy.context_fn()
@@ -255,8 +270,8 @@ def checkpointed(remat: Remat, fn: Callable, *args: Any, model_comm: Any = None,
     for h, a in zip(held, args):
         if h is None:
             continue
-        if profile is not None and a.requires_grad:  # the block's backward ends when its input's gradient is done
-            a.register_hook(backward_done)
+        if (profile is not None or sync is not None) and a.requires_grad:
+            a.register_hook(backward_done)  # the block's backward ends when its input's gradient is done
         if remat.partition:
             h.partition(model_comm, remat.offload)
         elif remat.offload:
@@ -264,6 +279,13 @@ def checkpointed(remat: Remat, fn: Callable, *args: Any, model_comm: Any = None,
         elif remat.contiguous is not None:
             h.into(remat.contiguous)
     return out
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    """Wait for the work queued on `device` (CUDA's streams; on the CPU, where work runs as it is
+    issued, torch.cpu.synchronize returns at once, as DeepSpeed's CPU accelerator does)."""
+    module = torch.get_device_module(device)
+    return lambda: module.synchronize(device)
 
 
 class _HeldInput:
@@ -335,13 +357,13 @@ class RematOps:
 
 def remat(model: Model, policy: Any = "full", every: int = 1, *, offload: bool = False, partition: bool = False,
           profile: Optional[RematProfile] = None, contiguous: bool = False,
-          where: Optional[Sequence[str]] = None) -> Model:
+          where: Optional[Sequence[str]] = None, synchronize: bool = False) -> Model:
     """`model` whose blocks are activation-checkpointed (module docstring).
 
     A `functionalize`d module checkpoints its repeated blocks (or the submodules matching the
     `where` path patterns); any other model checkpoints the blocks it runs through `ops.scan`.
     """
-    config = Remat(policy, every, offload, partition, profile, ContiguousArena() if contiguous else None)
+    config = Remat(policy, every, offload, partition, profile, ContiguousArena() if contiguous else None, synchronize)
     return apply_remat(model, config, where)
 
 

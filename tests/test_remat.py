@@ -260,6 +260,25 @@ def test_contiguous_inputs_and_profile_keep_the_numbers():
     assert "total" in profile.table(sums) and profile.take() == {}
 
 
+@pytest.mark.parametrize("with_profile", [False, True])
+def test_synchronize_checkpoint_boundary_syncs_each_blocks_forward_and_backward(monkeypatch, with_profile):
+    """DeepSpeed's synchronize_checkpoint_boundary: a device synchronize at the start and end of each
+    checkpointed block's forward and backward (4 per block per step), the gradient unchanged."""
+    model = gpt(3)
+    params = model.init(torch.Generator().manual_seed(0))
+    batch = gpt_batch(2, 12, 0)
+    want, _ = gradient(model, params, batch)
+    calls = []
+    monkeypatch.setattr(torch.cpu, "synchronize", lambda device=None: calls.append(device))
+    profile = fs.RematProfile() if with_profile else None
+    got, _ = gradient(fs.remat(model, "full", every=2, synchronize=True, profile=profile), params, batch)
+    assert torch.equal(got, want)
+    assert len(calls) == 4 * 2  # blocks 0 and 2 are checkpointed (every=2)
+    calls.clear()
+    gradient(fs.remat(model, "full", profile=profile), params, batch)
+    assert calls == []
+
+
 def test_contiguous_arena_reuses_one_buffer():
     from fspeed.activation_checkpointing import ContiguousArena
 

@@ -599,9 +599,6 @@ def _activation_checkpointing(ds: Mapping[str, Any], w: _Ledger) -> None:
     if all(key in defaults and _same(value, defaults[key]) for key, value in block.items()):
         w.accept("activation_checkpointing", dict(block), K.ACTIVATION_CHECKPOINTING_DEFAULT_REASON)
         return
-    if "synchronize_checkpoint_boundary" in block and not _same(block["synchronize_checkpoint_boundary"], False):
-        w.unsupported("activation_checkpointing.synchronize_checkpoint_boundary", block["synchronize_checkpoint_boundary"],
-                      "false", "not implemented in fspeed (a CUDA synchronize at each checkpoint boundary)")
     if block.get("number_checkpoints") is not None:
         w.accept("activation_checkpointing.number_checkpoints", block["number_checkpoints"],
                  "sizes DeepSpeed's contiguous checkpoint buffers; fspeed's buffer grows to what a step keeps")

@@ -219,7 +219,7 @@ ACTIVATION_CHECKPOINTING_DEFAULT_REASON = (
     "DeepSpeed's defaults: checkpointed activations stay whole on the device, no extra syncs or profiling; the block "
     "only configures the checkpointing a model turns on (fspeed: activation_checkpointing.policy)")
 ACTIVATION_CHECKPOINTING_TRANSLATED = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-                                      "profile")  # -> activation_checkpointing.<key>
+                                      "profile", "synchronize_checkpoint_boundary")  # -> activation_checkpointing.<key>
 
 CSV_MONITOR_KEYS = {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"}
 TENSORBOARD_KEYS = {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"}

@@ -552,12 +552,14 @@ class ActivationCheckpointingConfig(ValidatedConfig):
     partition_activations: bool = False  # with parallel.tensor > 1: each rank keeps 1/t of each kept input
     contiguous_memory_optimization: bool = False  # kept inputs in one reused buffer
     profile: bool = False  # forward, recompute and backward time per checkpointed block
+    synchronize_checkpoint_boundary: bool = False  # a device synchronize at each checkpointed block's ends
     budget_mib: Optional[float] = setting(None, POSITIVE)  # policy none: pick the cheapest remat keeping <= this
 
     def relation_problems(self) -> list[Problem]:
         problems = []
         if self.policy == "none":
-            for key in ("cpu_checkpointing", "partition_activations", "contiguous_memory_optimization", "profile"):
+            for key in ("cpu_checkpointing", "partition_activations", "contiguous_memory_optimization", "profile",
+                        "synchronize_checkpoint_boundary"):
                 if getattr(self, key):
                     problems.append(Problem(key, "applies to checkpointed blocks, and activation_checkpointing.policy "
                                             "is none", True, hint="set activation_checkpointing.policy=full (or "
@@ -582,7 +584,8 @@ class ActivationCheckpointingConfig(ValidatedConfig):
 
         return Remat(self.policy, self.every, self.cpu_checkpointing, self.partition_activations,
                      RematProfile() if self.profile else None,
-                     ContiguousArena() if self.contiguous_memory_optimization else None)
+                     ContiguousArena() if self.contiguous_memory_optimization else None,
+                     self.synchronize_checkpoint_boundary)
 
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")  # fspeed.parallel.schedules.SCHEDULES
