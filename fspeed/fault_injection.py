@@ -370,13 +370,15 @@ def disk_full_trial(job: Job, workdir: Path, reference: Optional[Path]) -> Trial
                  f"bit-identical {same}\n{_last_lines(output, 2)}", numbers={"mode": mode})
 
 
-def sigstop_trial(job: Job, workdir: Path, rng: random.Random, resume: bool = True) -> Trial:
+def sigstop_trial(job: Job, workdir: Path, rng: random.Random, resume: bool = True, shutdown_s: int = 30) -> Trial:
     """SIGSTOP one rank of a multi-rank job: the job must fail with an error naming the timed-out
     collective (after parallel.timeout_s), leave no worker running, and (`resume`) keep a latest
-    that resumes. torchrun gives a stopped worker 30 s after SIGTERM before it SIGKILLs it."""
+    that resumes. The agent gives the stopped worker `shutdown_s` after SIGTERM (torchrun's
+    shutdown timeout, 30 s by default), which it cannot act on, before it SIGKILLs it."""
     workdir.mkdir(parents=True, exist_ok=True)
     checkpoints = workdir / "ck"
-    process = start(job.command(workdir / "run", checkpoints), cwd=workdir, log=workdir / "log.txt")
+    process = start(job.command(workdir / "run", checkpoints), cwd=workdir, log=workdir / "log.txt",
+                    env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(shutdown_s)})
     ranks: dict[int, int] = {}
     try:
         if not wait_until(lambda: (checkpoints / "latest").exists() or process.poll() is not None, 120):

@@ -101,7 +101,7 @@ def test_a_full_disk_stops_the_run_naming_the_path_and_keeps_latest(tmp_path):
 
 
 def test_a_stopped_rank_is_named_and_no_worker_is_left(tmp_path):
-    trial = fi.sigstop_trial(fi.ZERO3_SHORT_TIMEOUT, tmp_path, random.Random(18), resume=False)
+    trial = fi.sigstop_trial(fi.ZERO3_SHORT_TIMEOUT, tmp_path, random.Random(18), resume=False, shutdown_s=3)
     assert trial.ok, trial.detail
 
 

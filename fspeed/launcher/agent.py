@@ -10,6 +10,11 @@ that rank's code. The variable is removed before the workers start.
 It also holds the tethers (`tether.py`): workers learn the agent's pid (`FSPEED_AGENT_PID`) to die
 with it, and with `FSPEED_AGENT_TETHER=stdin` (set by the launcher) the agent stops its workers
 and exits when its stdin closes, i.e. when the launcher is gone.
+
+And torchrun's `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` (how long a worker gets between SIGTERM and
+SIGKILL) also applies when a worker fails and torchrun stops the others: torchrun itself waits a
+fixed 30 s there, so a rank that hangs (stopped, or stuck in a kernel) held the whole job 30 s
+after another rank had failed.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    _stop_failed_groups_within_the_shutdown_timeout()
+
     try:
         torchrun.main(run_tether_by_path(sys.argv[1:] if argv is None else argv))
     except ChildFailedError as error:
@@ -50,6 +57,21 @@ def main(argv: Optional[list[str]] = None) -> None:
             with open(report_path, "w") as file:
                 json.dump({"failures": failures, "root_cause_rank": root_rank}, file)
         raise
+
+
+def _stop_failed_groups_within_the_shutdown_timeout() -> None:
+    """A worker process context closed with no timeout (torchrun's own close when a worker fails)
+    gives its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds, when set, instead of a fixed 30."""
+    seconds = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    if not seconds:
+        return
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    close = PContext.close
+
+    def close_within_the_shutdown_timeout(self, death_sig=None, timeout=None):
+        return close(self, death_sig, int(seconds) if timeout is None else timeout)
+    PContext.close = close_within_the_shutdown_timeout
 
 
 if __name__ == "__main__":
