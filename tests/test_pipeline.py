@@ -174,9 +174,9 @@ CASES = st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
 @settings(max_examples=8, deadline=None)
 @given(schedule=CASES, partition=st.sampled_from(["uniform", "parameters", "type:block", "explicit"]),
        pipe=st.sampled_from([2, 4]), n_layer=st.integers(2, 4), micro=st.integers(1, 4), stage=st.sampled_from([0, 1, 2]),
-       seed=st.integers(0, 3))
+       seed=st.integers(0, 3), interval=st.sampled_from([0, 0, 1, 2]))
 def test_every_schedule_and_partition_trains_like_one_process(world4, schedule, partition, pipe, n_layer, micro,
-                                                              stage, seed):
+                                                              stage, seed, interval):
     virtual = 2 if schedule == "interleaved_1f1b" else 1
     pieces = pipe * virtual
     layers = n_layer + 2
@@ -187,7 +187,7 @@ def test_every_schedule_and_partition_trains_like_one_process(world4, schedule, 
     if partition == "explicit":
         partition = tuple(uniform_bounds(layers, pieces)[k + 1] - uniform_bounds(layers, pieces)[k]
                           for k in range(pieces))
-    plan = fs.zero(stage) | fs.pipeline(micro, schedule, partition, virtual)
+    plan = fs.zero(stage) | fs.pipeline(micro, schedule, partition, virtual, activation_checkpoint_interval=interval)
     assert_trains_like_one_process(BUILDERS[n_layer], plan,
                                    make_batch=batch, world_size=4, pipe=pipe, world=world4, steps=2, seed=seed,
                                    optimizer=sgd)
@@ -200,7 +200,10 @@ def test_pipe_times_tensor_slicing_trains_like_one_process(world4):
 
 
 def test_a_hugging_face_gpt2_as_layers_trains_like_one_process(world4):
-    assert_trains_like_one_process(hf_gpt2_layers, fs.zero(1) | fs.pipeline(2, "zero_bubble"),
+    """Zero bubble's deferring mode on a module's layers, entered again by the checkpointed groups'
+    recompute (activation_checkpoint_interval)."""
+    plan = fs.zero(1) | fs.pipeline(2, "zero_bubble", activation_checkpoint_interval=1)
+    assert_trains_like_one_process(hf_gpt2_layers, plan,
                                    make_batch=lm_dict_batch, world_size=4, pipe=2, world=world4, steps=2,
                                    rtol=1e-4, atol=1e-5)
 
@@ -368,17 +371,34 @@ def test_zero_bubble_steps_keep_no_tensor_alive():
     assert executor.deferred_linears == 7 * 4 * 9
 
 
-def test_zero_bubble_defers_the_linears_of_a_modules_layers():
-    """Layers that call F.linear themselves (a Hugging Face GPT-2's Conv1D is addmm, its other linears
-    are nn.Linear) go through the torch-function mode; fspeed's own through ops: both defer."""
+@pytest.mark.parametrize("kind", ["modules", "gpt"])
+def test_zero_bubble_defers_the_linears_also_in_checkpointed_groups(kind):
+    """Layers that call F.linear themselves (nn.Linear) go through the torch-function mode, fspeed's
+    own through ops: both defer their weight gradients to W, also when a checkpointed group's
+    recompute runs them again in B (activation_checkpoint_interval, policies full and save_matmuls),
+    and the gradients stay those of 1F1B."""
+    from fspeed.activation_checkpointing import Remat
     from fspeed.parallel.pipeline_runtime import PipelineExecutor
     from fspeed.train_step import split_micro_batches
-    model = fs.models.sequential([torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 4)],
-                                 loss_fn=lambda y, b: F.mse_loss(y, b["targets"]), inputs=lambda b: b["inputs"])
-    plan = fs.pipeline(2, schedule="zero_bubble")
-    state = fs.init_train_state(model.init(), fs.optim.adamw(1e-3), plan=plan, mesh=fs.Mesh.single(), model=model)
-    executor = PipelineExecutor(state.layout, fs.Mesh.single(), model.layers, torch.float32)
-    micro = split_micro_batches({"inputs": torch.randn(4, 8), "targets": torch.randn(4, 4)}, 2)
-    _, grads = executor.step(state.params, micro, 0.5, lambda m, i: None)
-    assert executor.deferred_linears == 2 * 2
-    assert all(bool(g.abs().sum() > 0) for _, g in grads.items())
+    if kind == "modules":
+        model = fs.models.sequential([torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8)],
+                                     loss_fn=lambda y, b: F.mse_loss(y, b["targets"]), inputs=lambda b: b["inputs"])
+        micro = split_micro_batches({"inputs": torch.randn(4, 8), "targets": torch.randn(4, 8)}, 2)
+        linears = 2
+    else:
+        model, micro, linears = gpt(2), split_micro_batches(batch(4, 0), 2), 2 * 4 + 1
+
+    def grads_and_deferred(schedule: str, interval: int = 0, policy: str = "full"):
+        remat = Remat(policy) if interval else None
+        plan = fs.pipeline(2, schedule=schedule, activation_checkpoint_interval=interval, remat=remat)
+        state = fs.init_train_state(model.init(torch.Generator().manual_seed(0)), fs.optim.adamw(1e-3), plan=plan,
+                                    mesh=fs.Mesh.single(), model=model)
+        executor = PipelineExecutor(state.layout, fs.Mesh.single(), model.layers, torch.float32)
+        _, grads = executor.step(state.params, micro, 0.5, lambda m, i: None)
+        return grads.buffer, executor.deferred_linears
+    want, none = grads_and_deferred("1f1b")
+    assert none == 0 and bool(want.abs().sum() > 0)
+    for interval, policy in ((0, "full"), (1, "full"), (2, "save_matmuls")):
+        got, deferred = grads_and_deferred("zero_bubble", interval, policy)
+        assert deferred == linears * 2, (interval, policy)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

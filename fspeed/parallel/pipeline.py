@@ -162,9 +162,6 @@ def pipeline(micro_batches: int, schedule: str = "1f1b", partition: Partition = 
     if not isinstance(activation_checkpoint_interval, int) or activation_checkpoint_interval < 0:
         raise ValueError(f"pipeline(activation_checkpoint_interval={activation_checkpoint_interval!r}) must be an "
                          "integer >= 0 (0: no checkpointing)")
-    if activation_checkpoint_interval and schedule == "zero_bubble":
-        raise ValueError("pipeline(activation_checkpoint_interval=...) with schedule='zero_bubble' is not supported "
-                         "yet (the recompute would have to defer its weight gradients too); use '1f1b'")
     if remat is not None and not activation_checkpoint_interval:
         raise ValueError("pipeline(remat=...) sets how checkpointed layer groups run; give "
                          "activation_checkpoint_interval > 0 too")

@@ -22,6 +22,8 @@ depend on where the layer runs.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -45,30 +47,32 @@ _META = 10  # dtype, ndim, up to 8 dims
 
 class _DeferredLinear(torch.autograd.Function):
     """`F.linear` whose backward computes the input's (and bias's) gradient now and leaves the
-    weight's to the weight pass: it records (weight, input, output gradient) in `store`. (Written
-    with `forward(ctx, ...)`: a separate `setup_context` makes every call bind its arguments with
-    `inspect`, about 6% of a small layer's forward.)"""
+    weight's to the weight pass: it records (the stage parameter's id, the weight's shape, input,
+    output gradient) in `store`. The id is taken in forward: a checkpointed group's saved tensors
+    come back from its recompute as other tensor objects. (Written with `forward(ctx, ...)`: a
+    separate `setup_context` makes every call bind its arguments with `inspect`, about 6% of a small
+    layer's forward.)"""
 
     @staticmethod
-    def forward(ctx, x, w, b, store):
+    def forward(ctx, x, w, b, store, key):
         ctx.save_for_backward(x, w)
-        ctx.store, ctx.has_bias = store, b is not None
+        ctx.store, ctx.key, ctx.has_bias = store, key, b is not None
         return F.linear(x, w, b)
 
     @staticmethod
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
-        ctx.store.append((w, x.detach(), grad.detach()))  # data only: no path back into the graph (a cycle)
+        ctx.store.append((ctx.key, w.shape, x.detach(), grad.detach()))  # data only: no path back into the graph
         gx = grad.matmul(w) if ctx.needs_input_grad[0] else None
         gb = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, None, gb, None
+        return gx, None, gb, None, None
 
 
 def _deferred_or_plain_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], weights: set[int],
                               store: list) -> torch.Tensor:
-    base = w if w._base is None else w._base
-    if id(base) in weights and torch.is_grad_enabled():
-        return _DeferredLinear.apply(x, w, b, store)
+    key = id(w if w._base is None else w._base)
+    if key in weights and torch.is_grad_enabled():
+        return _DeferredLinear.apply(x, w, b, store, key)
     return F.linear(x, w, b)
 
 
@@ -174,15 +178,13 @@ class PipelineExecutor:
                 self._post_next(actions, i, signature)
                 start = time.perf_counter()
                 store: list = []
+                ops, mode = self.ops, None
+                if split and via_ops[k]:
+                    ops = self._wrapped(_DeferringOps(chunk_weights[c], store))
+                elif split:
+                    mode = functools.partial(_DeferWeightGrads, chunk_weights[c], store)
                 with torch.enable_grad():
-                    if not split:
-                        y = self._forward(tree, x, k, m, micro_batches[m], layer_rng, self.ops)
-                    elif via_ops[k]:
-                        ops = self._wrapped(_DeferringOps(chunk_weights[c], store))
-                        y = self._forward(tree, x, k, m, micro_batches[m], layer_rng, ops)
-                    else:
-                        with _DeferWeightGrads(chunk_weights[c], store):
-                            y = self._forward(tree, x, k, m, micro_batches[m], layer_rng, self.ops)
+                    y = self._forward(tree, x, k, m, micro_batches[m], layer_rng, ops, mode)
                 if k == self.pieces - 1:
                     losses.append(y.detach().float())
                     y = y.float() * multiplier
@@ -215,10 +217,9 @@ class PipelineExecutor:
                 store = deferred.pop((m, c))
                 self.deferred_linears += len(store)
                 with torch.no_grad():
-                    for w, x_in, grad in store:
-                        base = w if w._base is None else w._base
-                        acc_of[id(base)].view(w.shape).addmm_(grad.reshape(-1, grad.shape[-1]).t(),
-                                                              x_in.reshape(-1, x_in.shape[-1]))
+                    for key, shape, x_in, grad in store:
+                        acc_of[key].view(shape).addmm_(grad.reshape(-1, grad.shape[-1]).t(),
+                                                       x_in.reshape(-1, x_in.shape[-1]))
                 store.clear()  # the graph's nodes still hold the list; its tensors go now
             if self.timeline is not None:
                 self.timeline.append((action, start, time.perf_counter()))
@@ -228,7 +229,11 @@ class PipelineExecutor:
         return losses, Flat(acc, local)
 
     def _forward(self, tree: PyTree, x: torch.Tensor, k: int, m: int, micro_batch: PyTree,
-                 layer_rng: Callable[[int, int], Optional[torch.Generator]], ops: Any) -> torch.Tensor:
+                 layer_rng: Callable[[int, int], Optional[torch.Generator]], ops: Any,
+                 mode: Optional[Callable[[], Any]] = None) -> torch.Tensor:
+        """Piece k's layers on micro-batch m (and the loss on the last piece), under `mode` (zero
+        bubble's deferring torch-function mode, entered inside each checkpointed group so that
+        its recompute in B defers the same weight gradients)."""
         seq = self.layers.layers
         lo, hi = self.plan.bounds[k], self.plan.bounds[k + 1]
         group = self.interval or hi - lo
@@ -236,19 +241,23 @@ class PipelineExecutor:
             members = range(start, min(start + group, hi))
             generators = [_own(layer_rng(m, i)) for i in members]
             if self.interval and torch.is_grad_enabled() and any(seq[i].uses for i in members):
-                x = checkpointed(self.remat, self._run_layers, tree, x, *generators, members=members, ops=ops,
+                x = checkpointed(self.remat, self._run_layers, tree, x, *generators, members=members, ops=ops, mode=mode,
                                  label=f"{seq[members[0]].name}..{seq[members[-1]].name}")
             else:
-                x = self._run_layers(tree, x, *generators, members=members, ops=ops)
+                x = self._run_layers(tree, x, *generators, members=members, ops=ops, mode=mode)
         if k == self.pieces - 1:
-            loss = self.layers.loss(x, micro_batch, ops=ops)
+            with mode() if mode is not None else contextlib.nullcontext():
+                loss = self.layers.loss(x, micro_batch, ops=ops)
             if loss.dim() != 0:
                 raise ValueError(f"the layer sequence's loss must be a scalar, got shape {list(loss.shape)}")
             return loss
         return x
 
     def _run_layers(self, tree: PyTree, x: torch.Tensor, *generators: Optional[torch.Generator],
-                    members: range, ops: Any) -> torch.Tensor:
+                    members: range, ops: Any, mode: Optional[Callable[[], Any]] = None) -> torch.Tensor:
+        if mode is not None:
+            with mode():
+                return self._run_layers(tree, x, *generators, members=members, ops=ops)
         seq = self.layers.layers
         for i, rng in zip(members, generators):
             x = seq[i].fn(tree, x, rng=rng, ops=ops)
