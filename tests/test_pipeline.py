@@ -57,6 +57,34 @@ def sgd():
 
 BUILDERS = {2: gpt2_layers, 3: gpt3_layers, 4: gpt4_layers, 6: gpt6_layers}
 
+
+class _EmbedWithMask(torch.nn.Module):
+    """ids -> (hidden, mask): a tuple crosses the stage boundaries (a bool mask, no gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+
+    def forward(self, ids):
+        return self.emb(ids), ids % 3 != 0
+
+
+class _MaskedBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, inputs):  # one argument, the tuple (DeepSpeed's PipelineModule convention)
+        h, mask = inputs
+        return h + torch.tanh(self.lin(h)) * mask.unsqueeze(-1), mask
+
+
+def tuple_layers(seed: int = 0):
+    torch.manual_seed(seed)
+    return fs.models.sequential([_EmbedWithMask(), *[_MaskedBlock() for _ in range(4)],
+                                 lambda inputs: inputs[0], torch.nn.Linear(16, VOCAB)],
+                                loss_fn=lambda logits, b: F.cross_entropy(logits.flatten(0, 1), b["targets"].flatten()))
+
 # -- partitions and the plan (one process) --------------------------------------------------------
 
 
@@ -206,6 +234,15 @@ def test_a_hugging_face_gpt2_as_layers_trains_like_one_process(world4):
     assert_trains_like_one_process(hf_gpt2_layers, plan,
                                    make_batch=lm_dict_batch, world_size=4, pipe=2, world=world4, steps=2,
                                    rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_a_tuple_of_tensors_crosses_the_stages(world4, schedule):
+    """(hidden, bool mask) between every layer: one message per tensor, gradients for the floating
+    one; on 4 stages, and with a checkpointed group under zero bubble."""
+    plan = fs.zero(1) | fs.pipeline(4, schedule, activation_checkpoint_interval=2 if schedule == "zero_bubble" else 0)
+    assert_trains_like_one_process(tuple_layers, plan, make_batch=batch, world_size=4, pipe=4, world=world4,
+                                   steps=2, optimizer=sgd)
 
 
 def test_untied_gpt_with_checkpointed_layer_groups_trains_like_one_process(world4):

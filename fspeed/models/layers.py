@@ -5,7 +5,9 @@
 
 A `Layer` is a pure function `fn(params, x, *, rng, ops) -> y` of the model's parameter tree (of which
 it reads only the subtrees under its `uses` paths), its input activation and the step's generator.
-A layer's output is one tensor: what crosses a stage boundary. Two layers that use the same path share
+A layer's output is a tensor or a tuple of tensors (a hidden state and a mask, say): what crosses a
+stage boundary, one message per tensor; the floating ones carry gradients back. A layer that gets a
+tuple gets it as one argument, as in DeepSpeed's `PipelineModule`. Two layers that use the same path share
 that parameter (a tied embedding and output head, DeepSpeed's `TiedLayerSpec`): each stage that holds
 one of them keeps a copy, and the pipeline sums their gradients so the copies stay equal.
 
@@ -134,7 +136,10 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
             for part in prefix.split("."):
                 tree = tree[part]
             named = _flat_named(tree)
-            x = x.to(next(iter(named.values())).dtype) if x.is_floating_point() and named else x
+            if named:  # the floating input (or floating parts of a tuple) in the layer's dtype
+                dtype = next(iter(named.values())).dtype
+                cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+                x = tuple(cast(t) for t in x) if isinstance(x, tuple) else cast(x)
             with _seeded(rng):
                 return torch.func.functional_call(caller, {f"inner.{k}": v for k, v in named.items()}, (x,),
                                                   strict=False, tie_weights=False)

@@ -41,7 +41,8 @@ from .layout import Layout
 from .mesh import AXES
 from .schedules import Action, Schedule, build_schedule
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool,
+           torch.uint8)
 _META = 10  # dtype, ndim, up to 8 dims
 
 
@@ -173,8 +174,10 @@ class PipelineExecutor:
             if action.kind == "F":
                 x = self.layers.inputs(micro_batches[m]) if k == 0 else \
                     self._receive("act", m, k, signature, mailbox, None)
-                if k > 0 and x.is_floating_point():
-                    x.requires_grad_(True)
+                if k > 0:
+                    for t in _parts(x):
+                        if t.is_floating_point():
+                            t.requires_grad_(True)
                 self._post_next(actions, i, signature)
                 start = time.perf_counter()
                 store: list = []
@@ -189,22 +192,29 @@ class PipelineExecutor:
                     losses.append(y.detach().float())
                     y = y.float() * multiplier
                 else:
-                    sends += self._send("act", m, k + 1, y.detach(), signature, mailbox)
+                    sends += self._send("act", m, k + 1, y, signature, mailbox)
                 saved[(m, c)] = (x, y)
                 deferred[(m, c)] = store
                 self.peak_in_flight = max(self.peak_in_flight, len(saved))
             elif action.kind == "B":
                 x, y = saved.pop((m, c))
-                grad_y = None if k == self.pieces - 1 else \
-                    self._receive("grad", m, k, signature, mailbox, (tuple(y.shape), y.dtype))
+                if k == self.pieces - 1:
+                    outputs, grad_y = [y], None
+                else:  # the gradients of y's floating parts, for those that need one
+                    floats = [t for t in _parts(y) if t.is_floating_point()]
+                    grads_in = self._receive("grad", m, k, signature, mailbox, _form(floats))
+                    pairs = [(t, g) for t, g in zip(floats, grads_in) if t.requires_grad]
+                    outputs, grad_y = [t for t, _ in pairs], [g for _, g in pairs]
                 self._post_next(actions, i, signature)
                 start = time.perf_counter()
-                wants_x = k > 0 and x.requires_grad
-                inputs = ([x] if wants_x else []) + chunk_leaves[c]
-                grads = torch.autograd.grad(y, inputs, grad_y, allow_unused=True)
-                if wants_x:
-                    sends += self._send("grad", m, k - 1, grads[0], signature, mailbox)
-                    grads = grads[1:]
+                xs = [t for t in _parts(x) if t.is_floating_point() and t.requires_grad] if k > 0 else []
+                inputs = xs + chunk_leaves[c]
+                grads = torch.autograd.grad(outputs, inputs, grad_y, allow_unused=True) if outputs else \
+                    (None,) * len(inputs)
+                if k > 0:  # a gradient for each floating part of x (zeros where x did not reach y)
+                    gx = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, xs)]
+                    sends += self._send("grad", m, k - 1, gx, signature, mailbox)
+                    grads = grads[len(xs):]
                 with torch.no_grad():
                     for leaf, g in zip(chunk_leaves[c], grads):
                         if g is not None:
@@ -261,9 +271,10 @@ class PipelineExecutor:
         seq = self.layers.layers
         for i, rng in zip(members, generators):
             x = seq[i].fn(tree, x, rng=rng, ops=ops)
-            if not isinstance(x, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) or
+                    isinstance(x, tuple) and x and all(isinstance(t, torch.Tensor) for t in x)):
                 raise TypeError(f"pipeline layer {seq[i].name!r} returned {type(x).__name__}; a layer's output must "
-                                "be one tensor (what crosses a stage boundary)")
+                                "be a tensor or a tuple of tensors (what crosses a stage boundary)")
         return x
 
     def _leaves_of_chunk(self, leaves: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
@@ -275,20 +286,21 @@ class PipelineExecutor:
 
     # -- transfers between pieces ----------------------------------------------------------------
 
-    def _send(self, kind: str, m: int, to_piece: int, t: torch.Tensor, signature, mailbox) -> list[Pending]:
-        """Send `t` (an activation entering piece `to_piece`, or a gradient leaving it backwards)."""
+    def _send(self, kind: str, m: int, to_piece: int, value: Any, signature, mailbox) -> list[Pending]:
+        """Send `value` (an activation entering piece `to_piece`: a tensor or a tuple of them; or the
+        list of gradients of its floating parts, leaving it backwards), one message per tensor."""
         peer = to_piece % self.stages
-        t = t.detach().contiguous()
+        parts = [t.detach().contiguous() for t in _parts(value)]
         if peer == self.stage:
-            mailbox[(kind, m, to_piece)] = t
+            mailbox[(kind, m, to_piece)] = parts if kind == "grad" else _like(value, parts)
             return []
         out = []
         key = (signature, to_piece)
         if kind == "act" and key not in self.shapes:
-            self.shapes[key] = (tuple(t.shape), t.dtype)
-            out.append(self.comm.start_send(_encode(t), peer))
-        out.append(self.comm.start_send(t, peer))
-        return out
+            self.shapes[key] = (isinstance(value, tuple), _form(parts))
+            out.append(self.comm.start_send(torch.tensor([int(isinstance(value, tuple)), len(parts)]), peer))
+            out.append(self.comm.start_send(torch.cat([_encode(t) for t in parts]), peer))
+        return out + [self.comm.start_send(t, peer) for t in parts]
 
     def _post_next(self, actions: Sequence[Action], i: int, signature) -> None:
         """Post the receive the action after `i` will need, when it comes from another stage and its
@@ -299,20 +311,23 @@ class PipelineExecutor:
         action = actions[i + 1]
         k = self.plan.piece(self.stage, action.chunk)
         if action.kind == "F" and k > 0:
-            kind, source, shape_dtype = "act", k - 1, self.shapes.get((signature, k))
+            kind, source, known = "act", k - 1, self.shapes.get((signature, k))
         elif action.kind == "B" and k < self.pieces - 1:
-            kind, source, shape_dtype = "grad", k + 1, self.shapes.get((signature, k + 1))
+            kind, source, known = "grad", k + 1, self.shapes.get((signature, k + 1))
         else:
             return
         peer = source % self.stages
-        if peer == self.stage or shape_dtype is None:
+        if peer == self.stage or known is None:
             return  # a transfer within this stage (the mailbox), or the first of a new batch shape
-        shape, dtype = shape_dtype
-        out = torch.empty(shape, dtype=dtype, device=self.device)
-        self.posted[(kind, action.micro, k)] = (self.comm.start_recv(out, peer), out)
+        is_tuple, form = known
+        if kind == "grad":
+            form = tuple((shape, dtype) for shape, dtype in form if dtype.is_floating_point)
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in form]
+        self.posted[(kind, action.micro, k)] = (is_tuple, [(self.comm.start_recv(b, peer), b) for b in buffers])
 
-    def _receive(self, kind: str, m: int, piece: int, signature, mailbox, shape_dtype) -> torch.Tensor:
-        """The activation entering `piece` (kind "act"), or the gradient of its output ("grad")."""
+    def _receive(self, kind: str, m: int, piece: int, signature, mailbox, form) -> Any:
+        """The activation entering `piece` (kind "act": a tensor or a tuple, as sent), or the gradients
+        of its output's floating parts ("grad": a list; `form`, their shapes and dtypes)."""
         source = piece + 1 if kind == "grad" else piece - 1
         if (kind, m, piece) in mailbox:
             return mailbox.pop((kind, m, piece))
@@ -321,15 +336,23 @@ class PipelineExecutor:
                 f"{'for' if kind == 'act' else 'from'} pipeline piece {piece if kind == 'act' else source} "
                 f"from pipe stage {peer}")
         if (kind, m, piece) in self.posted:
-            return self.comm.finish_recv(*self.posted.pop((kind, m, piece)), what)
-        if kind == "act":
-            key = (signature, piece)
-            if key not in self.shapes:
-                meta = self.comm.recv_(torch.empty(_META, dtype=torch.int64), peer, what + " (its shape)")
-                self.shapes[key] = _decode(meta)
-            shape_dtype = self.shapes[key]
-        shape, dtype = shape_dtype
-        return self.comm.recv_(torch.empty(shape, dtype=dtype, device=self.device), peer, what)
+            is_tuple, posted = self.posted.pop((kind, m, piece))
+            parts = [self.comm.finish_recv(pending, buffer, what) for pending, buffer in posted]
+        else:
+            is_tuple = False
+            if kind == "act":
+                key = (signature, piece)
+                if key not in self.shapes:
+                    header = self.comm.recv_(torch.empty(2, dtype=torch.int64), peer, what + " (its form)")
+                    metas = self.comm.recv_(torch.empty(int(header[1]) * _META, dtype=torch.int64), peer,
+                                            what + " (its shapes)")
+                    self.shapes[key] = (bool(header[0]), tuple(_decode(meta) for meta in metas.split(_META)))
+                is_tuple, form = self.shapes[key]
+            parts = [self.comm.recv_(torch.empty(shape, dtype=dtype, device=self.device), peer, what)
+                     for shape, dtype in form]
+        if kind == "grad":
+            return parts
+        return tuple(parts) if is_tuple else parts[0]
 
     def _sum_tied(self, acc: torch.Tensor, views: list[torch.Tensor]) -> None:
         """Sum the gradients of parameters held by several stages over those stages."""
@@ -380,9 +403,22 @@ def _own(rng: Optional[torch.Generator]) -> Optional[torch.Generator]:
     return own
 
 
+def _parts(value: Any) -> list[torch.Tensor]:
+    """The tensors of a stage boundary's value (a tensor, or a tuple or list of them)."""
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def _like(value: Any, parts: list[torch.Tensor]) -> Any:
+    return tuple(parts) if isinstance(value, tuple) else parts[0]
+
+
+def _form(parts: Sequence[torch.Tensor]) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    return tuple((tuple(t.shape), t.dtype) for t in parts)
+
+
 def _encode(t: torch.Tensor) -> torch.Tensor:
     if t.dim() > _META - 2 or t.dtype not in _DTYPES:
-        raise ValueError(f"a pipeline activation must have at most {_META - 2} dims and a dtype of {_DTYPES}; "
+        raise ValueError(f"a pipeline activation's tensors must have at most {_META - 2} dims and a dtype of {_DTYPES}; "
                          f"got shape {list(t.shape)}, {t.dtype}")
     meta = torch.zeros(_META, dtype=torch.int64)
     meta[0], meta[1] = _DTYPES.index(t.dtype), t.dim()
