@@ -236,13 +236,27 @@ def test_a_hugging_face_gpt2_as_layers_trains_like_one_process(world4):
                                    rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def _tuple_eval_loss(pipe: int) -> float:
+    model = tuple_layers()
+    mesh, plan = fs.Mesh(data=4 // pipe, pipe=pipe), fs.pipeline(4, "interleaved_1f1b", "uniform", 2)
+    state = fs.init_train_state(model.init(), fs.optim.sgd(0.1), plan=plan, mesh=mesh, model=model)
+    return fs.make_eval_step(model, plan=plan, mesh=mesh)(state, batch(2, 9))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "interleaved_1f1b"])
 def test_a_tuple_of_tensors_crosses_the_stages(world4, schedule):
     """(hidden, bool mask) between every layer: one message per tensor, gradients for the floating
-    one; on 4 stages, and with a checkpointed group under zero bubble."""
-    plan = fs.zero(1) | fs.pipeline(4, schedule, activation_checkpoint_interval=2 if schedule == "zero_bubble" else 0)
-    assert_trains_like_one_process(tuple_layers, plan, make_batch=batch, world_size=4, pipe=4, world=world4,
+    one; on 4 stages, with a checkpointed group under zero bubble, on 2 stages x 2 chunks; and
+    evaluation through the stages."""
+    pipe, virtual = (2, 2) if schedule == "interleaved_1f1b" else (4, 1)
+    plan = fs.zero(1) | fs.pipeline(4, schedule, "uniform", virtual,
+                                    activation_checkpoint_interval=2 if schedule == "zero_bubble" else 0)
+    assert_trains_like_one_process(tuple_layers, plan, make_batch=batch, world_size=4, pipe=pipe, world=world4,
                                    steps=2, optimizer=sgd)
+    if schedule == "interleaved_1f1b":
+        model = tuple_layers()
+        want = fs.make_eval_step(model.loss)(fs.init_train_state(model.init(), fs.optim.sgd(0.1)), batch(2, 9))
+        assert world4.run(_tuple_eval_loss, 2) == [pytest.approx(want, rel=1e-6)] * 4
 
 
 def test_untied_gpt_with_checkpointed_layer_groups_trains_like_one_process(world4):
