@@ -217,16 +217,17 @@ def checkpointed(remat: Remat, fn: Callable, *args: Any, model_comm: Any = None,
                  **kwargs: Any) -> Any:
     """`fn(*args, **kwargs)` keeping only what `remat.policy` saves (module docstring). Every
     tensor `fn` computes with must come in through its arguments: a recompute in backward sees
-    nothing else of the forward's context. The floating tensors among `args[1:]` are the block's
-    inputs (`args[0]` is its parameters): kept as they are, on the host (`offload`), or 1/t of them
-    on each rank of `model_comm` (`partition`), gathered again for the recompute."""
+    nothing else of the forward's context. The floating tensors among `args[1:]` (and in tuples
+    there: a pipeline stage's (hidden, mask)) are the block's inputs (`args[0]` is its parameters):
+    kept as they are, on the host (`offload`), or 1/t of them on each rank of `model_comm`
+    (`partition`), gathered again for the recompute."""
     states = {i: a.get_state() for i, a in enumerate(args) if isinstance(a, torch.Generator)}
-    held = [_HeldInput(a) if i and isinstance(a, torch.Tensor) and a.is_floating_point() else None
-            for i, a in enumerate(args)]
+    held = [_hold(a) if i else None for i, a in enumerate(args)]
+    inputs = [(h, a) for hs, args_ in zip(held, args) for h, a in zip(_flat(hs), _flat(args_)) if h is not None]
     runs = [0]
     profile = remat.profile
     clock: dict[str, float] = {}
-    device = next((h.device for h in held if h is not None), None)
+    device = next((h.device for h, _ in inputs), None)
     sync = _synchronizer(device) if remat.synchronize and device is not None else None
 
     def replayed(*a, **kw):
@@ -234,7 +235,7 @@ def checkpointed(remat: Remat, fn: Callable, *args: Any, model_comm: Any = None,
         runs[0] += 1
         if sync is not None:
             sync()
-        a = [h.value() if h is not None else x for h, x in zip(held, a)]
+        a = [_value(h, x) for h, x in zip(held, a)]
         if recompute and states:  # fresh generators in the state of the first run
             for i, state in states.items():
                 g = torch.Generator(device=a[i].device)
@@ -265,11 +266,9 @@ def checkpointed(remat: Remat, fn: Callable, *args: Any, model_comm: Any = None,
 
     context_fn = remat.policy.context_fn()
     extra = {"context_fn": context_fn} if context_fn is not None else {}
-    passed = [h if h is not None else a for h, a in zip(held, args)]
+    passed = [_passed(h, a) for h, a in zip(held, args)]
     out = checkpoint(replayed, *passed, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
-    for h, a in zip(held, args):
-        if h is None:
-            continue
+    for h, a in inputs:
         if (profile is not None or sync is not None) and a.requires_grad:
             a.register_hook(backward_done)  # the block's backward ends when its input's gradient is done
         if remat.partition:
@@ -279,6 +278,34 @@ def checkpointed(remat: Remat, fn: Callable, *args: Any, model_comm: Any = None,
         elif remat.contiguous is not None:
             h.into(remat.contiguous)
     return out
+
+
+def _hold(a: Any) -> Any:
+    """A block argument's held form: a `_HeldInput` for a floating tensor, a tuple of them (None for
+    the other items) for a tuple of tensors, else None (passed as it is)."""
+    def one(t: Any) -> Optional[_HeldInput]:
+        return _HeldInput(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else None
+    if isinstance(a, tuple):
+        held = tuple(one(t) for t in a)
+        return held if any(h is not None for h in held) else None
+    return one(a)
+
+
+def _flat(x: Any) -> list:
+    return list(x) if isinstance(x, tuple) else [x]
+
+
+def _passed(h: Any, a: Any) -> Any:
+    if isinstance(h, tuple):
+        return tuple(_passed(hi, ai) for hi, ai in zip(h, a))
+    return a if h is None else h
+
+
+def _value(h: Any, a: Any) -> Any:
+    """What the block's function gets for an argument (`a` as checkpoint hands it back)."""
+    if isinstance(h, tuple):
+        return tuple(_value(hi, ai) for hi, ai in zip(h, a))
+    return a if h is None else h.value()
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:

@@ -246,10 +246,12 @@ def _tuple_eval_loss(pipe: int) -> float:
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "interleaved_1f1b"])
 def test_a_tuple_of_tensors_crosses_the_stages(world4, schedule):
     """(hidden, bool mask) between every layer: one message per tensor, gradients for the floating
-    one; on 4 stages, with a checkpointed group under zero bubble, on 2 stages x 2 chunks; and
-    evaluation through the stages."""
+    one; on 4 stages, with checkpointed groups (their tuple input kept on the host) under zero
+    bubble, on 2 stages x 2 chunks; and evaluation through the stages."""
+    from fspeed.activation_checkpointing import Remat
     pipe, virtual = (2, 2) if schedule == "interleaved_1f1b" else (4, 1)
-    plan = fs.zero(1) | fs.pipeline(4, schedule, "uniform", virtual,
+    remat = Remat("full", offload=True) if schedule == "zero_bubble" else None  # the tuple's hidden on the host
+    plan = fs.zero(1) | fs.pipeline(4, schedule, "uniform", virtual, remat=remat,
                                     activation_checkpoint_interval=2 if schedule == "zero_bubble" else 0)
     assert_trains_like_one_process(tuple_layers, plan, make_batch=batch, world_size=4, pipe=pipe, world=world4,
                                    steps=2, optimizer=sgd)
