@@ -124,13 +124,13 @@ class PipelineExecutor:
         self.grad_dtype = grad_dtype
         self.mesh = mesh
         self.ops = self._wrapped(DenseOps())
-        self.shapes: dict = {}  # (batch signature, piece) -> (shape, dtype) of the activation entering the piece
+        self.shapes: dict = {}  # (batch signature, piece) -> (a tuple?, ((shape, dtype), ...)) of what enters it
         self.interval = pipe.activation_checkpoint_interval
         self.remat = pipe.remat if pipe.remat is not None else Remat()
         self.tie_groups: Optional[list] = None  # created by the first step (every rank), not by evaluation
         self.peak_in_flight = 0  # the most micro-batches whose forward graph this stage held at once
         self.deferred_linears = 0  # weight gradients the weight passes computed (zero bubble), all steps
-        self.posted: dict = {}  # receives posted ahead: (kind, micro, piece) -> (Pending, buffer)
+        self.posted: dict = {}  # receives posted ahead: (kind, micro, piece) -> (a tuple?, [(Pending, buffer)])
         self.timeline: Optional[list] = None  # a list: each step appends (action, start, end) of its compute,
         # receives excluded (time.perf_counter, one clock for all processes of a machine; benchmarks/pipeline.py)
 
@@ -164,7 +164,7 @@ class PipelineExecutor:
                    for k in range(self.pieces)]
         saved: dict[tuple[int, int], tuple] = {}
         deferred: dict[tuple[int, int], list] = {}
-        mailbox: dict[tuple[str, int, int], torch.Tensor] = {}  # transfers within this stage
+        mailbox: dict[tuple[str, int, int], Any] = {}  # transfers within this stage
         sends: list[Pending] = []
         losses: list[torch.Tensor] = []
         actions = self.schedule.actions[self.stage]
