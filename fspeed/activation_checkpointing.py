@@ -241,19 +241,15 @@ def checkpointed(remat: Remat, fn: Callable, *args: Any, model_comm: Any = None,
                 g = torch.Generator(device=a[i].device)
                 g.set_state(state)
                 a[i] = g
-        if profile is None:
-            out = fn(*a, **kw)
-            if sync is not None and not recompute:
-                sync()
-            return out
-        start = synced_clock()
+        start = synced_clock() if profile is not None else 0.0
         try:
             return fn(*a, **kw)
         finally:  # a recompute ends early (by an exception) once it has what backward needs
-            profile.add("recompute" if recompute else "forward", label, synced_clock() - start)
-            if recompute:
-                clock["recomputed"] = synced_clock()
-            elif sync is not None:
+            if profile is not None:
+                profile.add("recompute" if recompute else "forward", label, synced_clock() - start)
+                if recompute:
+                    clock["recomputed"] = synced_clock()
+            if sync is not None and not recompute:  # the forward's end; the backward's is backward_done
                 sync()
 
     def backward_done(grad: torch.Tensor) -> torch.Tensor:

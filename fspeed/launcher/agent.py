@@ -62,15 +62,16 @@ def main(argv: Optional[list[str]] = None) -> None:
 def _stop_failed_groups_within_the_shutdown_timeout() -> None:
     """A worker process context closed with no timeout (torchrun's own close when a worker fails)
     gives its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds, when set, instead of a fixed 30."""
-    seconds = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
-    if not seconds:
+    raw = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    if not raw:
         return
+    seconds = int(raw)  # as torchrun reads it (a bad value fails there, at start, too)
     from torch.distributed.elastic.multiprocessing.api import PContext
 
     close = PContext.close
 
     def close_within_the_shutdown_timeout(self, death_sig=None, timeout=None):
-        return close(self, death_sig, int(seconds) if timeout is None else timeout)
+        return close(self, death_sig, seconds if timeout is None else timeout)
     PContext.close = close_within_the_shutdown_timeout
 
 

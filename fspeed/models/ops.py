@@ -21,13 +21,14 @@ import torch.nn.functional as F
 BlockFn = Callable[[Any, torch.Tensor, Optional[torch.Generator]], torch.Tensor]
 
 
-def flat_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`F.linear` for a weight `[*out, in]` and a bias `[*out]`."""
+def flat_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
+                linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
+    """`linear` (`F.linear`, or a variant with its signature) for a weight `[*out, in]` and a bias `[*out]`."""
     if w.dim() > 2:
         w = w.flatten(0, -2)
     if b is not None and b.dim() > 1:
         b = b.flatten()
-    return F.linear(x, w, b)
+    return linear(x, w, b)
 
 
 class DenseOps:

@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..activation_checkpointing import Remat, checkpointed
 from ..flat import Flat
-from ..models.ops import DenseOps
+from ..models.ops import DenseOps, flat_linear
 from ..pytree import PyTree, tree_flatten_with_paths, tree_unflatten
 from .comm import AxisComm, Pending
 from .layout import Layout
@@ -82,15 +82,11 @@ class _DeferringOps(DenseOps):
     split for layers whose linears all go through ops (`Layer.linear_via_ops`), with no per-op cost."""
 
     def __init__(self, weights: set[int], store: list):
-        self.weights, self.store = weights, store
+        self.deferred_linear = functools.partial(_deferred_or_plain_linear, weights=weights, store=store)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
                out_axis: Optional[str] = None, in_axis: Optional[str] = None) -> torch.Tensor:
-        if w.dim() > 2:
-            w = w.flatten(0, -2)
-        if b is not None and b.dim() > 1:
-            b = b.flatten()
-        return _deferred_or_plain_linear(x, w, b, self.weights, self.store)
+        return flat_linear(x, w, b, linear=self.deferred_linear)
 
 
 class _DeferWeightGrads(TorchFunctionMode):
@@ -124,6 +120,9 @@ class PipelineExecutor:
         self.grad_dtype = grad_dtype
         self.mesh = mesh
         self.ops = self._wrapped(DenseOps())
+        # per piece: whether every layer sends its linears through ops (zero bubble then defers them there)
+        self.linear_via_ops = [all(layer.linear_via_ops for layer in layers.layers[plan.bounds[k]:plan.bounds[k + 1]])
+                               for k in range(self.pieces)]
         self.shapes: dict = {}  # (batch signature, piece) -> (a tuple?, ((shape, dtype), ...)) of what enters it
         self.interval = pipe.activation_checkpoint_interval
         self.remat = pipe.remat if pipe.remat is not None else Remat()
@@ -160,8 +159,6 @@ class PipelineExecutor:
                           if isinstance(t, torch.Tensor))
         split = self.schedule.split_backward
         chunk_weights = [{id(t) for t in leaves_c} for leaves_c in chunk_leaves]
-        via_ops = [all(seq.linear_via_ops for seq in self.layers.layers[self.plan.bounds[k]:self.plan.bounds[k + 1]])
-                   for k in range(self.pieces)]
         saved: dict[tuple[int, int], tuple] = {}
         deferred: dict[tuple[int, int], list] = {}
         mailbox: dict[tuple[str, int, int], Any] = {}  # transfers within this stage
@@ -182,7 +179,7 @@ class PipelineExecutor:
                 start = time.perf_counter()
                 store: list = []
                 ops, mode = self.ops, None
-                if split and via_ops[k]:
+                if split and self.linear_via_ops[k]:
                     ops = self._wrapped(_DeferringOps(chunk_weights[c], store))
                 elif split:
                     mode = functools.partial(_DeferWeightGrads, chunk_weights[c], store)
