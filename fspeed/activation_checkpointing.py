@@ -33,7 +33,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .models.model import Model
-from .models.ops import DENSE, BlockFn
+from .models.ops import DENSE, BlockFn, BlockRngs, block_generators
 from .timers import synced_clock
 
 aten = torch.ops.aten
@@ -368,12 +368,11 @@ class RematOps:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor,
-             rng: Optional[torch.Generator] = None) -> torch.Tensor:
-        for i, block in enumerate(blocks):
+    def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor, rng: BlockRngs = None) -> torch.Tensor:
+        for i, (block, rng_i) in enumerate(zip(blocks, block_generators(rng, len(blocks)))):
             after = blocks[i + 1] if i + 1 < len(blocks) else None
             hint = getattr(getattr(after, "unit", None), "index", None)
-            x = self.inner.call(block, fn, x, rng, _hint=hint, _remat=self.remat if self.remat.chosen(i) else None,
+            x = self.inner.call(block, fn, x, rng_i, _hint=hint, _remat=self.remat if self.remat.chosen(i) else None,
                                 _label=f"blocks.{i}")
         return x
 

@@ -51,6 +51,7 @@ from .parallel.pipeline_runtime import PipelineExecutor
 from .parallel.runtime import ParallelRuntime, check_optimizer
 from .models.model import Model
 from .pytree import PyTree, tree_flatten_with_paths, tree_unflatten
+from .rng import dropout_seed, layer_seed
 from .timers import StepTimers
 from .train_state import TrainState
 
@@ -100,14 +101,6 @@ def stack_micro_batches(micro_batches: list[PyTree]) -> PyTree:
     leaves = [torch.cat(group) if isinstance(group[0], torch.Tensor) and group[0].dim() else group[0]
               for group in zip(*(f[1] for f in flat))]
     return tree_unflatten(flat[0][2], leaves)
-
-
-def dropout_seed(rng_seed: int, step: int, micro: int) -> int:
-    """A 63-bit seed for (run seed, step, micro-batch): splitmix64 mixing, stable across processes."""
-    x = (rng_seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + micro * 0x94D049BB133111EB) & (2**64 - 1)
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
-    return (x ^ (x >> 31)) >> 1
 
 
 def _split_leading_clip(optimizer: GradientTransformation) -> tuple[float | None, GradientTransformation]:
@@ -258,10 +251,10 @@ def make_train_step(
         executor = executors[(state.layout, state.precision)]
         runtime.settle_params()  # ZeRO-1/2's gather of the last update
         multiplier = state.loss_scale.scale / (grad_accum * runtime.n)
-        layers = len(model.layers.layers)
 
         def layer_rng(m: int, i: int) -> torch.Generator:
-            return step.generator.manual_seed(dropout_seed(state.rng_seed, state.step, m * layers + i))
+            return step.generator.manual_seed(layer_seed(dropout_seed(state.rng_seed, state.step,
+                                                                      runtime.rank * grad_accum + m), i))
         if timers is not None:
             timers.start("fwd")  # forward and backward interleave: the schedule's time is fwd_ms
         losses, grads = executor.step(state.params, micro_batches, multiplier, layer_rng)
@@ -281,7 +274,9 @@ def make_train_step(
             raise RuntimeError(f"this step already has its {grad_accum} micro-batches (grad_accum); finish it first")
         runtime = step.runtime
         multiplier = state.loss_scale.scale / (grad_accum * runtime.n)  # summed over data ranks = the mean
-        step.generator.manual_seed(dropout_seed(state.rng_seed, state.step, i))
+        # micro-batch i of data rank r is micro-batch r * grad_accum + i of the global batch: its dropout
+        # masks are the ones a run with fewer data ranks and more accumulation draws for the same rows
+        step.generator.manual_seed(dropout_seed(state.rng_seed, state.step, runtime.rank * grad_accum + i))
         runtime.begin_micro(i)
         loss = grad_and_loss(step.anchor, _params(state, runtime), micro_batch, step.generator, multiplier,
                              state.buffers, runtime)

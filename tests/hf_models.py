@@ -168,12 +168,12 @@ class _FirstOutput(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-def hf_gpt2_layers(seed: int = 0, layers: int = 3):
+def hf_gpt2_layers(seed: int = 0, layers: int = 3, dropout: float = 0.0):
     """A Hugging Face GPT-2 as a pipeline layer list (DeepSpeed's PipelineModule, fspeed's `sequential`):
     embeddings, blocks, final norm, and the head tied to the token embedding (TiedLayer)."""
     import fspeed as fs
 
-    gpt2 = hf_gpt2(seed, layers=layers).transformer
+    gpt2 = hf_gpt2(seed, dropout, layers=layers).transformer
     embed = _GPT2Embed(gpt2.wte, gpt2.wpe)
     return fs.models.sequential(
         [fs.models.TiedLayer("embed", embed), *[_FirstOutput(b) for b in gpt2.h], gpt2.ln_f,

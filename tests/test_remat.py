@@ -178,7 +178,7 @@ def remat_llama_host_inputs():
 
 
 def remat_gpt2():
-    module = hf_gpt2(layers=2)  # no dropout: a data rank's micro-batches draw other masks than one process's
+    module = hf_gpt2(dropout=0.1, layers=2)  # a data rank's micro-batch draws the masks one process draws for it
     module.activation_checkpointing_enable()  # Hugging Face's switch: fspeed's remat takes its place
     return fs.functionalize(module, lm_loss)
 

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 import fspeed as fs
 from fspeed.optim import adamw, chain, clip_by_global_norm, sgd
-from fspeed.train_step import dropout_seed, split_micro_batches
+from fspeed.rng import dropout_seed
+from fspeed.train_step import split_micro_batches
 
 
 def tiny_gpt(dropout=0.0, vocab=40, seq=12):

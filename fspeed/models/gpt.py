@@ -38,6 +38,7 @@ from .layer_drop import PLD_BATCH_KEY, LayerDrop, kept_blocks
 from .layers import Layer, LayerSequence
 from .model import LogicalAxes, Model
 from .ops import DENSE, DenseOps
+from ..rng import layer_generators
 
 ATTENTIONS = ("dense", "sparse")
 
@@ -155,34 +156,50 @@ def gpt(cfg: GPTConfig) -> Model:
             params["head"] = normal(V, D)
         return params
 
-    def apply(params: dict, inputs: torch.Tensor, *, rng: Optional[torch.Generator] = None,
-              ops: DenseOps = DENSE, layer_drop: Optional[LayerDrop] = None) -> torch.Tensor:
-        """Logits [B, S, vocab] for token ids `inputs` [B, S] (vocab-local under tensor slicing);
-        `layer_drop`: the step's progressive layer dropping (`layer_drop` module), in training only."""
+    def trunk(params: dict, inputs: torch.Tensor, rng: Optional[torch.Generator], ops: DenseOps,
+              layer_drop: Optional[LayerDrop]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last block's output and the head's weight."""
         B, S = inputs.shape
         if S > cfg.seq_len:
             raise ValueError(f"sequence length {S} exceeds the model's seq_len={cfg.seq_len}")
         wte = ops.param(params["wte"])
         x = ops.embedding(inputs, wte, vocab_axis="vocab") + ops.param(params["wpe"])[:S]
-        x = _dropout(x, cfg.dropout, rng)
+        # layer i of `gpt_layers` (embed, blocks, head) draws from generator i, as on a pipeline stage
+        rngs = layer_generators(rng if cfg.dropout else None, cfg.n_layer + 1)
+        x = _dropout(x, cfg.dropout, rngs[0])
         block = functools.partial(_block, n_head=cfg.n_head, dropout=cfg.dropout, ops=ops, attend=attend)
         scales = kept_blocks(layer_drop, cfg.n_layer, training=rng is not None)
         if all(scale == 1.0 for scale in scales):
-            x = ops.scan(block, params["blocks"], x, rng)
+            x = ops.scan(block, params["blocks"], x, rngs[1:])
         else:  # progressive layer dropping: dropped blocks are not run; kept ones rescale their branches
-            for p, scale in zip(params["blocks"], scales):
+            for p, scale, rng_i in zip(params["blocks"], scales, rngs[1:]):
                 if scale is not None:
-                    x = ops.scan(functools.partial(block, scale=scale), [p], x, rng)
+                    x = ops.scan(functools.partial(block, scale=scale), [p], x, rng_i)
+        return x, wte if cfg.tie_embeddings else ops.param(params["head"])
+
+    def apply(params: dict, inputs: torch.Tensor, *, rng: Optional[torch.Generator] = None,
+              ops: DenseOps = DENSE, layer_drop: Optional[LayerDrop] = None) -> torch.Tensor:
+        """Logits [B, S, vocab] for token ids `inputs` [B, S] (vocab-local under tensor slicing);
+        `layer_drop`: the step's progressive layer dropping (`layer_drop` module), in training only."""
+        x, head = trunk(params, inputs, rng, ops, layer_drop)
         x = _layer_norm(x, ops.param(params["ln_f"]))
-        head = wte if cfg.tie_embeddings else ops.param(params["head"])
         return ops.linear(x, head, out_axis="vocab", in_axis="embed")
 
     def loss(params: dict, batch: dict, *, rng: Optional[torch.Generator] = None,
              ops: DenseOps = DENSE) -> torch.Tensor:
         """Mean next-token cross-entropy, computed in fp32 whatever the compute dtype. A batch's
-        `layer_drop` (a `LayerDrop`: the step's progressive layer dropping) drops blocks."""
-        logits = apply(params, batch["inputs"], rng=rng, ops=ops, layer_drop=batch.get(PLD_BATCH_KEY))
-        return ops.cross_entropy(logits, batch["targets"], vocab_axis="vocab")
+        `layer_drop` (a `LayerDrop`: the step's progressive layer dropping) drops blocks.
+
+        ln_f, the head and the loss are one op (`ops.head_loss`) whose gradient is taken in forward,
+        so the logits are never kept for backward; in fp16 they are separate ops under the loss scale
+        (a gradient taken at scale 1 would underflow there)."""
+        x, head = trunk(params, batch["inputs"], rng, ops, batch.get(PLD_BATCH_KEY))
+        ln_f = ops.param(params["ln_f"])
+        if x.dtype == torch.float16:
+            logits = ops.linear(_layer_norm(x, ln_f), head, out_axis="vocab", in_axis="embed")
+            return ops.cross_entropy(logits, batch["targets"], vocab_axis="vocab")
+        return ops.head_loss(x, head, batch["targets"], norm=_layer_norm_of, norm_params=(ln_f["weight"], ln_f["bias"]),
+                             vocab_axis="vocab", in_axis="embed")
 
     return Model(init, apply, loss, gpt_logical_axes(cfg), name="gpt", layers=gpt_layers(cfg, attend))
 
@@ -190,7 +207,9 @@ def gpt(cfg: GPTConfig) -> Model:
 def gpt_layers(cfg: GPTConfig, attend=None) -> LayerSequence:
     """The GPT as layers for a pipeline: `embed` (wte, wpe), `blocks.0` .. `blocks.{n-1}`, `head` (ln_f and
     the tied wte, or `head`); the loss is the cross-entropy of the head's logits. The same ops in the
-    same order as `gpt(cfg).loss` (progressive layer dropping is not offered here)."""
+    same order as `gpt(cfg).loss`, except that the head and the loss are separate ops here (the last
+    stage keeps the logits for backward), one fused op there: equal to rounding. Progressive layer
+    dropping is not offered here."""
     attend = attend or _attend(cfg)
 
     def embed(params: dict, inputs: torch.Tensor, *, rng=None, ops: DenseOps = DENSE) -> torch.Tensor:
@@ -250,6 +269,10 @@ def gpt_logical_axes(cfg: GPTConfig) -> LogicalAxes:
 
 def _layer_norm(x: torch.Tensor, p: dict) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), p["weight"], p["bias"], eps=1e-5)
+
+
+def _layer_norm_of(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps=1e-5)
 
 
 def _block(p: dict, x: torch.Tensor, rng: Optional[torch.Generator], *, n_head: int, dropout: float,

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..pytree import PyTree
+from ..rng import layer_generators
 from .model import Model
 from .module import nested
 from .ops import DENSE
@@ -65,11 +66,13 @@ class LayerSequence:
     def run(self, params: PyTree, micro_batch: PyTree, *, rng: Optional[torch.Generator] = None,
             ops: Any = DENSE, layer_rng: Optional[Callable[[int], Optional[torch.Generator]]] = None) -> torch.Tensor:
         """The loss of one micro-batch through every layer in order (the one-process reference of a
-        pipeline). `layer_rng(i)`, when given, is the generator layer i draws from (the pipeline
-        seeds each layer on its own stage)."""
+        pipeline). Layer i draws from `layer_rng(i)` when given, else from generator i of
+        `layer_generators(rng, ...)` (what a pipeline stage seeds it with: the same masks)."""
         x = self.inputs(micro_batch)
-        for i, layer in enumerate(self.layers):
-            x = layer.fn(params, x, rng=layer_rng(i) if layer_rng is not None else rng, ops=ops)
+        rngs = [layer_rng(i) for i in range(len(self.layers))] if layer_rng is not None else \
+            layer_generators(rng, len(self.layers))
+        for layer, rng_i in zip(self.layers, rngs):
+            x = layer.fn(params, x, rng=rng_i, ops=ops)
         return self.loss(x, micro_batch, ops=ops)
 
 
@@ -91,8 +94,8 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
     parameters once, under `"tied.<key>."`), or a parameter-free callable `x -> y` (a reshape).
 
     `loss_fn(y, micro_batch)` gives the loss of the last layer's output; `inputs(micro_batch)` what the
-    first layer gets. Dropout in the modules draws from the step's generator (reseeded per layer, so a
-    stage draws the same masks wherever the layer runs). Modules with persistent buffers (BatchNorm
+    first layer gets. Dropout in the modules draws from a generator per layer (`fspeed.rng`), so a
+    layer draws the same masks wherever it runs. Modules with persistent buffers (BatchNorm
     statistics) are refused: carry them as parameters or use `functionalize` without a pipeline.
     """
     entries: list[tuple[str, str, Optional[nn.Module], Callable]] = []  # (layer name, prefix, module, call)
@@ -162,8 +165,8 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
         return seq.run(params, batch, rng=rng)
 
     def apply(params: PyTree, x: Any, *, rng: Optional[torch.Generator] = None):
-        for layer_ in layers:
-            x = layer_.fn(params, x, rng=rng)
+        for layer_, rng_i in zip(layers, layer_generators(rng, len(layers))):
+            x = layer_.fn(params, x, rng=rng_i)
         return x
 
     units = {f"{prefix}.{n}": prefix for prefix, m in seen.items() for n, _ in m.named_parameters()}

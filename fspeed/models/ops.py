@@ -19,6 +19,17 @@ import torch
 import torch.nn.functional as F
 
 BlockFn = Callable[[Any, torch.Tensor, Optional[torch.Generator]], torch.Tensor]
+BlockRngs = Optional[torch.Generator | Sequence[Optional[torch.Generator]]]  # one for all blocks, or one each
+
+
+def block_generators(rng: BlockRngs, count: int) -> list[Optional[torch.Generator]]:
+    """The generator each of `count` blocks draws from: `rng` for all, or `rng[i]` for block i."""
+    if rng is None or isinstance(rng, torch.Generator):
+        return [rng] * count
+    rngs = list(rng)
+    if len(rngs) != count:
+        raise ValueError(f"scan got {len(rngs)} generators for {count} blocks; pass one, or one per block")
+    return rngs
 
 
 def flat_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
@@ -61,6 +72,15 @@ class DenseOps:
         """Mean cross-entropy over all positions, computed in fp32."""
         return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
+    def head_loss(self, x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, *,
+                  norm: Callable[..., torch.Tensor] = lambda x: x, norm_params: Sequence[torch.Tensor] = (),
+                  vocab_axis: Optional[str] = None, in_axis: Optional[str] = None) -> torch.Tensor:
+        """`cross_entropy(linear(norm(x, *norm_params), w), targets)` as one op whose gradient is taken
+        in forward, chunk by chunk: the logits are never kept for backward (`fspeed.models.head_loss`)."""
+        from .head_loss import head_loss  # noqa: PLC0415
+
+        return head_loss(x, w, targets, norm=norm, norm_params=norm_params)
+
     def call(self, p: Any, fn: Callable[..., Any], *args: Any, _remat: Any = None, _hint: Optional[int] = None,
              _label: str = "block", **kwargs: Any) -> Any:
         """`fn(params, *args, **kwargs)` with one unit's parameters (the unit of ZeRO-3 gathering,
@@ -72,11 +92,11 @@ class DenseOps:
             return checkpointed(_remat, fn, self.param(p), *args, label=_label, **kwargs)
         return fn(self.param(p), *args, **kwargs)
 
-    def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor,
-             rng: Optional[torch.Generator] = None) -> torch.Tensor:
-        """x = fn(blocks[i], x, rng) for each block in order (the unit of ZeRO-3 gathering)."""
-        for block in blocks:
-            x = fn(block, x, rng)
+    def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor, rng: BlockRngs = None) -> torch.Tensor:
+        """x = fn(blocks[i], x, rng_i) for each block in order (the unit of ZeRO-3 gathering); rng_i is
+        `rng`, or `rng[i]` when `rng` is a sequence (`block_generators`)."""
+        for block, rng_i in zip(blocks, block_generators(rng, len(blocks))):
+            x = fn(block, x, rng_i)
         return x
 
 

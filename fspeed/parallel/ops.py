@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..models.ops import BlockFn, DenseOps
+from ..models.ops import BlockFn, BlockRngs, DenseOps, block_generators
 from ..pytree import PyTree, tree_flatten, tree_unflatten
 from ..activation_checkpointing import Remat, checkpointed
 from ..torch_internals import below_functorch, unwrapped
@@ -335,12 +335,11 @@ class UnitOps(DenseOps):
         outputs = _GatheredUnit.apply(self.anchor, p.shard, call, len(inputs), *inputs, *p.resident)
         return call.result(outputs)
 
-    def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor,
-             rng: Optional[torch.Generator] = None) -> torch.Tensor:
-        for i, block in enumerate(blocks):
+    def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor, rng: BlockRngs = None) -> torch.Tensor:
+        for i, (block, rng_i) in enumerate(zip(blocks, block_generators(rng, len(blocks)))):
             after = blocks[i + 1] if i + 1 < len(blocks) else None
             hint = after.unit.index if isinstance(after, UnitParams) else None
-            x = self.call(block, fn, x, rng, _hint=hint)
+            x = self.call(block, fn, x, rng_i, _hint=hint)
         return x
 
 

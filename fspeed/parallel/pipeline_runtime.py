@@ -16,8 +16,8 @@ order) cannot deadlock. The first transfer over each edge in a step of a new bat
 activation's shape and dtype; later ones reuse it. Parameters used on several stages (a tied
 embedding) get their gradients summed over those stages; then the stage's gradient goes, as one
 micro-batch, through the ZeRO stage's gradient sink (reduction over `data`). Each layer draws its
-dropout from its own generator, seeded by (run seed, step, micro-batch, layer): the masks do not
-depend on where the layer runs.
+dropout from its own generator, seeded by (run seed, step, micro-batch, layer) (`fspeed.rng`): the
+masks do not depend on where the layer runs, and are a one-process run's.
 """
 
 from __future__ import annotations

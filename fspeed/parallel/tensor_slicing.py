@@ -16,11 +16,12 @@ full logits never exist on one rank. Everything else passes to the inner ops.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from ..models.head_loss import head_loss
 from .comm import AxisComm, all_reduce_max, copy_to_group, gather_from_group, reduce_in_group
 from .plan import COMPUTE, ParamEntry, Placement, Plan
 from .specs import AxisEntry, Rules, _rule_items, local_shape, logical_to_spec
@@ -108,6 +109,17 @@ class TensorSlicedOps:
         """`x` whole along its last dim when that dim is the sliced logical `axis` (a
         column-parallel output made whole, e.g. the logits a Hugging Face head computes its loss from)."""
         return gather_from_group(x, self.model) if axis in self.tensor_axes else x
+
+    def head_loss(self, x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, *,
+                  norm: Callable[..., torch.Tensor] = lambda x: x, norm_params: Sequence[torch.Tensor] = (),
+                  vocab_axis: Optional[str] = None, in_axis: Optional[str] = None) -> torch.Tensor:
+        """The fused head and loss; a vocab-sliced `w` reduces its softmax terms over `model`."""
+        if in_axis in self.tensor_axes:  # a row-parallel head: the separate ops
+            logits = self.linear(norm(x, *norm_params), w, out_axis=vocab_axis, in_axis=in_axis)
+            return self.cross_entropy(logits, targets, vocab_axis=vocab_axis)
+        if vocab_axis not in self.tensor_axes:
+            return self.inner.head_loss(x, w, targets, norm=norm, norm_params=norm_params)
+        return head_loss(x, w, targets, norm=norm, norm_params=norm_params, comm=self.model)
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, *,
                       vocab_axis: Optional[str] = None) -> torch.Tensor:

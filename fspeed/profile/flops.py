@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..models.model import Model
-from ..models.ops import DenseOps
+from ..models.ops import DenseOps, block_generators
 from ..pytree import PyTree, tree_flatten_with_paths
 from ..torch_internals import flop_counter_with_scopes
 from ..train_step import _accepts_keyword as accepts_keyword
@@ -135,14 +135,18 @@ class _ScopedOps(DenseOps):
         with self.scopes.scope(self.names.get(id(w))):
             return super().embedding(ids, w, **kwargs)
 
+    def head_loss(self, x, w, targets, **kwargs):
+        with self.scopes.scope(self.names.get(id(w))):
+            return super().head_loss(x, w, targets, **kwargs)
+
     def call(self, p, fn, *args, **kwargs):
         with self.scopes.scope(self._prefix(p)):
             return super().call(p, fn, *args, **kwargs)
 
     def scan(self, fn, blocks, x, rng=None):
-        for block in blocks:
+        for block, rng_i in zip(blocks, block_generators(rng, len(blocks))):
             with self.scopes.scope(self._prefix(block)):
-                x = fn(block, x, rng)
+                x = fn(block, x, rng_i)
         return x
 
 
