@@ -11,7 +11,8 @@ The reference GPT (12 layers, sequence 512 by default) trained one step at a tim
 
 Saved bytes: malloc's in-use bytes (glibc `mallinfo2`) when backward starts, over those before the
 forward: what the forward keeps for backward. Theory for full remat: one block input per block
-plus one block's activations (the recompute's) and the head's.
+plus the head's (the fused ln_f, head and loss keep only the gradients they took in forward; the
+plain PyTorch loop keeps the logits and their log-softmax).
 
     python benchmarks/activation_memory.py [--layers 12] [--seq 512] [--batch 4] [--width 256] [--steps 3]
 
@@ -132,8 +133,9 @@ def main() -> None:
     for name, (nbytes, seconds) in med.items():
         print(f"{name:<26} {nbytes / 2**20:15.1f} MiB {seconds * 1e3:8.0f} ms")
     block_input = args.batch * args.seq * args.width * 4
-    # the head keeps the final LayerNorm's input and output, the logits and their log-softmax (fp32)
-    head = 2 * block_input + 2 * args.batch * args.seq * cfg.vocab_size * 4
+    # the fused head and loss (ops.head_loss) keep the gradients it took in forward: of the last
+    # block's output, of the (tied) head weight and of ln_f's weight and bias (fp32)
+    head = block_input + (cfg.vocab_size + 2) * args.width * 4
     theory = args.layers * block_input + head
     print(f"theory for full remat, kept when backward starts: {args.layers} block inputs ({block_input / 2**20:.2f} "
           f"MiB each) + the head's {head / 2**20:.1f} MiB = {theory / 2**20:.1f} MiB (the recompute adds one block's "

@@ -188,28 +188,19 @@ def gpt(cfg: GPTConfig) -> Model:
     def loss(params: dict, batch: dict, *, rng: Optional[torch.Generator] = None,
              ops: DenseOps = DENSE) -> torch.Tensor:
         """Mean next-token cross-entropy, computed in fp32 whatever the compute dtype. A batch's
-        `layer_drop` (a `LayerDrop`: the step's progressive layer dropping) drops blocks.
-
-        ln_f, the head and the loss are one op (`ops.head_loss`) whose gradient is taken in forward,
-        so the logits are never kept for backward; in fp16 they are separate ops under the loss scale
-        (a gradient taken at scale 1 would underflow there)."""
+        `layer_drop` (a `LayerDrop`: the step's progressive layer dropping) drops blocks. ln_f, the
+        head and the loss are one op (`_head_and_loss`)."""
         x, head = trunk(params, batch["inputs"], rng, ops, batch.get(PLD_BATCH_KEY))
-        ln_f = ops.param(params["ln_f"])
-        if x.dtype == torch.float16:
-            logits = ops.linear(_layer_norm(x, ln_f), head, out_axis="vocab", in_axis="embed")
-            return ops.cross_entropy(logits, batch["targets"], vocab_axis="vocab")
-        return ops.head_loss(x, head, batch["targets"], norm=_layer_norm_of, norm_params=(ln_f["weight"], ln_f["bias"]),
-                             vocab_axis="vocab", in_axis="embed")
+        return _head_and_loss(x, ops.param(params["ln_f"]), head, batch["targets"], ops)
 
     return Model(init, apply, loss, gpt_logical_axes(cfg), name="gpt", layers=gpt_layers(cfg, attend))
 
 
 def gpt_layers(cfg: GPTConfig, attend=None) -> LayerSequence:
     """The GPT as layers for a pipeline: `embed` (wte, wpe), `blocks.0` .. `blocks.{n-1}`, `head` (ln_f and
-    the tied wte, or `head`); the loss is the cross-entropy of the head's logits. The same ops in the
-    same order as `gpt(cfg).loss`, except that the head and the loss are separate ops here (the last
-    stage keeps the logits for backward), one fused op there: equal to rounding. Progressive layer
-    dropping is not offered here."""
+    the tied wte, or `head`); the loss is the cross-entropy of the head's logits, and `last_with_loss`
+    the head and loss as `gpt(cfg).loss` fuses them. The same ops in the same order as `gpt(cfg).loss`
+    (progressive layer dropping is not offered here)."""
     attend = attend or _attend(cfg)
 
     def embed(params: dict, inputs: torch.Tensor, *, rng=None, ops: DenseOps = DENSE) -> torch.Tensor:
@@ -233,10 +224,14 @@ def gpt_layers(cfg: GPTConfig, attend=None) -> LayerSequence:
     def loss(logits: torch.Tensor, batch: dict, *, ops: DenseOps = DENSE) -> torch.Tensor:
         return ops.cross_entropy(logits, batch["targets"], vocab_axis="vocab")
 
+    def head_with_loss(params: dict, x: torch.Tensor, batch: dict, *, ops: DenseOps = DENSE) -> torch.Tensor:
+        w = ops.param(params["wte"] if cfg.tie_embeddings else params["head"])
+        return _head_and_loss(x, ops.param(params["ln_f"]), w, batch["targets"], ops)
+
     layers = [Layer("embed", embed, ("wte", "wpe"), "Embedding", True)]
     layers += [Layer(f"blocks.{i}", block(i), (f"blocks.{i}",), "TransformerBlock", True) for i in range(cfg.n_layer)]
     layers.append(Layer("head", head, ("ln_f", "wte" if cfg.tie_embeddings else "head"), "Head", True))
-    return LayerSequence(tuple(layers), lambda batch: batch["inputs"], loss)
+    return LayerSequence(tuple(layers), lambda batch: batch["inputs"], loss, head_with_loss)
 
 
 def pad_vocab(vocab_size: int, multiple: int = 8) -> int:
@@ -273,6 +268,17 @@ def _layer_norm(x: torch.Tensor, p: dict) -> torch.Tensor:
 
 def _layer_norm_of(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps=1e-5)
+
+
+def _head_and_loss(x: torch.Tensor, ln_f: dict, head: torch.Tensor, targets: torch.Tensor, ops: DenseOps) -> torch.Tensor:
+    """ln_f, the head and the mean cross-entropy as one op (`ops.head_loss`: its gradient taken in
+    forward, no logits kept for backward); in fp16 as separate ops under the loss scale, because a
+    gradient taken at scale 1 would underflow there."""
+    if x.dtype == torch.float16:
+        logits = ops.linear(_layer_norm(x, ln_f), head, out_axis="vocab", in_axis="embed")
+        return ops.cross_entropy(logits, targets, vocab_axis="vocab")
+    return ops.head_loss(x, head, targets, norm=_layer_norm_of, norm_params=(ln_f["weight"], ln_f["bias"]),
+                         vocab_axis="vocab", in_axis="embed")
 
 
 def _block(p: dict, x: torch.Tensor, rng: Optional[torch.Generator], *, n_head: int, dropout: float,

@@ -2,6 +2,7 @@
 
     seq = model.layers                      # the reference GPT's: embed, blocks.0 .. blocks.n-1, head
     loss = seq.loss(y, micro_batch, ops=ops) where y = layers[-1](... layers[0](seq.inputs(micro_batch)))
+    loss = seq.last_with_loss(params, x, micro_batch, ops=ops) where x = layers[-2](...), when given
 
 A `Layer` is a pure function `fn(params, x, *, rng, ops) -> y` of the model's parameter tree (of which
 it reads only the subtrees under its `uses` paths), its input activation and the step's generator.
@@ -46,11 +47,14 @@ class Layer:
 @dataclass(frozen=True)
 class LayerSequence:
     """The layers in order, what the first one gets from a micro-batch, and the loss of the last one's
-    output: `loss(y, micro_batch, *, ops) -> scalar`."""
+    output: `loss(y, micro_batch, *, ops) -> scalar`. `last_with_loss(params, x, micro_batch, *, ops)`,
+    when given, is the last layer and the loss as one function, run in their place (the GPT's fused
+    head and loss, which keeps no logits for backward); the last layer still says what it uses."""
 
     layers: tuple[Layer, ...]
     inputs: Callable[[PyTree], Any]
     loss: Callable[..., torch.Tensor]
+    last_with_loss: Optional[Callable[..., torch.Tensor]] = None
 
     def __post_init__(self):
         if not self.layers:
@@ -71,8 +75,15 @@ class LayerSequence:
         x = self.inputs(micro_batch)
         rngs = [layer_rng(i) for i in range(len(self.layers))] if layer_rng is not None else \
             layer_generators(rng, len(self.layers))
-        for layer, rng_i in zip(self.layers, rngs):
+        last = len(self.layers) - (self.last_with_loss is not None)
+        for layer, rng_i in zip(self.layers[:last], rngs):
             x = layer.fn(params, x, rng=rng_i, ops=ops)
+        return self.tail(params, x, micro_batch, ops=ops)
+
+    def tail(self, params: PyTree, x: Any, micro_batch: PyTree, *, ops: Any = DENSE) -> torch.Tensor:
+        """The loss from the output of the layer before the last (`last_with_loss`), or from the last one's."""
+        if self.last_with_loss is not None:
+            return self.last_with_loss(params, x, micro_batch, ops=ops)
         return self.loss(x, micro_batch, ops=ops)
 
 

@@ -243,7 +243,10 @@ class PipelineExecutor:
         its recompute in B defers the same weight gradients)."""
         seq = self.layers.layers
         lo, hi = self.plan.bounds[k], self.plan.bounds[k + 1]
-        group = self.interval or hi - lo
+        last = k == self.pieces - 1
+        if last and self.layers.last_with_loss is not None:
+            hi -= 1  # the last layer runs inside the tail, with the loss
+        group = self.interval or max(hi - lo, 1)
         for start in range(lo, hi, group):
             members = range(start, min(start + group, hi))
             generators = [_own(layer_rng(m, i)) for i in members]
@@ -252,9 +255,9 @@ class PipelineExecutor:
                                  label=f"{seq[members[0]].name}..{seq[members[-1]].name}")
             else:
                 x = self._run_layers(tree, x, *generators, members=members, ops=ops, mode=mode)
-        if k == self.pieces - 1:
+        if last:
             with mode() if mode is not None else contextlib.nullcontext():
-                loss = self.layers.loss(x, micro_batch, ops=ops)
+                loss = self.layers.tail(tree, x, micro_batch, ops=ops)
             if loss.dim() != 0:
                 raise ValueError(f"the layer sequence's loss must be a scalar, got shape {list(loss.shape)}")
             return loss
