@@ -10,7 +10,8 @@ on the same global batches, and compare.
 `make_batch(rows, seed)` (a dict or tuple of tensors, rows along dim 0) run in every rank's process,
 so they must be importable top-level functions. Each data rank trains on its share of every global
 batch; the one-process reference takes the whole batch with one micro-batch per (data rank x
-accumulation step), so that per-micro-batch statistics (BatchNorm) see the same rows. The ranks'
+accumulation step), so that per-micro-batch statistics (BatchNorm) see the same rows and dropout
+draws the same masks (a micro-batch's seed is its index in the global batch). The ranks'
 gathered fp32 parameters must agree with each other and with the reference (`rtol`, `atol`), and
 so must the losses. Module state (BatchNorm running statistics) follows DDP's rule under a plan
 (data rank 0's), which a one-process run cannot reproduce: it is not compared.
