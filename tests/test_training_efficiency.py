@@ -298,3 +298,19 @@ def test_initialize_applies_a_ds_configs_curriculum_and_layer_drop():
 
         fs.initialize(model=hf_gpt2(), config={**config, "curriculum_learning": {"enabled": False}},
                       loss_fn=lambda out, batch: out.loss)
+
+
+def test_remat_every_counts_the_models_blocks_under_layer_dropping():
+    """With progressive layer dropping the GPT runs its kept blocks one scan call each: remat's
+    `every=2` still checkpoints blocks 0 and 2 (by their index in the model), not every block."""
+    profile = fs.RematProfile()
+    model = fs.remat(_gpt(), "full", every=2, profile=profile)
+    params = model.init(torch.Generator().manual_seed(0))
+    x = torch.randint(0, 24, (2, 9), generator=torch.Generator().manual_seed(2))
+    batch = {"inputs": x[:, :-1], "targets": x[:, 1:], "layer_drop": _drop_with([True, True, False, True])}
+    leaves = [t.requires_grad_() for t in fs.pytree.tree_leaves(params)]
+    torch.autograd.grad(model.loss(params, batch, rng=torch.Generator()), leaves, allow_unused=True)
+    assert sorted(profile.take()) == ["blocks.0"]  # block 2 was dropped; blocks 1 and 3 are not checkpointed
+    torch.autograd.grad(model.loss(params, {**batch, "layer_drop": _drop_with([True, True, True, True])},
+                                   rng=torch.Generator()), leaves)
+    assert sorted(profile.take()) == ["blocks.0", "blocks.2"]

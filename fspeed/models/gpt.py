@@ -172,9 +172,9 @@ def gpt(cfg: GPTConfig) -> Model:
         if all(scale == 1.0 for scale in scales):
             x = ops.scan(block, params["blocks"], x, rngs[1:])
         else:  # progressive layer dropping: dropped blocks are not run; kept ones rescale their branches
-            for p, scale, rng_i in zip(params["blocks"], scales, rngs[1:]):
+            for j, (p, scale, rng_i) in enumerate(zip(params["blocks"], scales, rngs[1:])):
                 if scale is not None:
-                    x = ops.scan(functools.partial(block, scale=scale), [p], x, rng_i)
+                    x = ops.scan(functools.partial(block, scale=scale), [p], x, rng_i, first=j)
         return x, wte if cfg.tie_embeddings else ops.param(params["head"])
 
     def apply(params: dict, inputs: torch.Tensor, *, rng: Optional[torch.Generator] = None,
@@ -213,7 +213,7 @@ def gpt_layers(cfg: GPTConfig, attend=None) -> LayerSequence:
     def block(i: int):
         def run(params: dict, x: torch.Tensor, *, rng=None, ops: DenseOps = DENSE) -> torch.Tensor:
             fn = functools.partial(_block, n_head=cfg.n_head, dropout=cfg.dropout, ops=ops, attend=attend)
-            return ops.scan(fn, [params["blocks"][i]], x, rng)
+            return ops.scan(fn, [params["blocks"][i]], x, rng, first=i)
         return run
 
     def head(params: dict, x: torch.Tensor, *, rng=None, ops: DenseOps = DENSE) -> torch.Tensor:

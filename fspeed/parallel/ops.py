@@ -335,7 +335,8 @@ class UnitOps(DenseOps):
         outputs = _GatheredUnit.apply(self.anchor, p.shard, call, len(inputs), *inputs, *p.resident)
         return call.result(outputs)
 
-    def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor, rng: BlockRngs = None) -> torch.Tensor:
+    def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor, rng: BlockRngs = None, *,
+             first: int = 0) -> torch.Tensor:
         for i, (block, rng_i) in enumerate(zip(blocks, block_generators(rng, len(blocks)))):
             after = blocks[i + 1] if i + 1 < len(blocks) else None
             hint = after.unit.index if isinstance(after, UnitParams) else None
