@@ -125,3 +125,11 @@ def test_the_gpt_loss_equals_the_separate_head_and_loss(precision):
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+def test_head_loss_without_a_norm_takes_the_gradients_of_x_and_w():
+    (x, w, _, _), targets = case(3, 5, 8, 11, 4, torch.float32, 0.2)
+    got = torch.autograd.grad(head_loss(x, w, targets, chunk_rows=4) * 3.0, (x, w))
+    want = torch.autograd.grad(F.cross_entropy(F.linear(x, w).flatten(0, 1), targets.flatten()) * 3.0, (x, w))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

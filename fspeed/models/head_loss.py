@@ -104,7 +104,10 @@ def _loss_and_grads(x, w, targets, norm, comm, chunk_rows, norm_params, grads_ne
         probs = logits.mul_((scale / sum_exp).unsqueeze(-1))
         probs.scatter_add_(-1, local, -(scale * inside).unsqueeze(-1))
         d_logits = probs.to(w.dtype)
-        dw += (d_logits.t() @ y_value).float()
+        if dw.dtype == d_logits.dtype:
+            dw.addmm_(d_logits.t(), y_value)
+        else:  # bf16 products, accumulated over chunks in fp32
+            dw += (d_logits.t() @ y_value).float()
         dy = d_logits @ w
         if comm is not None:
             comm.all_reduce_(dy)
