@@ -370,11 +370,12 @@ class RematOps:
 
     def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor, rng: BlockRngs = None, *,
              first: int = 0) -> torch.Tensor:
-        for i, (block, rng_i) in enumerate(zip(blocks, block_generators(rng, len(blocks))), start=first):
-            after = blocks[i - first + 1] if i - first + 1 < len(blocks) else None
+        for i, (block, rng_i) in enumerate(zip(blocks, block_generators(rng, len(blocks)))):
+            after = blocks[i + 1] if i + 1 < len(blocks) else None
             hint = getattr(getattr(after, "unit", None), "index", None)
-            x = self.inner.call(block, fn, x, rng_i, _hint=hint, _remat=self.remat if self.remat.chosen(i) else None,
-                                _label=f"blocks.{i}")
+            index = first + i  # the block's index in the model
+            remat = self.remat if self.remat.chosen(index) else None
+            x = self.inner.call(block, fn, x, rng_i, _hint=hint, _remat=remat, _label=f"blocks.{index}")
         return x
 
 

@@ -33,18 +33,17 @@ def layer_seed(micro_seed: int, layer: int) -> int:
     return _mix((micro_seed * 0x9E3779B97F4A7C15 + (layer + 1) * 0xD6E8FEB86659FD93) & _MASK)
 
 
+def layer_generator(micro_seed: int, layer: int, device: torch.device) -> torch.Generator:
+    """A generator of its own for layer `layer` of the micro-batch seeded `micro_seed`."""
+    return torch.Generator(device=device).manual_seed(layer_seed(micro_seed, layer))
+
+
 def layer_generators(rng: Optional[torch.Generator], count: int) -> list[Optional[torch.Generator]]:
-    """`count` generators, layer i's seeded `layer_seed(rng.initial_seed(), i)` (Nones without `rng`:
-    evaluation, no dropout). `rng` itself is left as it is."""
+    """`count` generators, layer i's from `layer_generator(rng.initial_seed(), i)` (Nones without
+    `rng`: evaluation, no dropout). `rng` itself is left as it is."""
     if rng is None:
         return [None] * count
-    base = rng.initial_seed()
-    out = []
-    for i in range(count):
-        g = torch.Generator(device=rng.device)
-        g.manual_seed(layer_seed(base, i))
-        out.append(g)
-    return out
+    return [layer_generator(rng.initial_seed(), i, rng.device) for i in range(count)]
 
 
-__all__ = ["dropout_seed", "layer_generators", "layer_seed"]
+__all__ = ["dropout_seed", "layer_generator", "layer_generators", "layer_seed"]

@@ -51,7 +51,7 @@ from .parallel.pipeline_runtime import PipelineExecutor
 from .parallel.runtime import ParallelRuntime, check_optimizer
 from .models.model import Model
 from .pytree import PyTree, tree_flatten_with_paths, tree_unflatten
-from .rng import dropout_seed, layer_seed
+from .rng import dropout_seed, layer_generator
 from .timers import StepTimers
 from .train_state import TrainState
 
@@ -244,6 +244,12 @@ def make_train_step(
         device = runtime.compute_device(_params(state, runtime))
         return _Step(runtime, allreduce, torch.Generator(device=device), torch.zeros((), device=device))
 
+    def micro_seed(state: TrainState, runtime: ParallelRuntime, i: int) -> int:
+        """The dropout seed of this data rank's micro-batch i: micro-batch rank * grad_accum + i of the
+        global batch, so its masks are the ones a run with fewer data ranks and more accumulation
+        draws for the same rows."""
+        return dropout_seed(state.rng_seed, state.step, runtime.rank * grad_accum + i)
+
     def pipelined(step: _Step, state: TrainState, micro_batches: list[PyTree]) -> None:
         """All micro-batches through this stage's part of the pipeline schedule; the stage's summed
         gradient goes to the runtime's sink as one micro-batch."""
@@ -253,8 +259,7 @@ def make_train_step(
         multiplier = state.loss_scale.scale / (grad_accum * runtime.n)
 
         def layer_rng(m: int, i: int) -> torch.Generator:
-            return step.generator.manual_seed(layer_seed(dropout_seed(state.rng_seed, state.step,
-                                                                      runtime.rank * grad_accum + m), i))
+            return layer_generator(micro_seed(state, runtime, m), i, step.generator.device)
         if timers is not None:
             timers.start("fwd")  # forward and backward interleave: the schedule's time is fwd_ms
         losses, grads = executor.step(state.params, micro_batches, multiplier, layer_rng)
@@ -274,9 +279,7 @@ def make_train_step(
             raise RuntimeError(f"this step already has its {grad_accum} micro-batches (grad_accum); finish it first")
         runtime = step.runtime
         multiplier = state.loss_scale.scale / (grad_accum * runtime.n)  # summed over data ranks = the mean
-        # micro-batch i of data rank r is micro-batch r * grad_accum + i of the global batch: its dropout
-        # masks are the ones a run with fewer data ranks and more accumulation draws for the same rows
-        step.generator.manual_seed(dropout_seed(state.rng_seed, state.step, runtime.rank * grad_accum + i))
+        step.generator.manual_seed(micro_seed(state, runtime, i))
         runtime.begin_micro(i)
         loss = grad_and_loss(step.anchor, _params(state, runtime), micro_batch, step.generator, multiplier,
                              state.buffers, runtime)

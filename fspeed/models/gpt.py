@@ -182,8 +182,7 @@ def gpt(cfg: GPTConfig) -> Model:
         """Logits [B, S, vocab] for token ids `inputs` [B, S] (vocab-local under tensor slicing);
         `layer_drop`: the step's progressive layer dropping (`layer_drop` module), in training only."""
         x, head = trunk(params, inputs, rng, ops, layer_drop)
-        x = _layer_norm(x, ops.param(params["ln_f"]))
-        return ops.linear(x, head, out_axis="vocab", in_axis="embed")
+        return _head_logits(x, ops.param(params["ln_f"]), head, ops)
 
     def loss(params: dict, batch: dict, *, rng: Optional[torch.Generator] = None,
              ops: DenseOps = DENSE) -> torch.Tensor:
@@ -217,9 +216,8 @@ def gpt_layers(cfg: GPTConfig, attend=None) -> LayerSequence:
         return run
 
     def head(params: dict, x: torch.Tensor, *, rng=None, ops: DenseOps = DENSE) -> torch.Tensor:
-        x = _layer_norm(x, ops.param(params["ln_f"]))
-        w = ops.param(params["wte"] if cfg.tie_embeddings else params["head"])
-        return ops.linear(x, w, out_axis="vocab", in_axis="embed")
+        w = ops.param(params["wte" if cfg.tie_embeddings else "head"])
+        return _head_logits(x, ops.param(params["ln_f"]), w, ops)
 
     def loss(logits: torch.Tensor, batch: dict, *, ops: DenseOps = DENSE) -> torch.Tensor:
         return ops.cross_entropy(logits, batch["targets"], vocab_axis="vocab")
@@ -263,20 +261,25 @@ def gpt_logical_axes(cfg: GPTConfig) -> LogicalAxes:
 
 
 def _layer_norm(x: torch.Tensor, p: dict) -> torch.Tensor:
-    return F.layer_norm(x, (x.shape[-1],), p["weight"], p["bias"], eps=1e-5)
+    return _layer_norm_of(x, p["weight"], p["bias"])
 
 
 def _layer_norm_of(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps=1e-5)
 
 
-def _head_and_loss(x: torch.Tensor, ln_f: dict, head: torch.Tensor, targets: torch.Tensor, ops: DenseOps) -> torch.Tensor:
+def _head_logits(x: torch.Tensor, ln_f: dict, head: torch.Tensor, ops: DenseOps) -> torch.Tensor:
+    """ln_f then the output head: the logits (vocab-local under tensor slicing)."""
+    return ops.linear(_layer_norm(x, ln_f), head, out_axis="vocab", in_axis="embed")
+
+
+def _head_and_loss(x: torch.Tensor, ln_f: dict, head: torch.Tensor, targets: torch.Tensor,
+                   ops: DenseOps) -> torch.Tensor:
     """ln_f, the head and the mean cross-entropy as one op (`ops.head_loss`: its gradient taken in
     forward, no logits kept for backward); in fp16 as separate ops under the loss scale, because a
     gradient taken at scale 1 would underflow there."""
     if x.dtype == torch.float16:
-        logits = ops.linear(_layer_norm(x, ln_f), head, out_axis="vocab", in_axis="embed")
-        return ops.cross_entropy(logits, targets, vocab_axis="vocab")
+        return ops.cross_entropy(_head_logits(x, ln_f, head, ops), targets, vocab_axis="vocab")
     return ops.head_loss(x, head, targets, norm=_layer_norm_of, norm_params=(ln_f["weight"], ln_f["bias"]),
                          vocab_axis="vocab", in_axis="embed")
 

@@ -18,6 +18,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .head_loss import head_loss
+
 BlockFn = Callable[[Any, torch.Tensor, Optional[torch.Generator]], torch.Tensor]
 BlockRngs = Optional[torch.Generator | Sequence[Optional[torch.Generator]]]  # one for all blocks, or one each
 
@@ -77,8 +79,6 @@ class DenseOps:
                   vocab_axis: Optional[str] = None, in_axis: Optional[str] = None) -> torch.Tensor:
         """`cross_entropy(linear(norm(x, *norm_params), w), targets)` as one op whose gradient is taken
         in forward, chunk by chunk: the logits are never kept for backward (`fspeed.models.head_loss`)."""
-        from .head_loss import head_loss  # noqa: PLC0415
-
         return head_loss(x, w, targets, norm=norm, norm_params=norm_params)
 
     def call(self, p: Any, fn: Callable[..., Any], *args: Any, _remat: Any = None, _hint: Optional[int] = None,

@@ -144,7 +144,9 @@ class PipelineExecutor:
     def step(self, params: Flat, micro_batches: Sequence[PyTree], multiplier: float,
              layer_rng: Callable[[int, int], Optional[torch.Generator]]) -> tuple[list[torch.Tensor], Flat]:
         """Run the schedule: (the losses of the micro-batches on the last piece's stage, else empty;
-        the stage's summed parameter gradients in the layout's local order, `grad_dtype`)."""
+        the stage's summed parameter gradients in the layout's local order, `grad_dtype`).
+        `layer_rng(m, i)`: a generator of its own (or None) for layer i on micro-batch m (a
+        checkpointed group keeps each layer's to replay it)."""
         if len(micro_batches) != self.micro_batches:
             raise ValueError(f"the pipeline runs {self.micro_batches} micro-batches per step, got {len(micro_batches)}")
         local = self.layout.local
@@ -249,7 +251,7 @@ class PipelineExecutor:
         group = self.interval or max(hi - lo, 1)
         for start in range(lo, hi, group):
             members = range(start, min(start + group, hi))
-            generators = [_own(layer_rng(m, i)) for i in members]
+            generators = [layer_rng(m, i) for i in members]
             if self.interval and torch.is_grad_enabled() and any(seq[i].uses for i in members):
                 x = checkpointed(self.remat, self._run_layers, tree, x, *generators, members=members, ops=ops, mode=mode,
                                  label=f"{seq[members[0]].name}..{seq[members[-1]].name}")
@@ -391,16 +393,6 @@ class PipelineExecutor:
         for pending in sends:
             pending.wait()
         return loss
-
-
-def _own(rng: Optional[torch.Generator]) -> Optional[torch.Generator]:
-    """A generator of its own in `rng`'s state (the step reseeds one generator per layer; a
-    checkpointed group keeps each layer's to replay it)."""
-    if rng is None:
-        return None
-    own = torch.Generator(device=rng.device)
-    own.set_state(rng.get_state())
-    return own
 
 
 def _parts(value: Any) -> list[torch.Tensor]:
