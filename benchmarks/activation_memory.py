@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -37,19 +38,22 @@ from fspeed.host_memory import live_host_bytes
 from fspeed.models.gpt_module import GPTModule, load_params_into_module
 
 
-def fspeed_variant(model, params, batch):
+def fspeed_variant(model, params, batch, device="cpu", out=None):
     opt = fs.optim.adamw(1e-4)
-    state = {"s": fs.init_train_state(params, opt)}
+    state = {"s": fs.init_train_state(params, opt, device=device)}
     step = fs.make_train_step(model.loss, opt)
 
     def run():
         state["s"], _ = step(state["s"], batch)
+        if out is not None:
+            out[:] = [state["s"]]
     return run
 
 
-def torch_variant(cfg, params, batch, use_checkpoint):
+def torch_variant(cfg, params, batch, use_checkpoint, device="cpu"):
     module = GPTModule(cfg)
     load_params_into_module(module, params)
+    module.to(device)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
     if use_checkpoint:
         for i, block in enumerate(module.blocks):
@@ -162,6 +166,105 @@ def main() -> None:
                   "as in DeepSpeed)")
     print(f"partitioned_saved_bytes_over_unpartitioned={ratios[args.layers]:.3f}")
     print(f"partitioned_saved_bytes_over_unpartitioned_32_layers={ratios[32]:.3f}")
+
+
+def gpu_check(layers: int = 24, width: int = 1024, seq: int = 1024, batch: int = 8, steps: int = 8,
+              device: str = "cuda") -> list[str]:
+    """On CUDA: remat (and cpu_checkpointing, whose copies run on a side stream and come back one block
+    ahead) equal the run without remat; then kept bytes (CUDA's allocator at backward start) and step
+    time per variant against plain PyTorch with and without torch.utils.checkpoint (fp32 with TF32
+    matmuls on both sides). Returns the correctness failures; prints a table and name=value lines.
+    `device="cpu"` runs the same code (inline copies) to keep it working without a GPU."""
+    from fspeed.activation_checkpointing import Remat, apply_remat
+    from fspeed.host_copies import HostCopies
+    from fspeed.pytree import tree_leaves
+
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+    failures = []
+
+    def variants_of(model):
+        return {
+            "fspeed, no remat": model,
+            "fspeed, full": fs.remat(model, "full"),
+            "fspeed, save_matmuls": fs.remat(model, "save_matmuls"),
+            "fspeed, full + cpu_ckpt": fs.remat(model, "full", offload=True),
+            "fspeed, cpu_ckpt no prefetch": apply_remat(model, Remat(offload=True,
+                                                                      host_copies=HostCopies(prefetch=False))),
+        }
+
+    # correctness: small, exact fp32 (no TF32), with dropout: three steps of each variant
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    cfg = fs.models.GPTConfig(vocab_size=256, seq_len=256, n_layer=4, n_head=4, d_model=256, dropout=0.1)
+    model = fs.models.gpt(cfg)
+    params = model.init(torch.Generator().manual_seed(0))
+    x = torch.randint(0, 256, (4, 256), generator=torch.Generator().manual_seed(1), device="cpu").to(device)
+    small = {"inputs": x, "targets": x.roll(-1, 1)}
+    finals = {}
+    for name, variant in variants_of(model).items():
+        out = []
+        run = fspeed_variant(variant, params, small, device, out)
+        try:
+            for _ in range(3):
+                run()
+        except Exception as error:  # a CUDA-only failure is a finding, not a crash
+            failures.append(f"remat on CUDA, {name}: {type(error).__name__}: {error}")
+            continue
+        finals[name] = out[0].params.tree()
+    ref = finals.get("fspeed, no remat")
+    for name, tree in finals.items():
+        if ref is None or name == "fspeed, no remat":
+            continue
+        err = max(relative_error(a, b.double()) for a, b in zip(tree_leaves(tree), tree_leaves(ref)))
+        print(f"remat on CUDA, {name:30s} params after 3 steps vs no remat: relative error {err:.1e}")
+        if not err <= 1e-5:
+            failures.append(f"remat on CUDA, {name}: params differ from no remat by {err:.1e} (tolerance 1e-5)")
+
+    # memory and time at size
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    cfg = fs.models.GPTConfig(vocab_size=256, seq_len=seq, n_layer=layers, n_head=width // 64, d_model=width)
+    model = fs.models.gpt(cfg)
+    params = model.init(torch.Generator().manual_seed(0))
+    x = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    big = {"inputs": x, "targets": x.roll(-1, 1)}
+    runs = {name: fspeed_variant(variant, params, big, device) for name, variant in variants_of(model).items()}
+    runs["torch, no checkpoint"] = torch_variant(cfg, params, big, False, device)
+    runs["torch.utils.checkpoint"] = torch_variant(cfg, params, big, True, device)
+    kept = {k: [] for k in runs}
+    times = {k: [] for k in runs}
+    for step in range(steps + 3):  # a warm-up round, two measuring kept bytes, then timed rounds
+        for name in (list(runs) if step % 2 == 0 else list(reversed(runs))):
+            synchronize()
+            if 0 < step < 3:  # the measurement synchronizes when backward starts: not timed
+                kept[name].append(bytes_kept_for_backward(runs[name], device)[0])
+                continue
+            start = time.perf_counter()
+            runs[name]()
+            synchronize()
+            if step:
+                times[name].append(time.perf_counter() - start)
+    med = {k: (statistics.median(kept[k]), statistics.median(times[k])) for k in runs}
+    where = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"\nGPT {layers} layers, width {width}, seq {seq}, batch {batch} on {where}; fp32 "
+          f"with TF32 matmuls; median of {steps} steps")
+    print(f"{'variant':<30} {'kept for backward':>18} {'step time':>10}")
+    for name, (nbytes, seconds) in med.items():
+        print(f"{name:<30} {nbytes / 2**20:15.1f} MiB {seconds * 1e3:8.1f} ms")
+    block_input = batch * seq * width * 4
+    print(f"one block input: {block_input / 2**20:.1f} MiB")
+    t = {k: v[1] for k, v in med.items()}
+    print(f"gpu_full_remat_step_time_over_none={t['fspeed, full'] / t['fspeed, no remat']:.3f}")
+    print(f"gpu_remat_vs_torch_checkpoint_step_time={t['fspeed, full'] / t['torch.utils.checkpoint']:.3f}")
+    print(f"gpu_step_time_vs_torch={t['fspeed, no remat'] / t['torch, no checkpoint']:.3f}")
+    print(f"gpu_cpu_checkpointing_step_time_over_full={t['fspeed, full + cpu_ckpt'] / t['fspeed, full']:.3f}")
+    print(f"gpu_cpu_checkpointing_no_prefetch_over_full={t['fspeed, cpu_ckpt no prefetch'] / t['fspeed, full']:.3f}")
+    print(f"gpu_cpu_checkpointing_kept_over_full={med['fspeed, full + cpu_ckpt'][0] / med['fspeed, full'][0]:.3f}")
+    return failures
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.detach().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
 if __name__ == "__main__":

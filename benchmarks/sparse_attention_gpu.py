@@ -1,4 +1,4 @@
-"""fspeed's CUDA paths on a real GPU: block-sparse attention (correctness, then speed) and fused Adam/LAMB.
+"""fspeed's CUDA paths on a real GPU: block-sparse attention, fused Adam/LAMB, activation checkpointing.
 
 For a session lent a GPU: one prepared run of a few minutes. The Numba CUDA kernels (backend
 "cuda") have so far run only in Numba's simulator; this checks them, and the default CUDA path
@@ -6,8 +6,11 @@ For a session lent a GPU: one prepared run of a few minutes. The Numba CUDA kern
 dense SDPA and compiled FlexAttention (which has a GPU backward) at B=1, H=8, D=64, block 64,
 bigbird at ~10% density, forward+backward, as benchmarks/sparse_attention.py does on CPU.
 The Numba fused Adam and LAMB kernels (likewise simulator-only so far) are checked against the
-torch reference through the optimizers' public API, with a bf16 compute copy. Correctness failures
-are listed and make the exit status 1; timing always runs.
+torch reference through the optimizers' public API, with a bf16 compute copy. Then the train step on
+CUDA with remat and cpu_checkpointing (side-stream copies, prefetched one block ahead), against no
+remat, and their kept bytes and step time against plain PyTorch with torch.utils.checkpoint
+(`activation_memory.gpu_check`). Correctness failures are listed and make the exit status 1;
+timing always runs.
 
 The device image has every dependency but optree; carry it as a wheel (see
 /work/.library/device/README.md): here, `echo /.whl/ >> .git/info/exclude; python3 -m pip download
@@ -33,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import activation_memory  # noqa: E402
 import fspeed.sparse as sp  # noqa: E402
 from sparse_attention import BLOCK, D, H, make_layout  # noqa: E402
 
@@ -150,7 +154,7 @@ def time_methods(device: str, seqs: list[int], dtypes: list[torch.dtype], backen
             methods = {"sdpa": lambda a, b, c: F.scaled_dot_product_attention(a, b, c)}
             for backend in backends:
                 methods[f"fspeed_{backend}"] = lambda a, b, c, be=backend: sp.attention(a, b, c, plan, backend=be)
-            if flex and dtype == torch.bfloat16 and S in (8192, 16384):  # each compile takes tens of seconds
+            if flex and dtype == torch.bfloat16 and S == 8192:  # each compile takes tens of seconds
                 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
                 dense = layout.bool().to(device)
                 mask = create_block_mask(lambda b, h, qi, ki: dense[h, qi // BLOCK, ki // BLOCK], B=None, H=H,
@@ -177,6 +181,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     args = parser.parse_args()
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -190,9 +195,12 @@ def main() -> None:
     if gpu:
         print()
         failures += check_optimizers(device)
-    seqs = [4096, 8192, 16384, 32768] if gpu else [1024]
+    seqs = args.seqs if gpu else [1024]
     dtypes = [torch.bfloat16, torch.float16, torch.float32] if gpu else [torch.float32]
     results = time_methods(device, seqs, dtypes, backends, flex=gpu, reps=args.reps if gpu else 2)
+    print()
+    sizes = {} if gpu else dict(layers=2, width=128, seq=128, batch=2, steps=2)
+    failures += activation_memory.gpu_check(device=device, **sizes)
 
     print()
     for f in failures:

@@ -15,7 +15,7 @@ with plain autograd) with torch's selective-checkpoint contexts for the policies
 
 `every=k` checkpoints every k-th block (DeepSpeed's interval), the others keep their activations.
 `offload=True` (DeepSpeed's `cpu_checkpointing`) keeps the saved block inputs in host memory
-(pinned where CUDA exists). Randomness replays: torch's generators by `preserve_rng_state`, an
+(`fspeed.host_copies`: pinned, copied on a side stream and back one block ahead, on CUDA). Randomness replays: torch's generators by `preserve_rng_state`, an
 explicit `torch.Generator` argument (the reference GPT's dropout) by its saved state. Under ZeRO-3
 the recompute runs inside the unit's gather (`fspeed.parallel.ops`), so its weights are gathered
 again for it and freed after.
@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .host_copies import HostCopies, HostCopy
 from .models.model import Model
 from .models.ops import DENSE, BlockFn, BlockRngs, block_generators
 from .timers import synced_clock
@@ -193,8 +194,11 @@ class Remat:
     profile: Optional[RematProfile] = None
     contiguous: Optional[ContiguousArena] = None
     synchronize: bool = False
+    host_copies: Optional[HostCopies] = field(default=None, compare=False, repr=False)  # made for offload
 
     def __post_init__(self):
+        if self.offload and self.host_copies is None:
+            object.__setattr__(self, "host_copies", HostCopies())
         if isinstance(self.policy, str):
             if self.policy not in POLICIES:
                 raise ValueError(f"remat policy {self.policy!r} is not one of {sorted(POLICIES)} (or save_named(...))")
@@ -270,7 +274,7 @@ def checkpointed(remat: Remat, fn: Callable, *args: Any, model_comm: Any = None,
         if remat.partition:
             h.partition(model_comm, remat.offload)
         elif remat.offload:
-            h.offload()
+            h.offload(remat.host_copies)
         elif remat.contiguous is not None:
             h.into(remat.contiguous)
     return out
@@ -321,7 +325,8 @@ class _HeldInput:
         self.tensor: Optional[torch.Tensor] = tensor
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
         self.requires_grad = tensor.requires_grad  # the recompute records the same graph (the same saved tensors)
-        self.host: Optional[torch.Tensor] = None
+        self.host: Optional[HostCopy] = None
+        self.copies: Optional[HostCopies] = None
         self.part: Optional[torch.Tensor] = None
         self.comm: Any = None
         self.arena: Optional[ContiguousArena] = None
@@ -333,16 +338,13 @@ class _HeldInput:
         if self.tensor is not None:
             return self.tensor
         if self.host is not None:
-            value = self.host.to(self.device, non_blocking=True, copy=True)
+            value = self.copies.fetch(self.host)
         else:
             value = self.comm.gathered(self.part.to(self.device, non_blocking=True))[: self.shape.numel()]
         return value.view(self.shape).requires_grad_(self.requires_grad)
 
-    def offload(self) -> None:
-        pin = self.device.type == "cuda"
-        self.host = torch.empty(self.shape, dtype=self.dtype, device="cpu", pin_memory=pin)
-        self.host.copy_(self.tensor.detach(), non_blocking=pin)
-        self.tensor = None
+    def offload(self, copies: HostCopies) -> None:
+        self.host, self.copies, self.tensor = copies.offload(self.tensor), copies, None
 
     def into(self, arena: ContiguousArena) -> None:
         self.tensor, self.arena = arena.take(self.tensor), arena
