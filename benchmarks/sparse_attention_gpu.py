@@ -12,14 +12,16 @@ remat, and their kept bytes and step time against plain PyTorch with torch.utils
 (`activation_memory.gpu_check`). Correctness failures are listed and make the exit status 1;
 timing always runs.
 
-The device image has every dependency but optree; carry it as a wheel (see
-/work/.library/device/README.md): here, `echo /.whl/ >> .git/info/exclude; python3 -m pip download
+The device image has every dependency but optree (and hydra, which this script does not need);
+carry it as a wheel (see /work/.library/device/README.md): here, `echo /.whl/ >> .git/info/exclude; python3 -m pip download
 --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform
 manylinux_2_28_x86_64 -d .whl optree==0.20.0` (tried: it fetches the cp312 wheel), then run with
 carry [".whl"] and a timeout of about 480 s:
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
-    PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 python3 benchmarks/sparse_attention_gpu.py | tee $OUT/gpu.txt
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . .whl/*.whl &&
+    PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 benchmarks/sparse_attention_gpu.py | tee $OUT/gpu.txt
+
+(fspeed is installed, not put on the path: its `fspeed.kernels` package lives in `kernels/`.)
 
 `--device cpu` runs the same script without a GPU (backend "cuda" and flex skipped, small S),
 which is how it is kept working here.
@@ -157,8 +159,9 @@ def time_methods(device: str, seqs: list[int], dtypes: list[torch.dtype], backen
             if flex and dtype == torch.bfloat16 and S == 8192:  # each compile takes tens of seconds
                 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
                 dense = layout.bool().to(device)
+                # flex's kernels tile by 128 on Hopper: its block mask is at 128, the mask_mod exact at BLOCK
                 mask = create_block_mask(lambda b, h, qi, ki: dense[h, qi // BLOCK, ki // BLOCK], B=None, H=H,
-                                         Q_LEN=S, KV_LEN=S, BLOCK_SIZE=BLOCK, device=device)
+                                         Q_LEN=S, KV_LEN=S, BLOCK_SIZE=128, device=device)
                 compiled = torch.compile(flex_attention, dynamic=False)
                 methods["flex"] = lambda a, b, c: compiled(a, b, c, block_mask=mask)
             for name, fn in methods.items():
