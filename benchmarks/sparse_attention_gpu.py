@@ -12,10 +12,12 @@ remat, and their kept bytes and step time against plain PyTorch with torch.utils
 (`activation_memory.gpu_check`). Correctness failures are listed and make the exit status 1;
 timing always runs.
 
-The device image has every dependency but optree (and hydra, which this script does not need);
+The device image has every dependency but optree (and hydra, which this script does not need), and
+its numba-cuda fails under its numpy 2.5 (`np.row_stack` is gone): carry numpy 2.4.6 and numba-cuda
+0.30.4 (the pinned one) too;
 carry it as a wheel (see /work/.library/device/README.md): here, `echo /.whl/ >> .git/info/exclude; python3 -m pip download
 --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform
-manylinux_2_28_x86_64 -d .whl optree==0.20.0` (tried: it fetches the cp312 wheel), then run with
+manylinux_2_28_x86_64 -d .whl optree==0.20.0 numpy==2.4.6 numba-cuda==0.30.4`, then run with
 carry [".whl"] and a timeout of about 480 s:
 
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . .whl/*.whl &&

@@ -50,6 +50,7 @@ def _arr(x: Optional[torch.Tensor], ndim: int, device):
     from numba import cuda
     if x is None:
         return cuda.as_cuda_array(torch.zeros((0,) * ndim, dtype=torch.float32, device=device))
+    x = x.detach()  # autograd's inputs: the kernels only read their values
     if x.dtype == torch.bfloat16:
         x = x.view(torch.int16)
     return cuda.as_cuda_array(x.contiguous())
