@@ -263,6 +263,53 @@ def gpu_check(layers: int = 24, width: int = 1024, seq: int = 1024, batch: int =
     return failures
 
 
+def gpu_profile(out_dir: str, layers: int = 24, width: int = 1024, seq: int = 1024, batch: int = 8) -> None:
+    """On CUDA: torch.profiler tables (by CUDA time, then by CPU time) of three steps of fspeed without
+    remat (Adam on its numba kernel, then on torch ops), with cpu_checkpointing, and of the plain
+    PyTorch loop, to `out_dir`; the top rows and each one's busy GPU time per step are printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    device = torch.device("cuda")
+    cfg = fs.models.GPTConfig(vocab_size=256, seq_len=seq, n_layer=layers, n_head=width // 64, d_model=width)
+    model = fs.models.gpt(cfg)
+    params = model.init(torch.Generator().manual_seed(0))
+    x = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    big = {"inputs": x, "targets": x.roll(-1, 1)}
+
+    def with_opt(opt, variant=model):
+        state = {"s": fs.init_train_state(params, opt, device=device)}
+        step = fs.make_train_step(variant.loss, opt)
+
+        def run():
+            state["s"], _ = step(state["s"], big)
+        return run
+    runs = {
+        "fspeed_numba_adam": with_opt(fs.optim.adamw(1e-4)),
+        "fspeed_torch_adam": with_opt(fs.optim.adamw(1e-4, backend="torch")),
+        "fspeed_cpu_ckpt": with_opt(fs.optim.adamw(1e-4), fs.remat(model, "full", offload=True)),
+        "torch_eager": torch_variant(cfg, params, big, False, device),
+    }
+    for name, run in runs.items():
+        for _ in range(2):
+            run()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for _ in range(3):
+                run()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) / 3
+        events = prof.key_averages()
+        busy = sum(e.self_device_time_total for e in events) / 3e3
+        by_cuda = events.table(sort_by="self_cuda_time_total", row_limit=40)
+        by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=40)
+        with open(f"{out_dir}/profile_{name}.txt", "w") as f:
+            f.write(f"{name}: wall {wall * 1e3:.1f} ms/step, GPU busy {busy:.1f} ms/step\n\n{by_cuda}\n\n{by_cpu}\n")
+        print(f"{name}: wall {wall * 1e3:.1f} ms/step, kernels' summed time {busy:.1f} ms/step")
+        print("\n".join(by_cuda.splitlines()[:18]))
+
+
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.detach().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 

@@ -187,11 +187,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--profile", metavar="DIR", help="only profile fspeed's and PyTorch's GPT steps (tables to DIR)")
     args = parser.parse_args()
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --device cpu to exercise the script without one")
     gpu = device == "cuda"
+    if args.profile:
+        activation_memory.gpu_profile(args.profile)
+        return
     backends = ["bmm", "cuda"] if gpu else ["bmm"]
     name = torch.cuda.get_device_name() if gpu else "cpu"
     print(f"torch {torch.__version__} on {name}; bigbird ~10% density, B=1 H={H} D={D} block={BLOCK}\n")
