@@ -49,12 +49,14 @@ class _DeliverGrads(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.sink, ctx.unit, ctx.count = inputs[1], inputs[2], len(inputs) - 3
+        ctx.anchor_device = inputs[0].device
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.sink.deliver(ctx.unit, grads)
-        return (torch.zeros(()), None, None) + (None,) * ctx.count
+        # on the anchor's device: a CPU zero for a CUDA anchor costs a blocking copy per unit
+        return (torch.zeros((), device=ctx.anchor_device), None, None) + (None,) * ctx.count
 
 
 def deliver_on_backward(anchor: torch.Tensor, sink: "GradSink", unit: int,
@@ -246,15 +248,15 @@ class AccumulatedGrads(GradSink):
         self._first_delivery(unit)
         params = self.order(unit)
         first = self.micro == 0
+        segs, flat = [], []
         for i, g in zip(params, grads):
-            seg = self.segments[i]
-            if g is None:
-                if first:
-                    seg.zero_()
+            if g is not None:
+                segs.append(self.segments[i])
+                flat.append(g.reshape(-1))
             elif first:
-                seg.copy_(g.reshape(-1))
-            else:
-                seg.add_(g.reshape(-1))
+                self.segments[i].zero_()
+        if segs:  # one multi-tensor launch per unit on CUDA, not one per parameter
+            (torch._foreach_copy_ if first else torch._foreach_add_)(segs, flat)
         if self.last and self.reduce and self.comm.size > 1:
             self.buckets.arrived(params)
 

@@ -158,6 +158,7 @@ class _GatheredUnit(torch.autograd.Function):
         ctx.mark_non_differentiable(*[o for o in output if not o.is_floating_point()])
         ctx.save_for_backward(shard)
         ctx.call, ctx.n_inputs, ctx.count = call, n_inputs, len(tensors)
+        ctx.anchor_device = inputs[0].device
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -178,7 +179,8 @@ class _GatheredUnit(torch.autograd.Function):
         storage.resize_(0)
         call.vjp = call.full = None
         call.deliver(unwrapped(grad_full), [unwrapped(g) for g in grad_resident])
-        return (torch.zeros(()), None, None, None) + tuple(grad_inputs) + (None,) * (ctx.count - ctx.n_inputs)
+        anchor_grad = torch.zeros((), device=ctx.anchor_device)  # on its device: no blocking copy
+        return (anchor_grad, None, None, None) + tuple(grad_inputs) + (None,) * (ctx.count - ctx.n_inputs)
 
 
 class _GatheredParams(torch.autograd.Function):
@@ -193,6 +195,7 @@ class _GatheredParams(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.ops, ctx.unit, ctx.count = inputs[2], inputs[3], len(inputs) - 4
+        ctx.anchor_device = inputs[0].device
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -211,7 +214,7 @@ class _GatheredParams(torch.autograd.Function):
         ops.sink.deliver_shard(unit.index, grad_full)
         ops.sink.deliver(unit.index, [None if by_param[i] is None else unwrapped(by_param[i])
                                       for i in unit.resident_params])
-        return (torch.zeros(()), None, None, None) + (None,) * ctx.count
+        return (torch.zeros((), device=ctx.anchor_device), None, None, None) + (None,) * ctx.count
 
 
 class UnitTrace:
