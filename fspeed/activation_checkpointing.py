@@ -370,6 +370,16 @@ class RematOps:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def head_loss(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The fused head and loss; with `partition`, a vocab-sliced head keeps 1/t of the gradient it
+        holds for backward, as the checkpointed block inputs do."""
+        if self.remat.partition and self._sliced(kwargs.get("vocab_axis")):
+            kwargs["partition"] = True
+        return self.inner.head_loss(*args, **kwargs)
+
+    def _sliced(self, axis: Any) -> bool:
+        return axis is not None and axis in getattr(self.inner, "tensor_axes", ())
+
     def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor, rng: BlockRngs = None, *,
              first: int = 0) -> torch.Tensor:
         for i, (block, rng_i) in enumerate(zip(blocks, block_generators(rng, len(blocks)))):

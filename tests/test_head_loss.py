@@ -80,7 +80,7 @@ def test_head_loss_keeps_a_fraction_of_what_the_separate_ops_keep():
     assert fused < grads_bytes * 1.1 < whole / 3, (fused, whole)
 
 
-def _sliced_head_loss(vocab: int, chunk: int):
+def _sliced_head_loss(vocab: int, chunk: int, partition: bool = False):
     """On a model=2 world: the loss and gradients with this rank's half of the vocabulary."""
     from fspeed.parallel.comm import AxisComm  # noqa: F401 (the mesh builds it)
 
@@ -89,14 +89,16 @@ def _sliced_head_loss(vocab: int, chunk: int):
     (x, w, weight, bias), targets = case(2, 7, 8, vocab, 3, torch.float32, 0.2)
     half = vocab // 2
     local = w.detach()[comm.rank * half:(comm.rank + 1) * half].clone().requires_grad_()
-    loss = head_loss(x, local, targets, norm=layer_norm, norm_params=(weight, bias), comm=comm, chunk_rows=chunk)
+    loss = head_loss(x, local, targets, norm=layer_norm, norm_params=(weight, bias), comm=comm, chunk_rows=chunk,
+                     partition=partition)
     grads = torch.autograd.grad(loss * 2.0, (x, local, weight, bias))
     return float(loss), [g.detach() for g in grads]
 
 
-@pytest.mark.parametrize("chunk", [4, 1000])
-def test_vocab_sliced_head_loss_equals_the_whole_one(world2, chunk):
-    results = world2.run(_sliced_head_loss, 10, chunk)
+@pytest.mark.parametrize("chunk, partition", [(4, False), (1000, False), (4, True), (1000, True)])
+def test_vocab_sliced_head_loss_equals_the_whole_one(world2, chunk, partition):
+    """Also with `partition` (each rank keeps half of the x gradient: 2 x 7 x 8 = 112 values, 56 each)."""
+    results = world2.run(_sliced_head_loss, 10, chunk, partition)
     (x, w, weight, bias), targets = case(2, 7, 8, 10, 3, torch.float32, 0.2)
     want = separate(x, w, targets, weight, bias)
     dx, dw, dweight, dbias = torch.autograd.grad(want * 2.0, (x, w, weight, bias))
@@ -106,6 +108,34 @@ def test_vocab_sliced_head_loss_equals_the_whole_one(world2, chunk):
         torch.testing.assert_close(gw, dw[rank * 5:(rank + 1) * 5], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(gweight, dweight, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(gbias, dbias, rtol=1e-5, atol=1e-6)
+
+
+def _kept_by_sliced_head(partition: bool) -> int:
+    mesh = fs.Mesh(data=1, model=2)
+    comm = mesh.comm("model")
+    (x, w, weight, bias), targets = case(4, 256, 64, 512, 0, torch.float32, 0.0)
+    local = w.detach()[comm.rank * 256:(comm.rank + 1) * 256].clone().requires_grad_()
+    x = x.detach().requires_grad_()
+
+    def run():
+        loss = head_loss(x, local, targets, norm=layer_norm, norm_params=(weight, bias), comm=comm, partition=partition)
+        loss.backward()
+    run()
+    return bytes_kept_for_backward(run)[0]
+
+
+def test_a_partitioned_sliced_head_keeps_half_the_x_gradient(world2):
+    """4 x 256 x 64 fp32 x gradient (256 KiB): whole on each rank, or half of it with partition."""
+    whole, parts = world2.run(_kept_by_sliced_head, False), world2.run(_kept_by_sliced_head, True)
+    dx_bytes = 4 * 256 * 64 * 4
+    for w_, p_ in zip(whole, parts):
+        assert w_ - p_ == pytest.approx(dx_bytes / 2, rel=0.2), (whole, parts)
+
+
+def test_partition_needs_a_sliced_head():
+    (x, w, weight, bias), targets = case(2, 7, 8, 10, 3, torch.float32, 0.2)
+    with pytest.raises(ValueError, match="vocab-sliced head"):
+        head_loss(x, w, targets, partition=True)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])

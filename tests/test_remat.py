@@ -228,11 +228,12 @@ def partitioned_case(partition):
 def test_partitioned_activations_keep_half_the_block_inputs_on_tensor_2(world2):
     whole = world2.run(partitioned_case, False)
     parts = world2.run(partitioned_case, True)
-    block_inputs = 4 * 8 * 128 * 64 * 4
+    one_input = 8 * 128 * 64 * 4
+    partitioned = 4 * one_input + one_input  # the 4 block inputs and the fused head's x gradient (the same size)
     for (kept_whole, grad_whole), (kept_part, grad_part) in zip(whole, parts):
         assert torch.equal(grad_part, grad_whole)  # the recompute sees the gathered input, bit for bit
         saved = kept_whole - kept_part
-        assert 0.4 * block_inputs < saved < 0.6 * block_inputs, (saved, block_inputs)
+        assert 0.4 * partitioned < saved < 0.6 * partitioned, (saved, partitioned)
 
 
 def test_partition_needs_tensor_slicing():

@@ -12,7 +12,9 @@ log-softmax) that autograd would keep.
 
 With `w` sliced over the vocabulary (tensor slicing, `comm` the model axis), each chunk's maximum, sum
 of exponentials and target logit are reduced over the model ranks (Megatron's vocab-parallel
-cross-entropy), and so is the gradient of norm(x), as a column-parallel layer's backward does.
+cross-entropy), and so is the gradient of norm(x), as a column-parallel layer's backward does. With
+`partition` (activation partitioning) each rank keeps 1/t of the x gradient (the same on every rank),
+all-gathered again in backward, as partitioned checkpointed inputs are.
 
 The gradient is computed for a loss multiplier of 1, so it is only as exact as the compute dtype at
 that scale: fp16 would underflow the small softmax terms that a loss scale protects. `gpt` uses this
@@ -32,39 +34,49 @@ CHUNK_ELEMENTS = 1 << 23  # logits elements per chunk (32 MiB in fp32)
 
 class _HeadLoss(torch.autograd.Function):
     """Outputs the loss and the gradients for a loss multiplier of 1 (not differentiable); backward
-    scales those. Written for `torch.func` too: a pure forward, the gradients saved in `setup_context`."""
+    scales those. Written for `torch.func` too: a pure forward, the gradients saved in `setup_context`.
+    With `partition`, the x gradient is kept as this rank's 1/t of it and all-gathered in backward."""
 
     @staticmethod
-    def forward(x, w, targets, norm, comm, chunk_rows, *norm_params):
-        loss, (dx, dw, dnorm) = _loss_and_grads(x, w, targets, norm, comm, chunk_rows, norm_params, True)
+    def forward(x, w, targets, norm, comm, chunk_rows, partition, *norm_params):
+        loss, (dx, dw, dnorm) = _loss_and_grads(x, w, targets, norm, comm, chunk_rows, norm_params, True, partition)
         return (loss, dx, dw, *dnorm)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.mark_non_differentiable(*output[1:])
         ctx.save_for_backward(*output[1:])
+        x, comm, partition = inputs[0], inputs[4], inputs[6]
+        ctx.gather = (comm, x.shape) if partition else None
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, *unused):
         dx, dw, *dnorm = ctx.saved_tensors
-        return (dx * grad_loss, dw * grad_loss, None, None, None, None, *(g * grad_loss for g in dnorm))
+        if ctx.gather is not None:
+            comm, shape = ctx.gather
+            dx = comm.gathered(dx)[:shape.numel()].view(shape)
+        return (dx * grad_loss, dw * grad_loss, None, None, None, None, None, *(g * grad_loss for g in dnorm))
 
 
 def head_loss(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, *,
               norm: Callable[..., torch.Tensor] = lambda x: x, norm_params: Sequence[torch.Tensor] = (),
-              comm=None, chunk_rows: Optional[int] = None) -> torch.Tensor:
+              comm=None, chunk_rows: Optional[int] = None, partition: bool = False) -> torch.Tensor:
     """Mean cross-entropy of `norm(x, *norm_params) @ w.T` against `targets`, in fp32 (module
     docstring). `w` is `[vocab, d]`, or this rank's `[vocab / t, d]` rows with `comm` the model axis;
-    `chunk_rows`: positions per chunk (default: about CHUNK_ELEMENTS logits per chunk)."""
+    `chunk_rows`: positions per chunk (default: about CHUNK_ELEMENTS logits per chunk). `partition`
+    (with `comm`: activation partitioning) keeps 1/t of the x gradient on each rank until backward."""
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // max(w.shape[0], 1))
     comm = comm if comm is not None and comm.size > 1 else None
+    if partition and comm is None:
+        raise ValueError("head_loss(partition=True) splits the kept x gradient over the model axis: it needs a "
+                         "vocab-sliced head (comm with more than one rank)")
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, w, *norm_params))):
         return _loss_and_grads(x, w, targets, norm, comm, rows, norm_params, False)[0]
-    return _HeadLoss.apply(x, w, targets, norm, comm, rows, *norm_params)[0]
+    return _HeadLoss.apply(x, w, targets, norm, comm, rows, partition, *norm_params)[0]
 
 
-def _loss_and_grads(x, w, targets, norm, comm, chunk_rows, norm_params, grads_needed):
+def _loss_and_grads(x, w, targets, norm, comm, chunk_rows, norm_params, grads_needed, partition=False):
     d = x.shape[-1]
     xs, ts = x.reshape(-1, d), targets.reshape(-1)
     n = xs.shape[0]
@@ -119,7 +131,13 @@ def _loss_and_grads(x, w, targets, norm, comm, chunk_rows, norm_params, grads_ne
     loss = total / count
     if not grads_needed:
         return loss, None
-    return loss, (dx.view_as(x), dw.to(w.dtype), [g.to(p.dtype) for g, p in zip(dnorm, norm_params)])
+    if partition:  # every rank has the same x gradient: each keeps its 1/t of it (as activation partitioning does)
+        flat = dx.reshape(-1)
+        per = -(-flat.numel() // comm.size)
+        dx = torch.nn.functional.pad(flat, (0, per * comm.size - flat.numel()))[comm.rank * per:][:per].clone()
+    else:
+        dx = dx.view_as(x)
+    return loss, (dx, dw.to(w.dtype), [g.to(p.dtype) for g, p in zip(dnorm, norm_params)])
 
 
 __all__ = ["head_loss"]

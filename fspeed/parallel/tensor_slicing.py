@@ -112,14 +112,16 @@ class TensorSlicedOps:
 
     def head_loss(self, x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, *,
                   norm: Callable[..., torch.Tensor] = lambda x: x, norm_params: Sequence[torch.Tensor] = (),
-                  vocab_axis: Optional[str] = None, in_axis: Optional[str] = None) -> torch.Tensor:
-        """The fused head and loss; a vocab-sliced `w` reduces its softmax terms over `model`."""
+                  vocab_axis: Optional[str] = None, in_axis: Optional[str] = None,
+                  partition: bool = False) -> torch.Tensor:
+        """The fused head and loss; a vocab-sliced `w` reduces its softmax terms over `model`, and with
+        `partition` (activation partitioning) keeps 1/t of the x gradient per rank until backward."""
         if in_axis in self.tensor_axes:  # a row-parallel head: the separate ops
             logits = self.linear(norm(x, *norm_params), w, out_axis=vocab_axis, in_axis=in_axis)
             return self.cross_entropy(logits, targets, vocab_axis=vocab_axis)
         if vocab_axis not in self.tensor_axes:
             return self.inner.head_loss(x, w, targets, norm=norm, norm_params=norm_params)
-        return head_loss(x, w, targets, norm=norm, norm_params=norm_params, comm=self.model)
+        return head_loss(x, w, targets, norm=norm, norm_params=norm_params, comm=self.model, partition=partition)
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, *,
                       vocab_axis: Optional[str] = None) -> torch.Tensor:
