@@ -9,8 +9,9 @@ The Numba fused Adam and LAMB kernels (likewise simulator-only so far) are check
 torch reference through the optimizers' public API, with a bf16 compute copy. Then the train step on
 CUDA with remat and cpu_checkpointing (side-stream copies, prefetched one block ahead), against no
 remat, and their kept bytes and step time against plain PyTorch with torch.utils.checkpoint
-(`activation_memory.gpu_check`). Correctness failures are listed and make the exit status 1;
-timing always runs.
+(`activation_memory.gpu_check`), and a Hugging Face GPT-2 trained by fspeed against an eager loop
+(`your_model.gpu_one_process`). Correctness failures are listed and make the exit status 1; timing
+always runs. `--sections` picks some of these.
 
 The device image has every dependency but optree (and hydra, which this script does not need), and
 its numba-cuda fails under its numpy 2.5 (`np.row_stack` is gone): carry numpy 2.4.6 and numba-cuda
@@ -42,8 +43,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import activation_memory  # noqa: E402
 import fspeed.sparse as sp  # noqa: E402
+import your_model  # noqa: E402
 from sparse_attention import BLOCK, D, H, make_layout  # noqa: E402
 
+SECTIONS = ("sparse", "optim", "remat", "hf")  # attention kernels, fused optimizers, remat + cpu_checkpointing, HF GPT-2
 # Largest error against the float64 reference, relative to the reference's largest magnitude.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # measured on CPU: 1e-6, 3e-3, 5e-4
 CASES = [  # (layout config, seq_len, causal, key padding)
@@ -188,6 +191,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--profile", metavar="DIR", help="only profile fspeed's and PyTorch's GPT steps (tables to DIR)")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="which checks to run (default: all)")
     args = parser.parse_args()
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -200,16 +205,24 @@ def main() -> None:
     name = torch.cuda.get_device_name() if gpu else "cpu"
     print(f"torch {torch.__version__} on {name}; bigbird ~10% density, B=1 H={H} D={D} block={BLOCK}\n")
 
-    failures = check_correctness(device, backends)
-    if gpu:
+    run = set(args.sections)
+    failures, results = [], {}
+    if "sparse" in run:
+        failures += check_correctness(device, backends)
+    if gpu and "optim" in run:
         print()
         failures += check_optimizers(device)
-    seqs = args.seqs if gpu else [1024]
-    dtypes = [torch.bfloat16, torch.float16, torch.float32] if gpu else [torch.float32]
-    results = time_methods(device, seqs, dtypes, backends, flex=gpu, reps=args.reps if gpu else 2)
-    print()
-    sizes = {} if gpu else dict(layers=2, width=128, seq=128, batch=2, steps=2)
-    failures += activation_memory.gpu_check(device=device, **sizes)
+    if "sparse" in run:
+        seqs = args.seqs if gpu else [1024]
+        dtypes = [torch.bfloat16, torch.float16, torch.float32] if gpu else [torch.float32]
+        results = time_methods(device, seqs, dtypes, backends, flex=gpu, reps=args.reps if gpu else 2)
+    if "remat" in run:
+        print()
+        sizes = {} if gpu else dict(layers=2, width=128, seq=128, batch=2, steps=2)
+        failures += activation_memory.gpu_check(device=device, **sizes)
+    if "hf" in run:
+        print()
+        your_model.gpu_one_process(device=device, **({} if gpu else dict(layers=2, width=128, rows=4, steps=2)))
 
     print()
     for f in failures:
@@ -219,6 +232,8 @@ def main() -> None:
         print("(dry run on the CPU: no GPU figures)")
         sys.exit(1 if failures else 0)
     S, dt = 8192, torch.bfloat16
+    if ("sdpa", dt, S) not in results:
+        sys.exit(1 if failures else 0)
     best = min((results[(m, dt, S)], m) for m in (f"fspeed_{b}" for b in backends) if (m, dt, S) in results)
     if ("fspeed_cuda", dt, S) in results:
         print(f"gpu_numba_cuda_vs_bmm={results[('fspeed_bmm', dt, S)] / results[('fspeed_cuda', dt, S)]:.2f}")

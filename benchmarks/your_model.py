@@ -115,6 +115,48 @@ def one_process(args) -> dict:
             "params": sum(p.numel() for p in module.parameters())}
 
 
+def gpu_one_process(layers: int = 12, width: int = 768, rows: int = 32, steps: int = 12,
+                    device: str = "cuda") -> dict:
+    """On one GPU (the device check, `sparse_attention_gpu.py`): the same comparison as `one_process`
+    with the module and data on `device`, fp32 with TF32 matmuls; prints the ratio."""
+    import fspeed as fs
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    module = build_gpt2(layers, width).to(device)
+    eager = copy.deepcopy(module)
+    opt = torch.optim.AdamW(eager.parameters(), lr=1e-4, fused=True)
+    model = fs.functionalize(module, lm_loss)
+    fs_opt = fs.optim.adamw(1e-4)
+    state = {"s": fs.init_train_state(model.init(), fs_opt, model=model, device=device)}
+    step = fs.make_train_step(model.loss, fs_opt)
+    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def run_eager(batch):
+        opt.zero_grad(set_to_none=True)
+        eager(**batch).loss.backward()
+        opt.step()
+
+    def run_fspeed(batch):
+        state["s"], _ = step(state["s"], batch)
+    times = {"fspeed": [], "eager": []}
+    for i in range(steps + 2):  # two warm-up rounds
+        batch = {k: v.to(device) for k, v in batch_for(i, rows).items()}
+        for name, run in ((("fspeed", run_fspeed), ("eager", run_eager)) if i % 2 == 0
+                          else (("eager", run_eager), ("fspeed", run_fspeed))):
+            synchronize()
+            t0 = time.perf_counter()
+            run(batch)
+            synchronize()
+            if i >= 2:
+                times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    params = sum(p.numel() for p in module.parameters())
+    print(f"Hugging Face GPT-2 ({params / 1e6:.0f}M parameters, {layers} layers, width {width}), {rows} x {SEQ} tokens "
+          f"on {device}: fspeed {med['fspeed'] * 1e3:.1f} ms, eager loop with fused AdamW {med['eager'] * 1e3:.1f} ms")
+    print(f"gpu_hf_step_time_vs_eager={med['fspeed'] / med['eager']:.3f}")
+    return med
+
+
 # ---------------------------------------------------------------------------------- 2 ranks
 
 

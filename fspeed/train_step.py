@@ -300,9 +300,10 @@ def make_train_step(
         if timers is not None:
             timers.stop("bwd_allreduce")
             timers.start("step")
-        mean_loss = runtime.mean_loss(float(torch.stack(step.losses).mean()))
-
-        scaled_norm = runtime.grad_norm(grads)
+        # the loss and the gradient norm reach the host together: one synchronization with the device
+        norm = runtime.grad_norm_tensor(grads)
+        local_loss, scaled_norm = torch.stack([torch.stack(step.losses).mean().to(norm), norm]).tolist()
+        mean_loss = runtime.mean_loss(local_loss)
         dynamic_scaler = precision.loss_scale is not None and precision.loss_scale.dynamic
         guarded = on_nonfinite is not None and not dynamic_scaler
         if guarded:

@@ -258,6 +258,10 @@ class ParallelRuntime:
 
     def grad_norm(self, grads: Flat) -> float:
         """The global L2 norm of the gradient, each element counted once over data and model ranks."""
+        return float(self.grad_norm_tensor(grads))
+
+    def grad_norm_tensor(self, grads: Flat) -> torch.Tensor:
+        """`grad_norm` as a 0-d float64 tensor on the gradient's device (no host synchronization)."""
         pieces = self._pieces(grads)
         sums = [torch.stack(foreach_norm(group)).double().square().sum() if group
                 else torch.zeros((), dtype=torch.float64) for group in pieces]
@@ -272,7 +276,7 @@ class ParallelRuntime:
         total = data_model + data_only + model_only + local
         if self.pipe.size > 1:  # every stage's parameters (a tied copy counted on its first stage only)
             total = self.pipe.all_reduce_(total.reshape(1).to(device)).to(grads.device)[0]
-        return float(total.sqrt())
+        return total.sqrt()
 
     def _pieces(self, grads: Flat) -> NormPieces:
         key = (grads.layout, grads.buffer.data_ptr())
