@@ -127,7 +127,7 @@ def build_param_state(leaves: list[torch.Tensor], layout: Layout, precision: Pre
         compute = storage.to(precision.param_dtype) if precision.has_master else storage
         return compute, (storage if precision.has_master else None), storage
     padded = n * layout.partition_numel if layout.stage in (1, 2) else layout.local.numel
-    buffer = torch.zeros(padded, dtype=torch.float32)
+    buffer = torch.zeros(padded, dtype=torch.float32, device=local[0].device if local else None)  # params' own device
     if local:
         torch.cat([t.reshape(-1).float() for t in local], out=buffer[:layout.local.numel])
     full = Flat(buffer if device is None else buffer.to(device), layout.local)
