@@ -138,6 +138,8 @@ class ModuleLoss:
         self.shapes = {n: p.shape for n, p in module.named_parameters()}
         self.takes_use_cache = "use_cache" in inspect.signature(module.forward).parameters
         self.remat: Any = None  # fspeed.activation_checkpointing.Remat for the units in remat_units
+        self.slots: dict[int, _Slots] = {}  # by id of the (sub)module they swap tensors into
+        self.modules = dict(module.named_modules())
         self.remat_units: frozenset = frozenset()
 
     def with_remat(self, remat: Any, where: Optional[Sequence[str]] = None) -> "ModuleLoss":
@@ -192,7 +194,8 @@ class ModuleLoss:
                 # Hugging Face's own checkpointing, which turns the cache off in training)
                 call_kwargs = {**call_kwargs, "use_cache": False}
             try:
-                return torch.func.functional_call(self.module, (given, state), call_args, call_kwargs)
+                tensors = {alias: t for name, t in given.items() for alias in self.aliases.get(name, (name,))}
+                return self._slots(self.module).call({**tensors, **state}, call_args, call_kwargs)
             except (RuntimeError, NotImplementedError) as err:
                 if units and "meta" in str(err):
                     raise RuntimeError(
@@ -203,6 +206,11 @@ class ModuleLoss:
                 raise
 
     # -- pieces ---------------------------------------------------------------------------------
+
+    def _slots(self, module: nn.Module) -> "_Slots":
+        if id(module) not in self.slots:
+            self.slots[id(module)] = _Slots(module)
+        return self.slots[id(module)]
 
     def _buffers(self, buffers) -> dict[str, torch.Tensor]:
         if buffers is None:
@@ -220,7 +228,12 @@ class ModuleLoss:
             yield
             return
         with torch.random.fork_rng(devices=self.devices):
-            torch.manual_seed(rng.initial_seed())
+            # the generators fork_rng restores (torch.manual_seed would also queue a seed for every
+            # other backend, with a stack trace each, on every call)
+            seed = rng.initial_seed()
+            torch.default_generator.manual_seed(seed)
+            if self.devices:
+                torch.cuda.manual_seed(seed)
             yield
 
     def _unit_parameter_names(self, unit: str) -> list[str]:
@@ -233,7 +246,7 @@ class ModuleLoss:
         (when computing below fp32) compute their own way (`_compute`); the module is in train or
         eval mode. A unit recomputed in backward (remat) installs all of it again for its call."""
         sliced = bool(self.tp_styles) and bool(set(ops.tensor_axes) & TP_AXES)
-        modules = dict(self.module.named_modules())
+        modules = self.modules
         hf_layers = self._hf_checkpointed(modules) if train else {}
         hf_remat = None
         if hf_layers:
@@ -241,10 +254,11 @@ class ModuleLoss:
 
             hf_remat = Remat()  # Hugging Face's own checkpointing: full, on every flagged layer
         computes = {}
-        for path, m in modules.items():
-            fn = self._compute(path, m, ops, sliced, dtype)
-            if fn is not None:
-                computes[m] = fn
+        if sliced or (dtype is not None and dtype != torch.float32 and self.fp32_modules):
+            for path, m in modules.items():
+                fn = self._compute(path, m, ops, sliced, dtype)
+                if fn is not None:
+                    computes[m] = fn
         overrides: dict[nn.Module, Callable] = dict(computes)
         installed = _Installed(self.module, overrides, train, list(hf_layers.values()),
                                remat=bool(hf_layers) or bool(self.remat_units and units))
@@ -298,9 +312,8 @@ class ModuleLoss:
                 out_dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()),
                                  torch.float32)
                 with _forward_as(module, None):
-                    out = torch.func.functional_call(module, params, _cast_floats(args, torch.float32),
-                                                     _cast_floats(kwargs, torch.float32), strict=False,
-                                                     tie_weights=False)
+                    out = self._slots(module).call(params, _cast_floats(args, torch.float32),
+                                                   _cast_floats(kwargs, torch.float32))
                 return _cast_floats(out, out_dtype)
             return in_fp32
         return None
@@ -310,10 +323,11 @@ class ModuleLoss:
         """The unit's module computes through `ops.call`: gathered for this call (ZeRO-3), recomputed
         (remat: `remat`, or zero.recompute_blocks), its gradients handed on as its backward ends."""
         module = self.module.get_submodule(path)
+        slots = self._slots(module)
 
         def run(tree, *args, **kwargs):
             with installed, _forward_as(module, compute):  # names in `tree` are relative to the unit's module
-                return torch.func.functional_call(module, _flat(tree), args, kwargs, strict=False, tie_weights=False)
+                return slots.call(_flat(tree), args, kwargs)
 
         def forward(*args, **kwargs):
             return ops.call(u, run, *args, _remat=remat, **kwargs)
@@ -324,6 +338,7 @@ class ModuleLoss:
         as units (the root's): the units are taken once per micro-batch (`ops.param`) and their
         tensors swapped in for this forward."""
         module = self.module.get_submodule(holder)
+        slots = self._slots(module)
 
         def forward(*args, **kwargs):
             params = {}
@@ -336,7 +351,7 @@ class ModuleLoss:
                         if _within(alias, holder):
                             params[alias[len(holder) + 1:] if holder else alias] = by_name[name]
             with _forward_as(module, compute):
-                return torch.func.functional_call(module, params, args, kwargs, strict=False, tie_weights=False)
+                return slots.call(params, args, kwargs)
         return forward
 
 
@@ -354,9 +369,10 @@ class _Installed:
     def __enter__(self) -> "_Installed":
         if self.depth == 0:
             self.modes = {m: m.training for m in self.module.modules()}
-            self.module.train(self.train)
+            if any(mode != self.train for mode in self.modes.values()):
+                self.module.train(self.train)
             for m, forward in self.overrides.items():
-                m.forward = forward
+                m.__dict__["forward"] = forward  # an instance attribute, as `m.forward = ...` sets
             for layer in self.hf_layers:
                 layer.gradient_checkpointing = False
         self.depth += 1
@@ -370,7 +386,8 @@ class _Installed:
             for layer in self.hf_layers:
                 layer.gradient_checkpointing = True
             for m, mode in self.modes.items():
-                m.training = mode
+                if m.training != mode:
+                    m.training = mode
 
 
 def _within(name: str, path: str) -> bool:
@@ -393,6 +410,50 @@ def _forward_as(module: nn.Module, forward: Optional[Callable]) -> Iterator[None
         module.__dict__.pop("forward", None)
         if routed is not None:
             module.forward = routed
+
+
+class _Slots:
+    """Where each dotted name of a module's tensors lives (owner module, attribute), looked up once:
+    `call` runs the module with some of them replaced, as `torch.func.functional_call(strict=False,
+    tie_weights=False)` does, without its per-call lookups (a training step calls a module once per
+    unit; functional_call's lookups and tie scan cost more than a small layer's own dispatch)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.owners: dict[str, tuple[nn.Module, str]] = {}
+
+    def _owner(self, name: str) -> tuple[nn.Module, str]:
+        got = self.owners.get(name)
+        if got is None:
+            parent, _, attr = name.rpartition(".")
+            got = self.owners[name] = (self.module.get_submodule(parent) if parent else self.module, attr)
+        return got
+
+    def call(self, tensors: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+        saved: list[tuple[nn.Module, str, Any]] = []
+        try:
+            for name, tensor in tensors.items():
+                owner, attr = self._owner(name)
+                table = owner._parameters if attr in owner._parameters else \
+                    owner._buffers if attr in owner._buffers else None
+                if table is None:  # not a parameter or buffer: an attribute for this call
+                    saved.append((owner, attr, owner.__dict__.get(attr, _MISSING)))
+                    owner.__dict__[attr] = tensor
+                else:
+                    saved.append((table, attr, table[attr]))
+                    table[attr] = tensor
+            return self.module(*args, **kwargs)
+        finally:
+            for where, attr, old in reversed(saved):
+                if isinstance(where, dict):
+                    where[attr] = old
+                elif old is _MISSING:
+                    where.__dict__.pop(attr, None)
+                else:
+                    where.__dict__[attr] = old
+
+
+_MISSING = object()
 
 
 def _cast_floats(x: Any, dtype: Optional[torch.dtype]) -> Any:
