@@ -140,6 +140,8 @@ class ModuleLoss:
         self.remat: Any = None  # fspeed.activation_checkpointing.Remat for the units in remat_units
         self.slots: dict[int, _Slots] = {}  # by id of the (sub)module they swap tensors into
         self.modules = dict(module.named_modules())
+        self.hf_layer_paths = [p for p, m in self.modules.items()  # layers that Hugging Face may checkpoint
+                               if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
         self.remat_units: frozenset = frozenset()
 
     def with_remat(self, remat: Any, where: Optional[Sequence[str]] = None) -> "ModuleLoss":
@@ -291,8 +293,7 @@ class ModuleLoss:
         """Hugging Face layers with `gradient_checkpointing` on (`gradient_checkpointing_enable()`), by
         path: their own torch.utils.checkpoint would recompute outside this forward (on the module's
         own weights), so fspeed's remat (full) takes their place; each must be a unit."""
-        flagged = [p for p, m in modules.items() if getattr(m, "gradient_checkpointing", False) is True
-                   and any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
+        flagged = [p for p in self.hf_layer_paths if getattr(modules[p], "gradient_checkpointing", False) is True]
         unit_paths = set(self.members)
         outside = [p for p in flagged if p not in unit_paths]
         if outside:
