@@ -75,6 +75,8 @@ class HostCopies:
         held.fetched = held.fetched_event = None
         held.fetches += 1
         following, held.before = held.before, None
+        if self.last is held:  # backward has begun: the next forward starts a new chain
+            self.last = None
         if (self.prefetch and following is not None and following.copied is not None and following.fetches == 0
                 and following.fetched is None):
             side = self._side(following.device)

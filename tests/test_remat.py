@@ -316,3 +316,33 @@ def test_budget_picks_the_cheapest_policy_that_fits():
     assert choice.chosen == (None, 1) and roomy is model
     with pytest.raises(ValueError, match="no activation checkpointing fits"):
         fs.remat_within_budget(model, params, batch, budget_bytes=full // 4)
+
+
+def test_host_copies_give_the_values_back_in_backward_order():
+    """The CPU path of cpu_checkpointing's copies (inline; CUDA's side streams ran on an H200, see
+    benchmarks/sparse_attention_gpu.py): each block input comes back as it was, also to a second
+    recompute, and the chain of inputs ends with the backward that consumed it."""
+    from fspeed.host_copies import HostCopies
+
+    copies = HostCopies()
+    inputs = [torch.randn(3, 5, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    held = [copies.offload(x) for x in inputs]
+    assert copies.bytes_to_host == 3 * 15 * 4
+    for h, x in reversed(list(zip(held, inputs))):  # backward: the last block's input first
+        got = copies.fetch(h)
+        assert torch.equal(got, x) and got.data_ptr() != x.data_ptr()
+    assert torch.equal(copies.fetch(held[1]), inputs[1])  # a second recompute of a block
+    assert copies.last is None and all(h.before is None for h in held)
+    assert copies.bytes_to_device == 4 * 15 * 4
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_cpu_checkpointing_gradients_equal_no_remat_exactly(every):
+    """Offloaded inputs come back bit for bit; dropout replays (the GPT's dropout is 0.1)."""
+    model = gpt(3)
+    params = model.init(torch.Generator().manual_seed(3))
+    batch = gpt_batch(2, SEQ, 3)
+    want, want_loss = gradient(model, params, batch, seed=3)
+    got, loss = gradient(fs.remat(model, "full", every, offload=True), params, batch, seed=3)
+    assert loss == want_loss
+    assert torch.equal(got, want)
