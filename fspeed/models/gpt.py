@@ -291,7 +291,9 @@ def _block(p: dict, x: torch.Tensor, rng: Optional[torch.Generator], *, n_head: 
     slicing shards (column-parallel in, row-parallel out)."""
     attn, mlp = p["attn"], p["mlp"]
     qkv = ops.linear(_layer_norm(x, p["ln1"]), attn["wqkv"], attn["bqkv"], out_axis="heads", in_axis="embed")
-    q, k, v = rearrange(qkv, "b s (three h d) -> three b h s d", three=3, h=ops.local(n_head, "heads"))
+    # chunks, not one rearrange of (three h d): backward then joins the three gradients with one cat,
+    # where unbinding a permuted view would stack them and copy again (the same q, k, v views either way)
+    q, k, v = (rearrange(t, "b s (h d) -> b h s d", h=ops.local(n_head, "heads")) for t in qkv.chunk(3, dim=-1))
     y = rearrange(attend(q, k, v), "b h s d -> b s (h d)")
     branch = _dropout(ops.linear(y, attn["wo"], attn["bo"], out_axis="embed", in_axis="heads"), dropout, rng)
     x = x + (branch if scale == 1.0 else branch * scale)
