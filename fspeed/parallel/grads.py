@@ -36,7 +36,7 @@ import torch
 from ..flat import Flat
 from .comm import AxisComm, Pending
 from .layout import Layout
-from ..torch_internals import below_functorch, unwrapped
+from ..torch_internals import apply_function, below_functorch, unwrapped
 
 
 class _DeliverGrads(torch.autograd.Function):
@@ -64,7 +64,7 @@ def deliver_on_backward(anchor: torch.Tensor, sink: "GradSink", unit: int,
     """`tensors` (a unit's parameters, in `sink.order(unit)`), whose gradients reach `sink`."""
     if not tensors:
         return ()
-    return _DeliverGrads.apply(anchor, sink, unit, *tensors)
+    return apply_function(_DeliverGrads, anchor, sink, unit, *tensors)
 
 
 class GradSink:

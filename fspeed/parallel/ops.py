@@ -29,7 +29,7 @@ import torch
 from ..models.ops import BlockFn, BlockRngs, DenseOps, block_generators
 from ..pytree import PyTree, tree_flatten, tree_unflatten
 from ..activation_checkpointing import Remat, checkpointed
-from ..torch_internals import below_functorch, unwrapped
+from ..torch_internals import apply_function, below_functorch, unwrapped
 from .comm import AxisComm
 from .grads import GradSink, deliver_on_backward
 from .layout import Layout, UnitInfo
@@ -302,7 +302,7 @@ class UnitOps(DenseOps):
                 full = self.gathered(unit, p.shard, forward=True) if p.shard is not None else None
                 tensors = _assemble(unit, full, [self.to_device(t) for t in p.resident])
             elif p.shard is not None:
-                tensors = list(_GatheredParams.apply(self.anchor, p.shard, self, unit, *p.resident))
+                tensors = list(apply_function(_GatheredParams, self.anchor, p.shard, self, unit, *p.resident))
             else:
                 tensors = [self.to_device(t) for t in deliver_on_backward(self.anchor, self.sink, unit.index, p.resident)]
             self._taken[unit.index] = tensors
@@ -335,7 +335,7 @@ class UnitOps(DenseOps):
         call = _UnitCall(self, fn, p.unit, args, kwargs)
         call.hint = _hint
         inputs = call.tensors
-        outputs = _GatheredUnit.apply(self.anchor, p.shard, call, len(inputs), *inputs, *p.resident)
+        outputs = apply_function(_GatheredUnit, self.anchor, p.shard, call, len(inputs), *inputs, *p.resident)
         return call.result(outputs)
 
     def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor, rng: BlockRngs = None, *,
