@@ -140,6 +140,7 @@ class ModuleLoss:
         self.remat: Any = None  # fspeed.activation_checkpointing.Remat for the units in remat_units
         self.slots: dict[int, _Slots] = {}  # by id of the (sub)module they swap tensors into
         self.modules = dict(module.named_modules())
+        self.module_list = list(module.modules())
         self.hf_layer_paths = [p for p, m in self.modules.items()  # layers that Hugging Face may checkpoint
                                if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
         self.remat_units: frozenset = frozenset()
@@ -263,7 +264,8 @@ class ModuleLoss:
                     computes[m] = fn
         overrides: dict[nn.Module, Callable] = dict(computes)
         installed = _Installed(self.module, overrides, train, list(hf_layers.values()),
-                               remat=bool(hf_layers) or bool(self.remat_units and units))
+                               remat=bool(hf_layers) or bool(self.remat_units and units),
+                               all_modules=self.module_list)
         taken: dict[str, list[tuple[str, Any, list[str]]]] = {}  # holder module -> the units it takes
         for path, u in units.items():
             names = self._unit_parameter_names(path)
@@ -361,15 +363,17 @@ class _Installed:
     overridden, Hugging Face's own checkpointing switched off. Re-entrant: a unit recomputed in
     backward enters it again around its call, after the forward has left it."""
 
-    def __init__(self, module: nn.Module, overrides: dict, train: bool, hf_layers: list, remat: bool):
+    def __init__(self, module: nn.Module, overrides: dict, train: bool, hf_layers: list, remat: bool,
+                 all_modules: Optional[list] = None):
         self.module, self.overrides, self.train, self.hf_layers = module, overrides, train, hf_layers
         self.remat = remat  # whether a unit of this forward is checkpointed
+        self.all_modules = list(module.modules()) if all_modules is None else all_modules
         self.depth = 0
         self.modes: dict = {}
 
     def __enter__(self) -> "_Installed":
         if self.depth == 0:
-            self.modes = {m: m.training for m in self.module.modules()}
+            self.modes = {m: m.training for m in self.all_modules}
             if any(mode != self.train for mode in self.modes.values()):
                 self.module.train(self.train)
             for m, forward in self.overrides.items():
