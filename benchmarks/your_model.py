@@ -21,7 +21,9 @@ Every process raises glibc's malloc thresholds as fspeed-train does (`fs.retain_
 for every engine in it alike); --system-malloc keeps glibc's defaults.
 
 Last lines: hf_zero3_step_time_vs_fsdp2, hf_zero1_step_time_vs_ddp, hf_step_time_vs_deepspeed,
-hf_step_time_vs_eager (each fspeed's median step time over the other's; lower is better).
+hf_step_time_vs_eager, hf_dispatch_bound_step_time_vs_eager (a 12-layer GPT-2 of width 64 on one
+row of 128 tokens, where per-op Python dispatch is the step, as on a launch-bound GPU) (each
+fspeed's median step time over the other's; lower is better).
 """
 
 from __future__ import annotations
@@ -116,9 +118,10 @@ def one_process(args) -> dict:
 
 
 def gpu_one_process(layers: int = 12, width: int = 768, rows: int = 32, steps: int = 12,
-                    device: str = "cuda") -> dict:
+                    device: str = "cuda", headline: str = "gpu_hf_step_time_vs_eager") -> dict:
     """On one GPU (the device check, `sparse_attention_gpu.py`): the same comparison as `one_process`
-    with the module and data on `device`, fp32 with TF32 matmuls; prints the ratio."""
+    with the module and data on `device`, fp32 with TF32 matmuls; prints the ratio as `headline`.
+    On the CPU with a tiny model it measures the per-step dispatch a launch-bound GPU step pays."""
     import fspeed as fs
 
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -153,7 +156,7 @@ def gpu_one_process(layers: int = 12, width: int = 768, rows: int = 32, steps: i
     params = sum(p.numel() for p in module.parameters())
     print(f"Hugging Face GPT-2 ({params / 1e6:.0f}M parameters, {layers} layers, width {width}), {rows} x {SEQ} tokens "
           f"on {device}: fspeed {med['fspeed'] * 1e3:.1f} ms, eager loop with fused AdamW {med['eager'] * 1e3:.1f} ms")
-    print(f"gpu_hf_step_time_vs_eager={med['fspeed'] / med['eager']:.3f}")
+    print(f"{headline}={med['fspeed'] / med['eager']:.3f}")
     return med
 
 
@@ -267,6 +270,10 @@ def launch(args) -> dict:
 
 
 def main(args) -> None:
+    torch.set_num_threads(args.threads)
+    print("dispatch-bound (each op tiny, as on a GPU whose step is launch-bound):")
+    dispatch = gpu_one_process(layers=12, width=64, rows=1, steps=30, device="cpu",
+                               headline="hf_dispatch_bound_step_time_vs_eager")
     single = one_process(args)
     ranks = launch(args)
     ms = 1e3
@@ -290,6 +297,7 @@ def main(args) -> None:
     else:
         print("hf_step_time_vs_deepspeed=nan  (DeepSpeed not installed: pip install -e '.[bench]')")
     print(f"hf_step_time_vs_eager={single['times']['fspeed'] / single['times']['eager']:.3f}")
+    print(f"hf_dispatch_bound_step_time_vs_eager={dispatch['fspeed'] / dispatch['eager']:.3f}")
 
 
 def parse_args():
