@@ -98,6 +98,8 @@ def build_param_state(leaves: list[torch.Tensor], layout: Layout, precision: Pre
     compute shards are CPU buffers as well.
     """
     local = local_params(leaves, layout)
+    if device is None and local:  # the state lives where the given parameters do (a GPU's, say)
+        device = local[0].device
     n, rank = layout.data_size, layout.data_rank
     offload = layout.zero.offload_optimizer
     if layout.stage == 3:
@@ -127,7 +129,7 @@ def build_param_state(leaves: list[torch.Tensor], layout: Layout, precision: Pre
         compute = storage.to(precision.param_dtype) if precision.has_master else storage
         return compute, (storage if precision.has_master else None), storage
     padded = n * layout.partition_numel if layout.stage in (1, 2) else layout.local.numel
-    buffer = torch.zeros(padded, dtype=torch.float32, device=local[0].device if local else None)  # params' own device
+    buffer = torch.zeros(padded, dtype=torch.float32, device=local[0].device if local else None)  # params' own
     if local:
         torch.cat([t.reshape(-1).float() for t in local], out=buffer[:layout.local.numel])
     full = Flat(buffer if device is None else buffer.to(device), layout.local)
