@@ -38,8 +38,8 @@ from fspeed.host_memory import live_host_bytes
 from fspeed.models.gpt_module import GPTModule, load_params_into_module
 
 
-def fspeed_variant(model, params, batch, device="cpu", out=None):
-    opt = fs.optim.adamw(1e-4)
+def fspeed_variant(model, params, batch, device="cpu", out=None, opt=None):
+    opt = opt if opt is not None else fs.optim.adamw(1e-4)
     state = {"s": fs.init_train_state(params, opt, device=device)}
     step = fs.make_train_step(model.loss, opt)
 
@@ -276,18 +276,10 @@ def gpu_profile(out_dir: str, layers: int = 24, width: int = 1024, seq: int = 10
     params = model.init(torch.Generator().manual_seed(0))
     x = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
     big = {"inputs": x, "targets": x.roll(-1, 1)}
-
-    def with_opt(opt, variant=model):
-        state = {"s": fs.init_train_state(params, opt, device=device)}
-        step = fs.make_train_step(variant.loss, opt)
-
-        def run():
-            state["s"], _ = step(state["s"], big)
-        return run
     runs = {
-        "fspeed_numba_adam": with_opt(fs.optim.adamw(1e-4)),
-        "fspeed_torch_adam": with_opt(fs.optim.adamw(1e-4, backend="torch")),
-        "fspeed_cpu_ckpt": with_opt(fs.optim.adamw(1e-4), fs.remat(model, "full", offload=True)),
+        "fspeed_numba_adam": fspeed_variant(model, params, big, device),
+        "fspeed_torch_adam": fspeed_variant(model, params, big, device, opt=fs.optim.adamw(1e-4, backend="torch")),
+        "fspeed_cpu_ckpt": fspeed_variant(fs.remat(model, "full", offload=True), params, big, device),
         "torch_eager": torch_variant(cfg, params, big, False, device),
     }
     for name, run in runs.items():
@@ -311,6 +303,7 @@ def gpu_profile(out_dir: str, layers: int = 24, width: int = 1024, seq: int = 10
 
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest error of `got` against `ref`, relative to `ref`'s largest magnitude."""
     return float((got.detach().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import activation_memory  # noqa: E402
+from activation_memory import relative_error  # noqa: E402
 import fspeed.sparse as sp  # noqa: E402
 import your_model  # noqa: E402
 from sparse_attention import BLOCK, D, H, make_layout  # noqa: E402
@@ -55,10 +56,6 @@ CASES = [  # (layout config, seq_len, causal, key padding)
     (sp.VariableConfig(num_heads=4, block=32, local_window_blocks=[2, 4], global_block_indices=[0]), 1024, False,
      False),
 ]
-
-
-def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.detach().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
 def check_correctness(device: str, backends: list[str]) -> list[str]:

@@ -15,10 +15,10 @@ with plain autograd) with torch's selective-checkpoint contexts for the policies
 
 `every=k` checkpoints every k-th block (DeepSpeed's interval), the others keep their activations.
 `offload=True` (DeepSpeed's `cpu_checkpointing`) keeps the saved block inputs in host memory
-(`fspeed.host_copies`: pinned, copied on a side stream and back one block ahead, on CUDA). Randomness replays: torch's generators by `preserve_rng_state`, an
-explicit `torch.Generator` argument (the reference GPT's dropout) by its saved state. Under ZeRO-3
-the recompute runs inside the unit's gather (`fspeed.parallel.ops`), so its weights are gathered
-again for it and freed after.
+(`fspeed.host_copies`: pinned, copied on a side stream and back one block ahead, on CUDA).
+Randomness replays: torch's generators by `preserve_rng_state`, an explicit `torch.Generator`
+argument (the reference GPT's dropout) by its saved state. Under ZeRO-3 the recompute runs inside
+the unit's gather (`fspeed.parallel.ops`), so its weights are gathered again for it and freed after.
 """
 
 from __future__ import annotations

@@ -18,10 +18,9 @@ class HostCopy:
     """One offloaded tensor: its host copy, the event that marks that copy done (CUDA), and, once
     prefetched, its device copy with the event that marks that one done."""
 
-    def __init__(self, host: torch.Tensor, device: torch.device, shape: torch.Size,
-                 copied: Optional[torch.cuda.Event] = None):
+    def __init__(self, host: torch.Tensor, device: torch.device, copied: Optional[torch.cuda.Event] = None):
         self.host: Optional[torch.Tensor] = host
-        self.device, self.shape, self.copied = device, shape, copied
+        self.device, self.copied = device, copied
         self.fetched: Optional[torch.Tensor] = None
         self.fetched_event: Optional[torch.cuda.Event] = None
         self.before: Optional[HostCopy] = None  # the one offloaded just before this: recomputed next
@@ -48,7 +47,7 @@ class HostCopies:
         tensor = tensor.detach()
         self.bytes_to_host += tensor.numel() * tensor.element_size()
         if tensor.device.type != "cuda":
-            held = HostCopy(tensor.to("cpu", copy=True), tensor.device, tensor.shape)
+            held = HostCopy(tensor.to("cpu", copy=True), tensor.device)
         else:
             side = self._side(tensor.device)
             side.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor's producer is done
@@ -58,7 +57,7 @@ class HostCopies:
                 copied = torch.cuda.Event()
                 copied.record(side)
             tensor.record_stream(side)  # its memory is reused only after the copy
-            held = HostCopy(host, tensor.device, tensor.shape, copied)
+            held = HostCopy(host, tensor.device, copied)
         held.before, self.last = self.last, held
         return held
 

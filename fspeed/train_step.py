@@ -306,7 +306,7 @@ def make_train_step(
             timers.stop("bwd_allreduce")
             timers.start("step")
         # the loss and the gradient norm reach the host together: one synchronization with the device
-        norm = runtime.grad_norm_tensor(grads)
+        norm = runtime.grad_norm(grads)
         local_loss, scaled_norm = torch.stack([torch.stack(step.losses).mean().to(norm), norm]).tolist()
         mean_loss = runtime.mean_loss(local_loss)
         dynamic_scaler = precision.loss_scale is not None and precision.loss_scale.dynamic

@@ -140,7 +140,6 @@ class ModuleLoss:
         self.remat: Any = None  # fspeed.activation_checkpointing.Remat for the units in remat_units
         self.slots: dict[int, _Slots] = {}  # by id of the (sub)module they swap tensors into
         self.modules = dict(module.named_modules())
-        self.module_list = list(module.modules())
         self.hf_layer_paths = [p for p, m in self.modules.items()  # layers that Hugging Face may checkpoint
                                if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
         self.remat_units: frozenset = frozenset()
@@ -265,7 +264,7 @@ class ModuleLoss:
         overrides: dict[nn.Module, Callable] = dict(computes)
         installed = _Installed(self.module, overrides, train, list(hf_layers.values()),
                                remat=bool(hf_layers) or bool(self.remat_units and units),
-                               all_modules=self.module_list)
+                               all_modules=list(self.modules.values()))
         taken: dict[str, list[tuple[str, Any, list[str]]]] = {}  # holder module -> the units it takes
         for path, u in units.items():
             names = self._unit_parameter_names(path)
@@ -364,10 +363,10 @@ class _Installed:
     backward enters it again around its call, after the forward has left it."""
 
     def __init__(self, module: nn.Module, overrides: dict, train: bool, hf_layers: list, remat: bool,
-                 all_modules: Optional[list] = None):
+                 all_modules: list):
         self.module, self.overrides, self.train, self.hf_layers = module, overrides, train, hf_layers
         self.remat = remat  # whether a unit of this forward is checkpointed
-        self.all_modules = list(module.modules()) if all_modules is None else all_modules
+        self.all_modules = all_modules  # the module and its submodules
         self.depth = 0
         self.modes: dict = {}
 

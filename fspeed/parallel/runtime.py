@@ -258,12 +258,9 @@ class ParallelRuntime:
 
     # -- the boundary ----------------------------------------------------------------------
 
-    def grad_norm(self, grads: Flat) -> float:
-        """The global L2 norm of the gradient, each element counted once over data and model ranks."""
-        return float(self.grad_norm_tensor(grads))
-
-    def grad_norm_tensor(self, grads: Flat) -> torch.Tensor:
-        """`grad_norm` as a 0-d float64 tensor on the gradient's device (no host synchronization)."""
+    def grad_norm(self, grads: Flat) -> torch.Tensor:
+        """The global L2 norm of the gradient, each element counted once over data and model ranks: a
+        0-d float64 tensor on the gradient's device (the caller decides when the host reads it)."""
         pieces = self._pieces(grads)
         sums = [torch.stack(foreach_norm(group)).double().square().sum() if group
                 else torch.zeros((), dtype=torch.float64) for group in pieces]
