@@ -10,10 +10,12 @@ torch reference through the optimizers' public API, with a bf16 compute copy. Th
 CUDA with remat and cpu_checkpointing (side-stream copies, prefetched one block ahead), against no
 remat, and their kept bytes and step time against plain PyTorch with torch.utils.checkpoint
 (`activation_memory.gpu_check`), and a Hugging Face GPT-2 trained by fspeed against an eager loop
-(`your_model.gpu_one_process`). Correctness failures are listed and make the exit status 1; timing
+(`your_model.gpu_one_process`), and `train.device=cuda` through `fs.initialize` and `fspeed-train`
+(`check_engine_on_device`: equal to the CPU run; train, checkpoint, resume). Correctness failures are listed and make the exit status 1; timing
 always runs. `--sections` picks some of these.
 
-The device image has every dependency but optree (and hydra, which this script does not need), and
+The device image has every dependency but optree and hydra (hydra-core 1.3.8, omegaconf 2.3.1 and
+antlr4-python3-runtime 4.9.3, the last built here with `pip wheel`: it is an sdist), and
 its numba-cuda fails under its numpy 2.5 (`np.row_stack` is gone): carry numpy 2.4.6 and numba-cuda
 0.30.4 (the pinned one) too;
 carry it as a wheel (see /work/.library/device/README.md): here, `echo /.whl/ >> .git/info/exclude; python3 -m pip download
@@ -47,7 +49,8 @@ import fspeed.sparse as sp  # noqa: E402
 import your_model  # noqa: E402
 from sparse_attention import BLOCK, D, H, make_layout  # noqa: E402
 
-SECTIONS = ("sparse", "optim", "remat", "hf")  # attention kernels, fused optimizers, remat + cpu_checkpointing, HF GPT-2
+# attention kernels, fused optimizers, remat + cpu_checkpointing, HF GPT-2, fs.initialize and fspeed-train on the device
+SECTIONS = ("sparse", "optim", "remat", "hf", "engine")
 # Largest error against the float64 reference, relative to the reference's largest magnitude.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # measured on CPU: 1e-6, 3e-3, 5e-4
 CASES = [  # (layout config, seq_len, causal, key padding)
@@ -126,6 +129,47 @@ def check_optimizers(device: str) -> list[str]:
         print(f"{name:6s} numba kernel vs torch: relative error {err:.1e}, bf16 copy exact: {exact_cast}")
         if not err <= 1e-5 or not exact_cast:
             failures.append(f"{name} backend=numba: error {err:.1e} (tolerance 1e-5), bf16 copy exact: {exact_cast}")
+    return failures
+
+
+def check_engine_on_device(device: str, steps: int = 3, cli_steps: tuple[int, int] = (20, 25)) -> list[str]:
+    """`train.device`: a Hugging Face GPT-2 through `fs.initialize` (a DeepSpeed config, batches on
+    the CPU that the step moves) equals the same run on the CPU (fp32, no TF32); then `fspeed-train`
+    trains, checkpoints and resumes on the device. Needs hydra (carry its wheels)."""
+    import copy  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    import fspeed as fs  # noqa: PLC0415
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    failures = []
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    module = your_model.build_gpt2(2, 128)
+    trained = {}
+    for where, m in (("cpu", module), (device, copy.deepcopy(module))):
+        engine, *_ = fs.initialize(m, config, overrides=[f"train.device={where}"])
+        losses = [engine.train_batch(batch=your_model.batch_for(i, 8)) for i in range(steps)]
+        trained[where] = [p.detach().cpu() for p in engine.module.parameters()]
+        print(f"fs.initialize, HF GPT-2 on {where}: losses {[round(v, 4) for v in losses]}, parameters on "
+              f"{next(engine.module.parameters()).device}")
+    err = max(relative_error(a, b) for a, b in zip(trained["cpu"], trained[device]))
+    print(f"engine on {device} vs cpu after {steps} steps: parameters' largest relative error {err:.1e}")
+    if err > 1e-4:
+        failures.append(f"fs.initialize with train.device={device}: parameters differ from the CPU run by {err:.1e}")
+    with tempfile.TemporaryDirectory() as tmp:
+        common = [sys.executable, "-m", "fspeed.cli.train", f"train.device={device}", "data.max_bytes=200000",
+                  "model.n_layer=2", "scheduler.warmup_num_steps=5", "train.eval_every=0", "monitor.progress_bar=false", f"checkpoint.dir={tmp}/ck"]
+        for steps_to, extra in zip(cli_steps, ([], ["checkpoint.resume=true"])):
+            proc = subprocess.run(common + [f"train.steps={steps_to}", f"hydra.run.dir={tmp}/run{steps_to}"] + extra,
+                                  capture_output=True, text=True, timeout=300)
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+            print(f"fspeed-train train.device={device} to step {steps_to}{' (resumed)' if extra else ''}: exit "
+                  f"{proc.returncode}; " + " | ".join(tail))
+            if proc.returncode != 0:
+                failures.append(f"fspeed-train train.device={device} (to step {steps_to}) exited {proc.returncode}")
+                break
     return failures
 
 
@@ -220,6 +264,10 @@ def main() -> None:
     if "hf" in run:
         print()
         your_model.gpu_one_process(device=device, **({} if gpu else dict(layers=2, width=128, rows=4, steps=2)))
+
+    if "engine" in run:
+        print()
+        failures += check_engine_on_device(device, **({} if gpu else dict(steps=2, cli_steps=(3, 4))))
 
     print()
     for f in failures:

@@ -199,7 +199,8 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
     scalar output; a Model has its own). `model_parameters`: torch-style parameter groups
     (`deepspeed_groups`); `lr_scheduler`: the config's scheduler is used (an object is refused)."""
     from .config.build import (  # noqa: PLC0415
-        apply_activation_checkpointing, build_lr_schedule, build_optimizer, build_precision, build_zero_config,
+        apply_activation_checkpointing, build_device, build_lr_schedule, build_optimizer, build_precision,
+        build_zero_config,
     )
     from .config.compose import compose_run_config  # noqa: PLC0415
 
@@ -216,7 +217,10 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
     run, _ = compose_run_config(config, overrides, dp_world_size=data)
     _refuse_cli_monitors(run)
     module = model if isinstance(model, nn.Module) else None
+    device = build_device(run)  # None: the state stays where the model's parameters are
     if module is not None:
+        if device is not None:
+            module.to(device)  # with every buffer, as DeepSpeed moves the module to its device
         model = functionalize(module, loss_fn or output_loss, tp_plan=tp_plan if tp_plan is not None else
                               ("auto" if tensor > 1 else None))
     elif loss_fn is not None:
@@ -253,7 +257,7 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
             plan = plan | run.pipeline.to_library(run.batch.grad_accum,
                                                   run.activation_checkpointing.to_library() if interval else None)
     params = model.init(torch.Generator().manual_seed(run.train.seed))
-    state = init_train_state(params, optimizer, precision=precision, seed=run.train.seed, plan=plan,
+    state = init_train_state(params, optimizer, precision=precision, seed=run.train.seed, device=device, plan=plan,
                              mesh=mesh if plan is not None else None, model=model)
     step = make_train_step(model if pipe > 1 else model.loss, optimizer, grad_accum=run.batch.grad_accum, plan=plan,
                            mesh=mesh if plan is not None else None,

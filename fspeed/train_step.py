@@ -50,7 +50,7 @@ from .parallel.plan import Plan
 from .parallel.pipeline_runtime import PipelineExecutor
 from .parallel.runtime import ParallelRuntime, check_optimizer
 from .models.model import Model
-from .pytree import PyTree, tree_flatten_with_paths, tree_unflatten
+from .pytree import PyTree, tree_flatten_with_paths, tree_map, tree_unflatten
 from .rng import dropout_seed, layer_generator
 from .timers import StepTimers
 from .train_state import TrainState
@@ -267,6 +267,7 @@ def make_train_step(
             return layer_generator(micro_seed(state, runtime, m), i, step.generator.device)
         if timers is not None:
             timers.start("fwd")  # forward and backward interleave: the schedule's time is fwd_ms
+        micro_batches = [on_device(mb, step.anchor.device) for mb in micro_batches]
         losses, grads = executor.step(state.params, micro_batches, multiplier, layer_rng)
         if timers is not None:
             timers.stop("fwd")
@@ -285,6 +286,7 @@ def make_train_step(
         runtime = step.runtime
         multiplier = state.loss_scale.scale / (grad_accum * runtime.n)  # summed over data ranks = the mean
         step.generator.manual_seed(micro_seed(state, runtime, i))
+        micro_batch = on_device(micro_batch, step.anchor.device)
         runtime.begin_micro(i)
         loss = grad_and_loss(step.anchor, _params(state, runtime), micro_batch, step.generator, multiplier,
                              state.buffers, runtime)
@@ -429,6 +431,15 @@ def _params(state: TrainState, runtime: ParallelRuntime) -> Flat:
     return params if params is not None else state.params
 
 
+def on_device(batch: PyTree, device: torch.device) -> PyTree:
+    """`batch` with its tensors on `device`, where the step computes: a CPU loader's batch for a
+    GPU step, copied asynchronously (from pinned memory). On the CPU it is `batch` itself."""
+    if device.type == "cpu":
+        return batch
+    return tree_map(lambda t: t.to(device, non_blocking=True)
+                    if isinstance(t, torch.Tensor) and t.device != device else t, batch)
+
+
 def _rows(batch: PyTree) -> int:
     leaves = tree_flatten_with_paths(batch)[1]
     return next(leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0)
@@ -486,7 +497,7 @@ def make_eval_step(loss_fn: LossFn | Model, *, plan: Optional[Plan] = None,
         layout = state.layout
         kwargs = dict(options, buffers=state.buffers) if takes_buffers else dict(options)
         if layout.is_local and plan is None:
-            return float(loss_fn(state.params.tree(), batch, rng=None, **kwargs))
+            return float(loss_fn(state.params.tree(), on_device(batch, state.params.device), rng=None, **kwargs))
         if mesh is None:
             raise ValueError("this state was built with a plan; pass plan= and mesh= to make_eval_step too")
         key = (layout, state.precision)
@@ -497,6 +508,7 @@ def make_eval_step(loss_fn: LossFn | Model, *, plan: Optional[Plan] = None,
             if layout.pipeline is not None:
                 executors[key] = PipelineExecutor(layout, mesh, model.layers, torch.float32)
         runtime = runtimes[key]
+        batch = on_device(batch, runtime.compute_device(state.params))
         if layout.pipeline is not None:
             loss = executors[key].eval_loss(state.params, batch)
             return runtime.mean_loss(loss if loss is not None else 0.0)

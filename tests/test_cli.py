@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 EXE = shutil.which("fspeed-train") or ""
 
@@ -54,6 +55,9 @@ def test_short_run_writes_metrics_and_checkpoint_then_resumes(tmp_path):
         ("optimizer.lr=-0.1", ["optimizer.lr", "-0.1"]),
         ("optimizer=adamz", ["adamz", "adamw", "lamb", "sgd"]),
         ("train.train_batch_size=100", ["100", "divisible"]),
+        ("train.device=tpu", ["train.device", "tpu", "cuda"]),
+        pytest.param("train.device=cuda", ["train.device", "needs a CUDA GPU", "cpu"],
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
     ],
 )
 def test_bad_config_fails_before_training_with_a_clear_message(tmp_path, override, expected):

@@ -102,3 +102,27 @@ def test_an_all_gather_in_flight_completes_by_range(world2):
         assert after_range[0:3] == expected[0:3] and after_range[10:13] == expected[10:13]
         assert after_range[3:10] == [-1.0] * 7  # untouched until waited
         assert out == expected and done
+
+
+@pytest.mark.parametrize("cuda, local_rank, expected_backend, expected_device",
+                         [(False, "0", "gloo", None), (True, "1", "cpu:gloo,cuda:nccl", 1),
+                          (True, "3", "cpu:gloo,cuda:nccl", None)])  # rank 3 of 2 GPUs: a CPU run, no device set
+def test_init_distributed_uses_gloo_for_host_tensors_and_nccl_for_cuda_ones(monkeypatch, cuda, local_rank,
+                                                                              expected_backend, expected_device):
+    import fspeed.parallel.mesh as mesh_module
+
+    calls = {}
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        lambda backend, timeout: calls.setdefault("backend", backend))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.setdefault("device", device.index))
+    mesh_module.init_distributed()
+    assert calls["backend"] == expected_backend and calls.get("device") == expected_device
+    calls.clear()
+    mesh_module.init_distributed("gloo")  # an explicit backend is taken as given
+    assert calls == {"backend": "gloo"}

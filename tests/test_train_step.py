@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import fspeed as fs
 from fspeed.optim import adamw, chain, clip_by_global_norm, sgd
 from fspeed.rng import dropout_seed
-from fspeed.train_step import split_micro_batches
+from fspeed.train_step import on_device, split_micro_batches
 
 
 def tiny_gpt(dropout=0.0, vocab=40, seq=12):
@@ -254,6 +254,15 @@ def test_split_micro_batches_errors_and_views():
         split_micro_batches({"a": torch.zeros(4, 1), "b": torch.zeros(3)}, 1)
     with pytest.raises(ValueError, match="grad_accum"):
         fs.make_train_step(lambda p, b, rng=None: 0, adamw(1e-3), grad_accum=0)
+
+
+def test_on_device_moves_the_batch_tensors_only_off_the_cpu():
+    batch = {"inputs": torch.arange(6).view(2, 3), "mask": (torch.ones(2, 3),), "name": "rows", "none": None}
+    assert on_device(batch, torch.device("cpu")) is batch  # the CPU step takes the batch as it is
+    moved = on_device(batch, torch.device("meta"))  # a device other than the CPU, on any machine
+    assert moved["inputs"].device.type == "meta" and moved["mask"][0].device.type == "meta"
+    assert moved["inputs"].shape == (2, 3) and moved["name"] == "rows" and moved["none"] is None
+    assert batch["inputs"].device.type == "cpu"  # the caller's batch is left alone
 
 
 def test_eval_step_and_lr_property():

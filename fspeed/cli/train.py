@@ -38,7 +38,8 @@ from .. import checkpoint, data
 from ..checkpoint import CheckpointError
 from ..config import ConfigError, Problem, prepare_overrides, to_run_config
 from ..config.build import (
-    apply_activation_checkpointing, build_model_config, build_optimizer, build_precision, build_zero_config,
+    apply_activation_checkpointing, build_device, build_model_config, build_optimizer, build_precision,
+    build_zero_config,
 )
 from ..config.schema import Bf16Config, RunConfig
 from ..config.targets import TargetConfig
@@ -110,9 +111,9 @@ def _corpus_job(run: RunConfig, ckpt_dir: Path, resume_tag: Optional[str]) -> _J
                 run.model.seq_len, GPT_RULES)
 
 
-def _user_job(run: RunConfig) -> _Job:
+def _user_job(run: RunConfig, device: Optional[torch.device]) -> _Job:
     """A user's model and data (`model._target_`, `data._target_`; see `user_job`)."""
-    model = build_user_model(run)
+    model = build_user_model(run, device)
     train_rows, val_rows = build_user_data(run)
     rules = fs_rules(model) if run.parallel.tensor > 1 else None
     val = f"{len(val_rows)} validation samples" if val_rows is not None else "no validation data"
@@ -148,7 +149,8 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     ckpt_dir = Path(run.checkpoint.dir)
     resume_tag = checkpoint.latest_tag(ckpt_dir) if run.checkpoint.resume else None
-    job = _user_job(run) if isinstance(run.model, TargetConfig) else _corpus_job(run, ckpt_dir, resume_tag)
+    device = build_device(run)
+    job = _user_job(run, device) if isinstance(run.model, TargetConfig) else _corpus_job(run, ckpt_dir, resume_tag)
     model, remat_profile = apply_activation_checkpointing(run, job.model)
     mesh, plan = _parallel_setup(run, job.rules)
     lead = mesh is None or mesh.rank == 0
@@ -171,7 +173,8 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
         model, choice = remat_within_budget(model, params, micro, int(run.activation_checkpointing.budget_mib * 2**20))
         activations = choice.tried[-1][2]
         log.info("%s", choice)
-    state = init_train_state(params, optimizer, precision=precision, seed=t.seed, plan=plan, mesh=mesh, model=model)
+    state = init_train_state(params, optimizer, precision=precision, seed=t.seed, device=device, plan=plan, mesh=mesh,
+                             model=model)
     try:  # before the first step: can every rank save, and is there room for one checkpoint?
         checkpoint.preflight(ckpt_dir, state, mesh=mesh)
     except CheckpointError as e:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Callable, Optional
 
+import torch
 from torch import nn
 
 from ..config import ConfigError, Problem
@@ -28,8 +29,9 @@ _MODEL_RETURNS = "an nn.Module, a (module, loss_fn) pair, or an fspeed Model"
 _DATA_RETURNS = "a map-style Dataset, a (train, validation) pair, or a mapping with train, validation, collate_fn"
 
 
-def build_user_model(run: RunConfig) -> Model:
-    """The Model to train from `model._target_` (an nn.Module is functionalized)."""
+def build_user_model(run: RunConfig, device: Optional[torch.device] = None) -> Model:
+    """The Model to train from `model._target_`: an nn.Module is moved to `device` with every buffer
+    (None: left where it is) and functionalized."""
     built = run.model.instantiate()
     loss_fn: Optional[Callable] = None
     if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module) and callable(built[1]):
@@ -39,6 +41,8 @@ def build_user_model(run: RunConfig) -> Model:
     if not isinstance(built, nn.Module):
         raise ConfigError([Problem("model._target_", f"returned {type(built).__name__}; allowed: {_MODEL_RETURNS}",
                                    run.model.target)])
+    if device is not None:
+        built = built.to(device)
     try:
         model = functionalize(built, loss_fn or output_loss, tp_plan="auto" if run.parallel.tensor > 1 else None)
     except ValueError as err:

@@ -6,6 +6,9 @@ This is the one place where config becomes calls; the library itself takes plain
 from __future__ import annotations
 
 import logging
+from typing import Optional
+
+import torch
 
 import fspeed.optim as optim
 import fspeed.precision as precision
@@ -13,6 +16,7 @@ from fspeed.models import GPTConfig, pad_vocab
 from fspeed.optim import schedules
 from fspeed import ZeroConfig
 
+from .errors import ConfigError, Problem
 from .schema import RunConfig
 
 log = logging.getLogger(__name__)
@@ -147,6 +151,31 @@ def build_precision(run: RunConfig) -> precision.Precision:
             grad_accum_dtype=p.grad_accum_dtype, unscale_with_updated_scale=p.unscale_with_updated_scale,
         )
     raise ValueError(f"precision {p.name!r} has no builder; allowed: fp32, bf16, fp16")
+
+
+def build_device(run: RunConfig) -> Optional[torch.device]:
+    """Where this rank's step computes (`train.device`): the CPU, or this rank's GPU, cuda:LOCAL_RANK,
+    which becomes the current device; None when unset: where the model's parameters are."""
+    from fspeed.parallel.mesh import local_device  # noqa: PLC0415 (the config package loads before parallel)
+
+    if run.train.device is None:
+        return None
+    if run.train.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError([Problem("train.device", "needs a CUDA GPU, and this torch sees none (torch.cuda.is_available() "
+                                   "is False: a CPU-only build, or no GPU visible)", "cuda", "cpu")])
+    if run.activation_checkpointing.budget_mib is not None:
+        raise ConfigError([Problem("activation_checkpointing.budget_mib", "measures host (malloc) memory, so it "
+                                   "chooses a policy for the CPU only; with train.device=cuda pick the policy "
+                                   "(activation_checkpointing.policy)", run.activation_checkpointing.budget_mib)])
+    device = local_device()
+    if device.index >= torch.cuda.device_count():
+        raise ConfigError([Problem("train.device", f"is this rank's GPU cuda:{device.index} (LOCAL_RANK), and only "
+                                   f"{torch.cuda.device_count()} are visible: launch at most that many processes "
+                                   "per node", "cuda")])
+    torch.cuda.set_device(device)
+    return device
 
 
 def build_zero_config(run: RunConfig) -> ZeroConfig:

@@ -335,6 +335,9 @@ class TrainConfig(ValidatedConfig):
     # bf16, fp16 with a static scale): "stop" raises naming the step (the state stays at the last
     # good step), "skip" skips it as an fp16 overflow is skipped
     on_nonfinite: Literal["stop", "skip"] = "stop"
+    # where the step computes: "cuda" is this rank's GPU (cuda:LOCAL_RANK), batches are moved there;
+    # None: where the model is (fspeed-train builds it on the CPU; fs.initialize: the module's device)
+    device: Optional[Literal["cpu", "cuda"]] = None
 
 
 @dataclass(frozen=True, kw_only=True)

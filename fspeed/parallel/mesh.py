@@ -27,8 +27,10 @@ AXES = ("pipe", "data", "model")
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) -> None:
     """Initialize the default process group from torchrun's environment, if not done already.
 
-    `backend` defaults to nccl with CUDA, gloo otherwise. A collective that waits longer than
-    `timeout_s` fails with `CommError` instead of hanging.
+    `backend` defaults to gloo without CUDA. With CUDA it is nccl for CUDA tensors and gloo for
+    CPU ones (`"cpu:gloo,cuda:nccl"`): host-side collectives (offloaded state, scalars, objects,
+    a run on the CPU) stay valid, and each rank's current device is `cuda:LOCAL_RANK`. A collective
+    that waits longer than `timeout_s` fails with `CommError` instead of hanging.
     """
     if dist.is_initialized():
         return
@@ -37,8 +39,21 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
             "init_distributed: RANK/WORLD_SIZE are not set; launch with `fspeed --num_gpus N script.py` or "
             "`torchrun --nproc_per_node N script.py` (a single process needs no process group)"
         )
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend is None:
+        backend = default_backend()
+    if "nccl" in backend and torch.cuda.is_available() and local_device().index < torch.cuda.device_count():
+        torch.cuda.set_device(local_device())  # NCCL binds a rank to its current device
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def default_backend() -> str:
+    """gloo, and nccl for CUDA tensors where CUDA exists (`init_distributed`)."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def local_device() -> torch.device:
+    """This process's GPU, `cuda:LOCAL_RANK` (the launcher's local rank; 0 without one)."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def shutdown_distributed() -> None:
@@ -181,7 +196,7 @@ def _world_timeout() -> Optional[datetime.timedelta]:
         return None
     try:
         group = dist.distributed_c10d._get_default_group()
-        device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+        device = torch.device("cuda") if str(dist.get_backend()) == "nccl" else torch.device("cpu")  # else gloo's
         return group._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
         return None

@@ -62,9 +62,10 @@ def to_host(t: torch.Tensor, pin_memory: bool) -> torch.Tensor:
 
 def compute_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
     """Where the model computes when parameters are stored on CPU: where the collectives of
-    `group` run (NCCL: the current CUDA device; gloo: CPU); without a process group, CUDA if present."""
+    `group` run (NCCL, alone or for CUDA tensors beside gloo: the current CUDA device; gloo: CPU);
+    without a process group, CUDA if present."""
     if dist.is_available() and dist.is_initialized():
-        if dist.get_backend(group) == "nccl":
+        if "nccl" in str(dist.get_backend(group)):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
