@@ -15,6 +15,7 @@ import fspeed.precision as precision
 from fspeed.models import GPTConfig, pad_vocab
 from fspeed.optim import schedules
 from fspeed import ZeroConfig
+from fspeed.parallel.mesh import local_device
 
 from .errors import ConfigError, Problem
 from .schema import RunConfig
@@ -156,8 +157,6 @@ def build_precision(run: RunConfig) -> precision.Precision:
 def build_device(run: RunConfig) -> Optional[torch.device]:
     """Where this rank's step computes (`train.device`): the CPU, or this rank's GPU, cuda:LOCAL_RANK,
     which becomes the current device; None when unset: where the model's parameters are."""
-    from fspeed.parallel.mesh import local_device  # noqa: PLC0415 (the config package loads before parallel)
-
     if run.train.device is None:
         return None
     if run.train.device == "cpu":

@@ -39,16 +39,10 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
             "init_distributed: RANK/WORLD_SIZE are not set; launch with `fspeed --num_gpus N script.py` or "
             "`torchrun --nproc_per_node N script.py` (a single process needs no process group)"
         )
-    if backend is None:
-        backend = default_backend()
+    backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     if "nccl" in backend and torch.cuda.is_available() and local_device().index < torch.cuda.device_count():
         torch.cuda.set_device(local_device())  # NCCL binds a rank to its current device
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def default_backend() -> str:
-    """gloo, and nccl for CUDA tensors where CUDA exists (`init_distributed`)."""
-    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 def local_device() -> torch.device:
@@ -196,7 +190,8 @@ def _world_timeout() -> Optional[datetime.timedelta]:
         return None
     try:
         group = dist.distributed_c10d._get_default_group()
-        device = torch.device("cuda") if str(dist.get_backend()) == "nccl" else torch.device("cpu")  # else gloo's
+        # NCCL alone: its timeout; gloo, alone or beside NCCL (cpu:gloo,cuda:nccl): gloo's
+        device = torch.device("cuda") if str(dist.get_backend()) == "nccl" else torch.device("cpu")
         return group._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
         return None
