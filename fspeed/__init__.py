@@ -25,7 +25,7 @@ from .parallel import (
     tensor_slicing, zero,
 )
 from .loss_scale import LossScaleAtMinimumError, LossScaleState
-from .models import Model, functionalize, to_module, tp_plan_from
+from .models import Model, causal_lm_loss, functionalize, to_module, tp_plan_from
 from .pytree import tree_flatten_with_paths, tree_map, tree_paths
 from .engine import Engine, initialize
 from .train_init import init_train_state
@@ -42,7 +42,7 @@ __all__ = [
     "MemoryEstimate", "OffloadOptimizerConfig", "OffloadParamConfig", "estimate_memory",
     "CheckpointError", "checkpoint", "data", "load_checkpoint", "save_checkpoint", "sparse",
     "DonatedStateError", "Flat", "FlatLayout", "LossScaleAtMinimumError", "LossScaleState", "Model",
-    "Engine", "TrainState", "functionalize", "initialize", "init_train_state", "make_eval_step", "make_train_step", "models",
+    "Engine", "TrainState", "causal_lm_loss", "functionalize", "initialize", "init_train_state", "make_eval_step", "make_train_step", "models",
     "monitor", "optim", "precision", "profile", "StepTimers",
     "to_module", "tp_plan_from", "tree_flatten_with_paths", "tree_map", "tree_paths",
     "BudgetChoice", "Remat", "RematPolicy", "RematProfile", "checkpoint_name", "measure_activations", "remat",

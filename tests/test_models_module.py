@@ -119,6 +119,18 @@ def test_a_state_without_the_modules_buffers_is_a_clear_error():
         fs.make_train_step(model.loss, opt)(state, cnn_batch(4, 0))
 
 
+@pytest.mark.parametrize("plan", [None, fs.zero(3)])
+def test_a_state_without_the_modules_units_is_a_clear_error(plan):
+    # without model=, the state groups GPT-2's parameters as one unit, 'transformer', so the tied head
+    # (lm_head, outside it) would have run on the module's own stale weight and lost its gradient
+    model = fs.functionalize(hf_gpt2(), lm_loss)
+    opt = fs.optim.sgd(0.1)
+    mesh = fs.Mesh() if plan is not None else None
+    state = fs.init_train_state(model.init(), opt, plan=plan, mesh=mesh)
+    with pytest.raises(ValueError, match=r"into units \['transformer'\], which are not this module's.*model=model"):
+        fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)(state, lm_batch(2, 0))
+
+
 def test_dropout_draws_from_the_seed_and_a_resumed_run_is_exact(tmp_path):
     module = hf_gpt2(dropout=0.2)
     batches = [lm_batch(4, seed) for seed in range(4)]

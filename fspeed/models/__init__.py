@@ -1,5 +1,6 @@
 """Models as pure functions of parameter pytrees."""
 
+from .causal_lm import causal_lm_loss
 from .gpt import GPT_RULES, GPTConfig, gpt, gpt_logical_axes, pad_vocab
 from .layers import Layer, LayerSequence, TiedLayer, sequential
 from .layer_drop import LayerDrop, kept_blocks, step_layer_drop
@@ -12,7 +13,8 @@ gpt_rules = GPT_RULES  # the name used in plans: fs.tensor_slicing(fs.models.gpt
 module_tp_rules = MODULE_TP_RULES  # a functionalized module's tp_plan: fs.tensor_slicing(fs.models.module_tp_rules)
 
 __all__ = [
-    "DENSE", "DenseOps", "GPT_RULES", "GPTConfig", "LogicalAxes", "Model", "count_params", "functionalize",
+    "DENSE", "DenseOps", "GPT_RULES", "GPTConfig", "LogicalAxes", "Model", "causal_lm_loss", "count_params",
+    "functionalize",
     "MODULE_TP_RULES", "gpt", "gpt_logical_axes", "gpt_rules", "module_tp_rules", "pad_vocab", "to_module",
     "tp_plan_from", "LayerDrop", "kept_blocks", "step_layer_drop",
     "Layer", "LayerSequence", "TiedLayer", "sequential",

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ..pytree import PyTree, tree_flatten_with_paths
+from .causal_lm import FusedHead, labels_of, output_head
 from .model import LogicalAxes, Model
 from .module_tp import MODULE_TP_RULES, explain_failure, logical_axes_of, styles_of, tp_forward, tp_plan_from
 from .ops import DENSE
@@ -143,6 +144,9 @@ class ModuleLoss:
         self.hf_layer_paths = [p for p, m in self.modules.items()  # layers that Hugging Face may checkpoint
                                if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
         self.remat_units: frozenset = frozenset()
+        # causal_lm_loss: the output head computes the loss itself (fspeed.models.causal_lm)
+        self.head = output_head(module, name) if getattr(loss_fn, "fuses_head", False) else None
+        self.head_path = next((p for p, m in self.modules.items() if m is self.head), None)
 
     def with_remat(self, remat: Any, where: Optional[Sequence[str]] = None) -> "ModuleLoss":
         """A copy whose units matching `where` (default: the repeated blocks) are checkpointed
@@ -169,6 +173,11 @@ class ModuleLoss:
         if self.loss_fn is None:
             raise ValueError(f"functionalize({self.name}) was given no loss_fn; pass "
                              "functionalize(module, loss_fn=lambda outputs, batch: ...)")
+        if self.head is not None:  # the labels go to the fused head, not to the module
+            fused = FusedHead(self.head, labels_of(batch))
+            inputs = {k: v for k, v in batch.items() if k not in ("targets", "labels")}
+            outputs = self.apply(params, inputs, rng=rng, buffers=buffers, ops=ops, train=train, head=fused)
+            return fused.loss(outputs, self.name) if fused.installed else self.loss_fn(outputs, batch)
         if isinstance(batch, dict):
             inputs = {k: v for k, v in batch.items() if k != "targets"}
         else:
@@ -176,15 +185,21 @@ class ModuleLoss:
         return self.loss_fn(self.apply(params, inputs, rng=rng, buffers=buffers, ops=ops, train=train), batch)
 
     def apply(self, params, inputs, *, rng: Optional[torch.Generator] = None, buffers=None, ops=DENSE,
-              train: bool = True) -> Any:
-        """The module's output for `inputs` (a tuple: positional arguments; a dict: keywords)."""
+              train: bool = True, head: Optional[FusedHead] = None) -> Any:
+        """The module's output for `inputs` (a tuple: positional arguments; a dict: keywords); with
+        `head`, the output head computes `head`'s loss (`causal_lm_loss`) where it can."""
         flat = _flat(params)
         units = {path: u for path, u in flat.items() if _is_unit(u)}
+        foreign = [path for path in units if path not in self.members]
+        if foreign:  # its modules would run on their own tensors: stale weights, lost gradients
+            raise ValueError(f"{self.name}: the state groups its parameters into units {foreign[:3]}, which are not "
+                             f"this module's (e.g. {list(self.members)[:3]}); build the state with "
+                             "fs.init_train_state(params, opt, ..., model=model), which takes the module's units")
         tensors = {path: t for path, t in flat.items() if not _is_unit(t)}
         dtype = _compute_dtype(tensors, units)
         state = self._buffers(buffers)
         inputs = _cast_floats(inputs, dtype)
-        with self._seeded(rng), self._routed(units, ops, dtype, train) as installed:
+        with self._seeded(rng), self._routed(units, ops, dtype, train, head) as installed:
             given = dict(tensors)
             for path, u in units.items():  # a unit's parameters are reached only through its route
                 for name in self._unit_parameter_names(path):
@@ -242,11 +257,13 @@ class ModuleLoss:
         return self.members.get(unit, [])
 
     @contextlib.contextmanager
-    def _routed(self, units: dict, ops, dtype: torch.dtype, train: bool) -> Iterator[None]:
+    def _routed(self, units: dict, ops, dtype: torch.dtype, train: bool,
+                head: Optional[FusedHead] = None) -> Iterator[None]:
         """For one forward: every unit's module (and every module sharing one of its parameters)
-        computes through ops; tensor-sliced modules (when the ops slice) and normalisation layers
-        (when computing below fp32) compute their own way (`_compute`); the module is in train or
-        eval mode. A unit recomputed in backward (remat) installs all of it again for its call."""
+        computes through ops; tensor-sliced modules (when the ops slice), normalisation layers
+        (when computing below fp32) and a fused output head (`head`, but not in fp16 or sliced)
+        compute their own way (`_compute`); the module is in train or eval mode. A unit recomputed
+        in backward (remat) installs all of it again for its call."""
         sliced = bool(self.tp_styles) and bool(set(ops.tensor_axes) & TP_AXES)
         modules = self.modules
         hf_layers = self._hf_checkpointed(modules) if train else {}
@@ -261,6 +278,9 @@ class ModuleLoss:
                 fn = self._compute(path, m, ops, sliced, dtype)
                 if fn is not None:
                     computes[m] = fn
+        if head is not None and dtype != torch.float16 and not (sliced and self.head_path in self.tp_styles):
+            computes[head.head] = head.forward
+            head.installed = True
         overrides: dict[nn.Module, Callable] = dict(computes)
         installed = _Installed(self.module, overrides, train, list(hf_layers.values()),
                                remat=bool(hf_layers) or bool(self.remat_units and units),

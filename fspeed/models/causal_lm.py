@@ -1,0 +1,95 @@
+"""`causal_lm_loss`: a causal language model's next-token loss; given to `functionalize`, it also
+fuses the model's output head with the loss, so the logits are never materialized.
+
+    model = fs.functionalize(hf_llama, fs.causal_lm_loss)   # batches: {"input_ids": ..., "labels": ...}
+
+The loss is Hugging Face's causal-LM loss: position t predicts label t+1, labels of -100 are
+ignored, the mean is over the rest. Called on a module's outputs it is exactly that, from
+`outputs.logits`. Given to `functionalize`, it runs the head (`get_output_embeddings()`, an
+`nn.Linear` without bias) as `head_loss` instead: the module is called without `labels`, and when
+its head runs it returns the loss itself (the fused op's chunks never hold more than one slice of
+the logits), which the module hands back as its output's `logits` (checked: the same value, 0-d). That is the head's whole output
+in memory terms: the logits (positions x vocabulary, a language model's largest activation) and
+their log-softmax are neither kept for backward nor written, as Liger-Kernel's fused linear
+cross-entropy does for Hugging Face models.
+
+A model that transforms its logits after the head (a scale, Gemma's soft-capping) gets an error
+naming it. fp16 and a tensor-sliced head compute their logits (unfused), as the reference GPT does
+in fp16: `head_loss` takes its gradient for a loss multiplier of 1, which fp16 would underflow.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .head_loss import IGNORE_INDEX, head_loss
+
+
+def causal_lm_loss(outputs: Any, batch: Any) -> torch.Tensor:
+    """Mean next-token cross-entropy of `outputs.logits` against `batch["labels"]` (module docstring)."""
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+    labels = labels_of(batch)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+
+
+causal_lm_loss.fuses_head = True  # functionalize runs the output head and this loss as one op
+
+
+def output_head(module: nn.Module, name: str) -> nn.Linear:
+    """The module's output head, checked for fusing: its `get_output_embeddings()`, a Linear without bias."""
+    get = getattr(module, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"causal_lm_loss fuses the output head with the loss, and {name} has no nn.Linear head "
+                         f"(get_output_embeddings() gave {type(head).__name__}): give functionalize a loss_fn of "
+                         "your own, e.g. lambda outputs, batch: fs.causal_lm_loss(outputs, batch) computes the same "
+                         "loss from the logits")
+    if head.bias is not None:
+        raise ValueError(f"causal_lm_loss: {name}'s output head has a bias, which the fused head and loss does not "
+                         "take; give functionalize lambda outputs, batch: fs.causal_lm_loss(outputs, batch) (unfused)")
+    return head
+
+
+class FusedHead:
+    """One forward's fused head: the head module's forward (`forward`) returns the loss of its input
+    against `labels`, and `loss` checks that the module handed it back untouched."""
+
+    def __init__(self, head: nn.Linear, labels: torch.Tensor):
+        self.head, self.labels = head, labels
+        self.installed = False  # whether this forward runs the head as `forward` (not in fp16, not sliced)
+        self.result: Optional[torch.Tensor] = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[:-1] != self.labels.shape:
+            raise ValueError(f"causal_lm_loss: the head's input has positions {list(hidden.shape[:-1])}, the labels "
+                             f"{list(self.labels.shape)}; the module must apply its head to every position")
+        x = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+        self.result = head_loss(x, self.head.weight, self.labels[:, 1:].reshape(-1))
+        return self.result
+
+    def loss(self, outputs: Any, name: str) -> torch.Tensor:
+        """The loss as the module handed it back (under a plan, through its unit's route, which
+        carries the gradient to the head's parameters), checked to be the head's own result."""
+        logits = outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None)
+        if self.result is None or not isinstance(logits, torch.Tensor) or logits.dim() != 0 or \
+                not torch.equal(logits.detach(), self.result.detach()):
+            raise ValueError(f"causal_lm_loss: {name} changes its logits after the output head (a scale, soft-capping, "
+                             "a slice), so the head cannot be fused with the loss; give functionalize "
+                             "lambda outputs, batch: fs.causal_lm_loss(outputs, batch) (unfused)")
+        return logits
+
+
+def labels_of(batch: Any) -> torch.Tensor:
+    """`batch["labels"]`, checked: token ids [rows, positions]."""
+    labels = batch.get("labels") if isinstance(batch, dict) else None
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
+        raise ValueError("causal_lm_loss needs batch['labels'], token ids [rows, positions] (-100: ignored), got "
+                         f"{type(labels).__name__ if labels is None else list(getattr(labels, 'shape', []))}")
+    return labels
+
+
+__all__ = ["FusedHead", "causal_lm_loss", "labels_of", "output_head"]
