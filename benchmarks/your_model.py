@@ -20,10 +20,14 @@ functional_call), the gradient delivery, the optimizer step.
 Every process raises glibc's malloc thresholds as fspeed-train does (`fs.retain_freed_host_memory`,
 for every engine in it alike); --system-malloc keeps glibc's defaults.
 
+Then, on one process, the module's own loss against `fs.causal_lm_loss` (its output head fused with the
+loss) at this vocabulary and at GPT-2's 50257: bytes kept for backward and step time.
+
 Last lines: hf_zero3_step_time_vs_fsdp2, hf_zero1_step_time_vs_ddp, hf_step_time_vs_deepspeed,
 hf_step_time_vs_eager, hf_dispatch_bound_step_time_vs_eager (a 12-layer GPT-2 of width 64 on one
 row of 128 tokens, where per-op Python dispatch is the step, as on a launch-bound GPU) (each
-fspeed's median step time over the other's; lower is better).
+fspeed's median step time over the other's; lower is better), then per vocabulary
+hf_fused_head_kept_bytes_over_own_loss_vocabV and hf_fused_head_step_time_over_own_loss_vocabV.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import torch
 VOCAB, SEQ, MICRO = 8192, 128, 4
 
 
-def build_gpt2(layers: int, width: int):
+def build_gpt2(layers: int, width: int, vocab: int = VOCAB):
     import transformers
 
     import transformers.utils as utils
@@ -55,7 +59,7 @@ def build_gpt2(layers: int, width: int):
         owner.is_kernels_available = lambda *a, **k: False
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64, vocab_size=VOCAB, n_positions=SEQ,
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64, vocab_size=vocab, n_positions=SEQ,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(cfg)
 
@@ -64,8 +68,8 @@ def lm_loss(outputs, batch):
     return outputs.loss
 
 
-def batch_for(step: int, rows: int, rank: int = 0) -> dict:
-    x = torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(1000 * step + rank))
+def batch_for(step: int, rows: int, rank: int = 0, vocab: int = VOCAB) -> dict:
+    x = torch.randint(0, vocab, (rows, SEQ), generator=torch.Generator().manual_seed(1000 * step + rank))
     return {"input_ids": x, "labels": x}
 
 
@@ -115,6 +119,40 @@ def one_process(args) -> dict:
     return {"times": med, "phases": {k: statistics.median(v) for k, v in phases.items()},
             "eager_forward_backward": statistics.median(eager_fwd_bwd),
             "params": sum(p.numel() for p in module.parameters())}
+
+
+def fused_head(args, vocabs=(VOCAB, 50257), steps: int = 6) -> dict:
+    """fspeed on the same GPT-2 with the module's own loss (logits, then cross_entropy) and with
+    `fs.causal_lm_loss` (the head fused with the loss), alternating: per vocabulary, the bytes the
+    forward keeps for backward (malloc's, at backward start) and the step time."""
+    import fspeed as fs
+    from fspeed.activation_budget import bytes_kept_for_backward
+
+    torch.set_num_threads(args.threads)
+    fs.retain_freed_host_memory()
+    out = {}
+    for vocab in vocabs:
+        module = build_gpt2(args.layers, args.width, vocab)
+        runs = {}
+        for name, loss_fn in (("own loss", lm_loss), ("causal_lm_loss", fs.causal_lm_loss)):
+            model = fs.functionalize(module, loss_fn)
+            opt = fs.optim.adamw(1e-4)
+            holder = {"state": fs.init_train_state(model.init(), opt, model=model)}
+            step = fs.make_train_step(model.loss, opt)
+
+            def run(step=step, holder=holder, i=[0]):
+                holder["state"], _ = step(holder["state"], batch_for(i[0], MICRO, vocab=vocab))
+                i[0] += 1
+            runs[name] = run
+        figures = {name: [] for name in runs}
+        for i in range(steps + 1):  # the first round warms up
+            for name in (runs if i % 2 == 0 else reversed(list(runs))):
+                kept, seconds = bytes_kept_for_backward(runs[name])
+                if i:
+                    figures[name].append((kept, seconds))
+        out[vocab] = {name: (statistics.median(k for k, _ in v), statistics.median(t for _, t in v))
+                      for name, v in figures.items()}
+    return out
 
 
 def gpu_one_process(layers: int = 12, width: int = 768, rows: int = 32, steps: int = 12,
@@ -275,6 +313,7 @@ def main(args) -> None:
     dispatch = gpu_one_process(layers=12, width=64, rows=1, steps=30, device="cpu",
                                headline="hf_dispatch_bound_step_time_vs_eager")
     single = one_process(args)
+    fused = fused_head(args)
     ranks = launch(args)
     ms = 1e3
     print(f"\nHugging Face GPT-2, {single['params'] / 1e6:.1f}M parameters ({args.layers} layers, width {args.width}), "
@@ -285,6 +324,11 @@ def main(args) -> None:
     for phase, t in single["phases"].items():
         print(f"    fspeed {phase:<48}{t * ms:>9.1f} ms")
     print(f"    eager forward + backward alone{'':<26}{single['eager_forward_backward'] * ms:>9.1f} ms")
+    print("\none process, the module's own loss against fs.causal_lm_loss (head fused with the loss), alternating:")
+    print(f"  {'vocabulary':>10}  {'loss':<16}{'kept for backward':>18}{'step':>10}")
+    for vocab, rows in fused.items():
+        for name, (kept, seconds) in rows.items():
+            print(f"  {vocab:>10}  {name:<16}{kept / 2**20:>14.1f} MiB{seconds * ms:>8.0f} ms")
     print(f"\n2 gloo ranks x {args.threads} thread, engines alternating, slowest rank:")
     for name, t in ranks.items():
         print(f"  {name:<38}{t * ms:>9.1f} ms")
@@ -298,6 +342,10 @@ def main(args) -> None:
         print("hf_step_time_vs_deepspeed=nan  (DeepSpeed not installed: pip install -e '.[bench]')")
     print(f"hf_step_time_vs_eager={single['times']['fspeed'] / single['times']['eager']:.3f}")
     print(f"hf_dispatch_bound_step_time_vs_eager={dispatch['fspeed'] / dispatch['eager']:.3f}")
+    for vocab, rows in fused.items():
+        (own_kept, own_t), (fused_kept, fused_t) = rows["own loss"], rows["causal_lm_loss"]
+        print(f"hf_fused_head_kept_bytes_over_own_loss_vocab{vocab}={fused_kept / own_kept:.3f}")
+        print(f"hf_fused_head_step_time_over_own_loss_vocab{vocab}={fused_t / own_t:.3f}")
 
 
 def parse_args():
