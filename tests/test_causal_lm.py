@@ -107,6 +107,31 @@ def test_fused_head_under_zero_on_2_ranks_equals_a_plain_torch_loop(world2, name
             torch.testing.assert_close(value, expected[path].detach(), rtol=tolerance, atol=tolerance, msg=path)
 
 
+def tp_fused_case(stage):
+    """Llama with its own tp_plan (lm_head colwise: sliced over the vocabulary) on 2 tensor ranks."""
+    mesh = fs.Mesh(data=1, model=2)
+    model = fs.functionalize(hf_llama(), fs.causal_lm_loss, tp_plan="auto")
+    opt = fs.optim.chain(fs.optim.clip_by_global_norm(1.0), fs.optim.adamw(1e-3, weight_decay=0.0))
+    plan = fs.zero(stage, param_persistence_threshold=0) | fs.tensor_slicing(fs.models.module_tp_rules)
+    state = fs.init_train_state(model.init(), opt, plan=plan, mesh=mesh, model=model)
+    step = fs.make_train_step(model.loss, opt, grad_accum=2, plan=plan, mesh=mesh)
+    for seed in range(3):
+        state, _ = step(state, labelled_batch(8, seed, 3))
+    params = fs.gather_params(state, mesh)
+    return dict(zip(fs.tree_paths(params), tree_leaves(params)))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_vocabulary_sliced_fused_head_on_2_tensor_ranks_equals_a_plain_torch_loop(world2, stage):
+    assert fs.tp_plan_from(hf_llama())["lm_head"].startswith("colwise")
+    reference = torch_loop(hf_llama(), lm_loss, [labelled_batch(8, seed, 3) for seed in range(3)], grad_accum=2,
+                           clip=1.0)
+    expected = dict(reference.named_parameters())
+    for params in world2.run(tp_fused_case, stage):
+        for path, value in params.items():
+            torch.testing.assert_close(value, expected[path].detach(), rtol=5e-5, atol=5e-5, msg=path)
+
+
 def test_bf16_fuses_and_fp16_computes_the_logits():
     module = hf_llama()
     batch = labelled_batch(2, 0, 0)

@@ -13,9 +13,11 @@ in memory terms: the logits (positions x vocabulary, a language model's largest 
 their log-softmax are neither kept for backward nor written, as Liger-Kernel's fused linear
 cross-entropy does for Hugging Face models.
 
-A model that transforms its logits after the head (a scale, Gemma's soft-capping) gets an error
-naming it. fp16 and a tensor-sliced head compute their logits (unfused), as the reference GPT does
-in fp16: `head_loss` takes its gradient for a loss multiplier of 1, which fp16 would underflow.
+The head runs through the step's ops (`ops.head_loss`), so a head that its tp_plan slices over the
+vocabulary (colwise) computes Megatron's vocabulary-parallel cross-entropy on its slice. A model that
+transforms its logits after the head (a scale, Gemma's soft-capping) gets an error naming it. fp16
+computes its logits (unfused), as the reference GPT does: `head_loss` takes its gradient for a loss
+multiplier of 1, which fp16 would underflow.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .head_loss import IGNORE_INDEX, head_loss
+from .head_loss import IGNORE_INDEX
 
 
 def causal_lm_loss(outputs: Any, batch: Any) -> torch.Tensor:
@@ -58,9 +60,12 @@ class FusedHead:
     """One forward's fused head: the head module's forward (`forward`) returns the loss of its input
     against `labels`, and `loss` checks that the module handed it back untouched."""
 
-    def __init__(self, head: nn.Linear, labels: torch.Tensor):
-        self.head, self.labels = head, labels
-        self.installed = False  # whether this forward runs the head as `forward` (not in fp16, not sliced)
+    def __init__(self, head: nn.Linear, labels: torch.Tensor, ops: Any, style: Optional[str] = None):
+        self.head, self.labels, self.ops = head, labels, ops
+        # a tensor-sliced head (its tp_plan style): vocabulary-parallel cross-entropy over the slices
+        self.axes = {"vocab_axis": "tp_out"} if style in ("colwise", "colwise_rep", "colwise_gather_output") else \
+            {"in_axis": "tp_in"} if style == "rowwise" else {}
+        self.installed = False  # whether this forward runs the head as `forward` (not in fp16)
         self.result: Optional[torch.Tensor] = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -68,7 +73,7 @@ class FusedHead:
             raise ValueError(f"causal_lm_loss: the head's input has positions {list(hidden.shape[:-1])}, the labels "
                              f"{list(self.labels.shape)}; the module must apply its head to every position")
         x = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-        self.result = head_loss(x, self.head.weight, self.labels[:, 1:].reshape(-1))
+        self.result = self.ops.head_loss(x, self.head.weight, self.labels[:, 1:].reshape(-1), **self.axes)
         return self.result
 
     def loss(self, outputs: Any, name: str) -> torch.Tensor:

@@ -174,7 +174,7 @@ class ModuleLoss:
             raise ValueError(f"functionalize({self.name}) was given no loss_fn; pass "
                              "functionalize(module, loss_fn=lambda outputs, batch: ...)")
         if self.head is not None:  # the labels go to the fused head, not to the module
-            fused = FusedHead(self.head, labels_of(batch))
+            fused = FusedHead(self.head, labels_of(batch), ops, self.tp_styles.get(self.head_path))
             inputs = {k: v for k, v in batch.items() if k not in ("targets", "labels")}
             outputs = self.apply(params, inputs, rng=rng, buffers=buffers, ops=ops, train=train, head=fused)
             return fused.loss(outputs, self.name) if fused.installed else self.loss_fn(outputs, batch)
@@ -261,7 +261,7 @@ class ModuleLoss:
                 head: Optional[FusedHead] = None) -> Iterator[None]:
         """For one forward: every unit's module (and every module sharing one of its parameters)
         computes through ops; tensor-sliced modules (when the ops slice), normalisation layers
-        (when computing below fp32) and a fused output head (`head`, but not in fp16 or sliced)
+        (when computing below fp32) and a fused output head (`head`, but not in fp16)
         compute their own way (`_compute`); the module is in train or eval mode. A unit recomputed
         in backward (remat) installs all of it again for its call."""
         sliced = bool(self.tp_styles) and bool(set(ops.tensor_axes) & TP_AXES)
@@ -278,7 +278,7 @@ class ModuleLoss:
                 fn = self._compute(path, m, ops, sliced, dtype)
                 if fn is not None:
                     computes[m] = fn
-        if head is not None and dtype != torch.float16 and not (sliced and self.head_path in self.tp_styles):
+        if head is not None and dtype != torch.float16:
             computes[head.head] = head.forward
             head.installed = True
         overrides: dict[nn.Module, Callable] = dict(computes)
