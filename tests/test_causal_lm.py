@@ -48,6 +48,18 @@ def test_fused_head_equals_the_models_own_loss_and_gradients(name, seed, rows, i
     torch.testing.assert_close(fs.causal_lm_loss(module(**batch), batch), ref_loss, rtol=1e-6, atol=1e-6)
 
 
+def test_the_fused_head_composes_with_remat_of_the_layers():
+    module = hf_llama()
+    batch = labelled_batch(3, 1, 2)
+    fused = fs.functionalize(module, fs.causal_lm_loss)
+    params = fused.init()
+    loss, grads = loss_and_grads(fused.loss, params, batch)
+    remat_loss, remat_grads = loss_and_grads(fs.remat(fused, "full").loss, params, batch)
+    assert torch.equal(remat_loss, loss)
+    for path, g in grads.items():
+        assert torch.equal(remat_grads[path], g), path
+
+
 def saved_bytes(loss_fn, params, batch) -> int:
     """Bytes of the distinct tensors autograd keeps for backward, parameters excluded."""
     params = tree_map(lambda t: t.detach().requires_grad_(), params)
