@@ -119,6 +119,16 @@ def test_fused_head_under_zero_on_2_ranks_equals_a_plain_torch_loop(world2, name
             torch.testing.assert_close(value, expected[path].detach(), rtol=tolerance, atol=tolerance, msg=path)
 
 
+def test_a_deepspeed_style_engine_takes_the_fused_loss():
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    losses = {}
+    for name, loss_fn in (("own", None), ("fused", fs.causal_lm_loss)):
+        engine, *_ = fs.initialize(hf_llama(), config, loss_fn=loss_fn)
+        losses[name] = [engine.train_batch(batch=labelled_batch(4, seed, 2)) for seed in range(2)]
+    assert losses["fused"] == pytest.approx(losses["own"], rel=1e-5)
+
+
 def tp_fused_case(stage):
     """Llama with its own tp_plan (lm_head colwise: sliced over the vocabulary) on 2 tensor ranks."""
     mesh = fs.Mesh(data=1, model=2)

@@ -162,8 +162,9 @@ def build_device(run: RunConfig) -> Optional[torch.device]:
     if run.train.device == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ConfigError([Problem("train.device", "needs a CUDA GPU, and this torch sees none (torch.cuda.is_available() "
-                                   "is False: a CPU-only build, or no GPU visible)", "cuda", "cpu")])
+        raise ConfigError([Problem("train.device", "needs a CUDA GPU, and this torch sees none "
+                                   "(torch.cuda.is_available() is False: a CPU-only build, or no GPU visible)",
+                                   "cuda", "cpu")])
     if run.activation_checkpointing.budget_mib is not None:
         raise ConfigError([Problem("activation_checkpointing.budget_mib", "measures host (malloc) memory, so it "
                                    "chooses a policy for the CPU only; with train.device=cuda pick the policy "

@@ -8,9 +8,9 @@ ignored, the mean is over the rest. Called on a module's outputs it is exactly t
 `outputs.logits`. Given to `functionalize`, it runs the head (`get_output_embeddings()`, an
 `nn.Linear` without bias) as `head_loss` instead: the module is called without `labels`, and when
 its head runs it returns the loss itself (the fused op's chunks never hold more than one slice of
-the logits), which the module hands back as its output's `logits` (checked: the same value, 0-d). That is the head's whole output
-in memory terms: the logits (positions x vocabulary, a language model's largest activation) and
-their log-softmax are neither kept for backward nor written, as Liger-Kernel's fused linear
+the logits), which the module hands back as its output's `logits` (checked: the same value, 0-d).
+So the logits (positions x vocabulary, a language model's largest activation) and their
+log-softmax are neither kept for backward nor written whole, as Liger-Kernel's fused linear
 cross-entropy does for Hugging Face models.
 
 The head runs through the step's ops (`ops.head_loss`), so a head that its tp_plan slices over the
