@@ -22,7 +22,7 @@ from ..parallel import gather_params
 from ..plot import lr_range_test_pick, plot_lr_range_test
 from ..profile import FlopsProfile, flops, measure_peak_tflops, report, step_tflops
 from ..timers import METRIC_KEYS, StepTimers
-from ..train_step import split_micro_batches
+from ..train_step import on_device, split_micro_batches
 
 THROUGHPUT_COLUMNS = ("tflops", "mfu")
 
@@ -102,7 +102,7 @@ class FlopsWatch:
         params = state.params.tree() if state.layout.is_local else gather_params(state, self.mesh)
         if not self.lead:
             return
-        micro = split_micro_batches(batch, self.grad_accum)[0]
+        micro = on_device(split_micro_batches(batch, self.grad_accum)[0], state.params.device)
         self.profile = flops(self.model, params, micro)
         if self.peak is None:
             leaf = state.params.buffer
