@@ -8,7 +8,7 @@ ignored, the mean is over the rest. Called on a module's outputs it is exactly t
 `outputs.logits`. Given to `functionalize`, it runs the head (`get_output_embeddings()`, an
 `nn.Linear` without bias) as `head_loss` instead: the module is called without `labels`, and when
 its head runs it returns the loss itself (the fused op's chunks never hold more than one slice of
-the logits), which the module hands back as its output's `logits` (checked: the same value, 0-d).
+the logits), which the module hands back as its output's `logits` (checked: the same tensor, 0-d).
 So the logits (positions x vocabulary, a language model's largest activation) and their
 log-softmax are neither kept for backward nor written whole, as Liger-Kernel's fused linear
 cross-entropy does for Hugging Face models.
@@ -80,8 +80,9 @@ class FusedHead:
         """The loss as the module handed it back (under a plan, through its unit's route, which
         carries the gradient to the head's parameters), checked to be the head's own result."""
         logits = outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None)
+        # the same storage (a unit's route may hand it back as a view): no device sync, unlike comparing values
         if self.result is None or not isinstance(logits, torch.Tensor) or logits.dim() != 0 or \
-                not torch.equal(logits.detach(), self.result.detach()):
+                logits.data_ptr() != self.result.data_ptr():
             raise ValueError(f"causal_lm_loss: {name} changes its logits after the output head (a scale, soft-capping, "
                              "a slice), so the head cannot be fused with the loss; give functionalize "
                              "lambda outputs, batch: fs.causal_lm_loss(outputs, batch) (unfused)")
