@@ -15,14 +15,17 @@ remat, and their kept bytes and step time against plain PyTorch with torch.utils
 train, checkpoint, resume). Correctness failures are listed and make the exit status 1; timing
 always runs. `--sections` picks some of these.
 
-The device image has every dependency but optree and hydra (hydra-core 1.3.8, omegaconf 2.3.1 and
-antlr4-python3-runtime 4.9.3, the last built here with `pip wheel`: it is an sdist), and
-its numba-cuda fails under its numpy 2.5 (`np.row_stack` is gone): carry numpy 2.4.6 and numba-cuda
-0.30.4 (the pinned one) too;
-carry it as a wheel (see /work/.library/device/README.md): here, `echo /.whl/ >> .git/info/exclude; python3 -m pip download
---no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform
-manylinux_2_28_x86_64 -d .whl optree==0.20.0 numpy==2.4.6 numba-cuda==0.30.4`, then run with
-carry [".whl"] and a timeout of about 480 s:
+The device image has every dependency but optree and hydra (the `engine` section's), and its
+numba-cuda fails under its numpy 2.5 (`np.row_stack` is gone): carry numpy 2.4.6 and numba-cuda
+0.30.4 (the pinned one) too, all as wheels (see /work/.library/device/README.md). Here:
+
+    echo /.whl/ >> .git/info/exclude
+    WHEELS="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64"
+    python3 -m pip download $WHEELS -d .whl optree==0.20.0 numpy==2.4.6 numba-cuda==0.30.4
+    python3 -m pip download --no-deps --only-binary=:all: -d .whl hydra-core==1.3.8 omegaconf==2.3.1
+    python3 -m pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3     # an sdist: built here
+
+then run with carry [".whl"] and a timeout of about 480 s:
 
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . .whl/*.whl &&
     PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 benchmarks/sparse_attention_gpu.py | tee $OUT/gpu.txt
