@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import os
 import socket
@@ -142,9 +143,8 @@ def fused_head(args, vocabs=(VOCAB, 50257), steps: int = 6) -> dict:
             holder = {"state": fs.init_train_state(model.init(), opt, model=model)}
             step = fs.make_train_step(model.loss, opt)
 
-            def run(step=step, holder=holder, i=[0]):
-                holder["state"], _ = step(holder["state"], batch_for(i[0], MICRO, vocab=vocab))
-                i[0] += 1
+            def run(step=step, holder=holder, steps_taken=itertools.count()):
+                holder["state"], _ = step(holder["state"], batch_for(next(steps_taken), MICRO, vocab=vocab))
             runs[name] = run
         figures = {name: [] for name in runs}
         for i in range(steps + 1):  # the first round warms up

@@ -173,16 +173,18 @@ class ModuleLoss:
         if self.loss_fn is None:
             raise ValueError(f"functionalize({self.name}) was given no loss_fn; pass "
                              "functionalize(module, loss_fn=lambda outputs, batch: ...)")
-        if self.head is not None:  # the labels go to the fused head, not to the module
-            fused = FusedHead(self.head, labels_of(batch), ops, self.tp_styles.get(self.head_path))
-            inputs = {k: v for k, v in batch.items() if k not in ("targets", "labels")}
-            outputs = self.apply(params, inputs, rng=rng, buffers=buffers, ops=ops, train=train, head=fused)
-            return fused.loss(outputs, self.name) if fused.installed else self.loss_fn(outputs, batch)
+        # causal_lm_loss: the labels go to the fused head, not to the module
+        fused = None if self.head is None else \
+            FusedHead(self.head, labels_of(batch), ops, self.tp_styles.get(self.head_path))
         if isinstance(batch, dict):
-            inputs = {k: v for k, v in batch.items() if k != "targets"}
+            dropped = ("targets",) if fused is None else ("targets", "labels")
+            inputs = {k: v for k, v in batch.items() if k not in dropped}
         else:
             inputs = batch[0]
-        return self.loss_fn(self.apply(params, inputs, rng=rng, buffers=buffers, ops=ops, train=train), batch)
+        outputs = self.apply(params, inputs, rng=rng, buffers=buffers, ops=ops, train=train, head=fused)
+        if fused is not None and fused.installed:
+            return fused.loss(outputs, self.name)
+        return self.loss_fn(outputs, batch)
 
     def apply(self, params, inputs, *, rng: Optional[torch.Generator] = None, buffers=None, ops=DENSE,
               train: bool = True, head: Optional[FusedHead] = None) -> Any:

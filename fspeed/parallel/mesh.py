@@ -40,8 +40,9 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
             "`torchrun --nproc_per_node N script.py` (a single process needs no process group)"
         )
     backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
-    if "nccl" in backend and torch.cuda.is_available() and local_device().index < torch.cuda.device_count():
-        torch.cuda.set_device(local_device())  # NCCL binds a rank to its current device
+    device = local_device()
+    if "nccl" in backend and torch.cuda.is_available() and device.index < torch.cuda.device_count():
+        torch.cuda.set_device(device)  # NCCL binds a rank to its current device
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
