@@ -186,3 +186,17 @@ def lm_dict_batch(rows: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=g)
     return {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
+
+
+def hf_gpt2_traced(seed: int = 0, layers: int = 3, dropout: float = 0.0, rows: int = 2):
+    """The Hugging Face GPT-2 itself, traced and cut before each block (`fs.models.traced_layers`):
+    no hand-written layer list; its own loss from the labels."""
+    import fspeed as fs
+
+    return fs.models.traced_layers(hf_gpt2(seed, dropout, layers=layers), lm_batch(rows, 0))
+
+
+def hf_llama_traced(seed: int = 0, layers: int = 3, rows: int = 2):
+    import fspeed as fs
+
+    return fs.models.traced_layers(hf_llama(seed, layers=layers), lm_batch(rows, 0))

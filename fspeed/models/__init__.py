@@ -8,6 +8,7 @@ from .model import LogicalAxes, Model, count_params
 from .module import functionalize, to_module
 from .module_tp import MODULE_TP_RULES, tp_plan_from
 from .ops import DENSE, DenseOps
+from .traced import traced_layers
 
 gpt_rules = GPT_RULES  # the name used in plans: fs.tensor_slicing(fs.models.gpt_rules)
 module_tp_rules = MODULE_TP_RULES  # a functionalized module's tp_plan: fs.tensor_slicing(fs.models.module_tp_rules)
@@ -17,5 +18,5 @@ __all__ = [
     "functionalize",
     "MODULE_TP_RULES", "gpt", "gpt_logical_axes", "gpt_rules", "module_tp_rules", "pad_vocab", "to_module",
     "tp_plan_from", "LayerDrop", "kept_blocks", "step_layer_drop",
-    "Layer", "LayerSequence", "TiedLayer", "sequential",
+    "Layer", "LayerSequence", "TiedLayer", "sequential", "traced_layers",
 ]

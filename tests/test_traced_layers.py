@@ -1,0 +1,109 @@
+"""`fs.models.traced_layers`: a Hugging Face model's own forward, traced and cut before each block, as
+pipeline layers (no hand-written layer list): equal to the module in one process (any batch size,
+tied weights, its own loss), dropout by the step's generator and off in evaluation, under every
+pipeline schedule on gloo ranks, and the errors for what it cannot carry."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fspeed as fs
+from fspeed.pytree import tree_leaves, tree_map
+from fspeed.testing import assert_trains_like_one_process
+from tests.hf_models import hf_gpt2, hf_gpt2_traced, hf_llama, hf_llama_traced, lm_batch, small_cnn
+
+BUILD = {"gpt2": hf_gpt2, "llama": hf_llama}
+
+
+def _grads(model, module, batch):
+    params = tree_map(lambda t: t.detach().requires_grad_(), model.init())
+    loss = model.loss(params, batch, rng=torch.Generator().manual_seed(0))
+    loss.backward()
+    module.zero_grad()
+    want = module(**batch)
+    want.loss.backward()
+    named = dict(module.named_parameters())
+    got = dict(zip(fs.tree_paths(params), tree_leaves(params)))
+    return loss, want.loss, {path: (got[path].grad, named[path].grad) for path in named}
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def traced(request):
+    module = BUILD[request.param](layers=3)
+    return module, fs.models.traced_layers(module, lm_batch(2, 0))
+
+
+def test_cut_before_each_block_with_the_modules_names_and_ties(traced):
+    module, model = traced
+    seq = model.layers
+    assert len(seq) == 4 and seq.layers[0].name == "input"
+    assert [layer.kind for layer in seq.layers[1:]] == [type(module.get_submodule(seq.layers[1].name)).__name__] * 3
+    assert set(fs.tree_paths(model.init())) == {n for n, _ in module.named_parameters()}
+    if type(module).__name__.startswith("GPT2"):  # the tied embedding: used by the first and the last layer
+        assert "transformer.wte.weight" in seq.layers[0].uses and "transformer.wte.weight" in seq.layers[-1].uses
+    assert all("forward" not in m.__dict__ for m in module.modules())  # the splitter's wrapping undone
+
+
+@settings(max_examples=4, deadline=None)
+@given(rows=st.integers(1, 5), seed=st.integers(0, 2**16), mask=st.booleans())
+def test_equals_the_module_at_any_batch_size(traced, rows, seed, mask):
+    """Traced on 2 rows, run on any number (a dynamic batch dimension); labels that differ from the
+    inputs (the example had them aliased) and -100 positions."""
+    module, model = traced
+    batch = lm_batch(rows, seed)
+    if mask:
+        batch["labels"] = torch.roll(batch["labels"], 1, 1)
+        batch["labels"][:, :3] = -100
+    loss, want, grads = _grads(model, module, batch)
+    assert torch.equal(loss, want)
+    for path, (got, ref) in grads.items():
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6, msg=path)
+
+
+def test_dropout_draws_from_the_generator_and_is_off_in_evaluation():
+    module = hf_gpt2(dropout=0.2, layers=2)
+    model = fs.models.traced_layers(module, lm_batch(2, 0))
+    params, batch = model.init(), lm_batch(2, 5)
+    with torch.no_grad():
+        a, b = (model.loss(params, batch, rng=torch.Generator().manual_seed(s)) for s in (1, 1))
+        c = model.loss(params, batch, rng=torch.Generator().manual_seed(2))
+        evaluated = model.loss(params, batch)  # no generator: the evaluation graph
+        module.eval()
+        want = module(**batch).loss
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    torch.testing.assert_close(evaluated, want, rtol=0, atol=1e-6)
+
+
+def test_what_it_cannot_trace_is_a_clear_error():
+    module = hf_gpt2(layers=2)
+    with pytest.raises(ValueError, match="matches no submodule"):
+        fs.models.traced_layers(module, lm_batch(2, 0), split_before="transformer.blocks.*")
+    with pytest.raises(ValueError, match="inside other matches"):
+        fs.models.traced_layers(module, lm_batch(2, 0), split_before=["transformer.h.*", "transformer.h.0.attn"])
+    with pytest.raises(ValueError, match="persistent buffers"):
+        fs.models.traced_layers(small_cnn(), (torch.zeros(2, 3, 6, 6), torch.zeros(2, dtype=torch.long)))
+    model = fs.models.traced_layers(module, lm_batch(2, 0))
+    short = {k: v[:, :8] for k, v in lm_batch(2, 0).items()}
+    with pytest.raises(ValueError, match="specialised to the traced example"):
+        model.loss(model.init(), short)
+    with pytest.raises(ValueError, match="lacks 'labels'"):
+        model.loss(model.init(), {"input_ids": lm_batch(2, 0)["input_ids"]})
+
+
+@pytest.mark.parametrize("build,schedule", [(hf_gpt2_traced, "1f1b"), (hf_llama_traced, "zero_bubble")])
+def test_a_traced_hugging_face_model_trains_like_one_process(world4, build, schedule):
+    """PP2 x DP2 with ZeRO-1: the tied GPT-2 embedding kept equal on the first and last stage."""
+    plan = fs.zero(1) | fs.pipeline(2, schedule)
+    assert_trains_like_one_process(build, plan, make_batch=lm_batch, world_size=4, pipe=2, world=world4, steps=2,
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_a_traced_model_with_dropout_and_checkpointed_layers_in_interleaved_chunks(world4):
+    plan = fs.pipeline(4, "interleaved_1f1b", virtual_stages=2, activation_checkpoint_interval=1)
+    assert_trains_like_one_process(traced_gpt2_with_dropout, plan, make_batch=lm_batch, world_size=4, pipe=2,
+                                   world=world4, steps=2, rtol=1e-4, atol=1e-5)
+
+
+def traced_gpt2_with_dropout():
+    return hf_gpt2_traced(dropout=0.1, layers=4)
