@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import fspeed as fs
 from fspeed.parallel.pipeline import balanced_bounds, partition_layers, uniform_bounds
 from fspeed.testing import assert_trains_like_one_process
-from tests.hf_models import hf_gpt2_layers, lm_dict_batch
+from tests.hf_models import hf_gpt2_layers, hf_gpt2_traced, hf_llama_traced, lm_batch, lm_dict_batch
 
 VOCAB, SEQ = 64, 16
 
@@ -435,12 +435,13 @@ def test_zero_bubble_steps_keep_no_tensor_alive():
     assert executor.deferred_linears == 7 * 4 * 8
 
 
-@pytest.mark.parametrize("kind", ["modules", "gpt"])
+@pytest.mark.parametrize("kind", ["modules", "gpt", "hf_gpt2_layers", "traced_gpt2", "traced_llama"])
 def test_zero_bubble_defers_the_linears_also_in_checkpointed_groups(kind):
     """Layers that call F.linear themselves (nn.Linear) go through the torch-function mode, fspeed's
     own through ops: both defer their weight gradients to W, also when a checkpointed group's
     recompute runs them again in B (activation_checkpoint_interval, policies full and save_matmuls),
-    and the gradients stay those of 1F1B."""
+    and the gradients stay those of 1F1B. So do Hugging Face's Conv1D (`torch.addmm`, eager in a
+    layer list or `aten.addmm` in a traced graph) and a traced graph's `aten.linear`."""
     from fspeed.activation_checkpointing import Remat
     from fspeed.parallel.pipeline_runtime import PipelineExecutor
     from fspeed.train_step import split_micro_batches
@@ -449,9 +450,14 @@ def test_zero_bubble_defers_the_linears_also_in_checkpointed_groups(kind):
                                      loss_fn=lambda y, b: F.mse_loss(y, b["targets"]), inputs=lambda b: b["inputs"])
         micro = split_micro_batches({"inputs": torch.randn(4, 8), "targets": torch.randn(4, 8)}, 2)
         linears = 2
-    else:
+    elif kind == "gpt":
         # 4 linears per block; the head's weight gradient is taken in its forward (ops.head_loss)
         model, micro, linears = gpt(2), split_micro_batches(batch(4, 0), 2), 2 * 4
+    elif kind == "hf_gpt2_layers":  # 4 Conv1D per block; the tied head is a matmul with wte's transpose
+        model, micro, linears = hf_gpt2_layers(layers=2), split_micro_batches(lm_dict_batch(4, 0), 2), 2 * 4
+    else:  # Conv1D's 4 or Llama's 7 projections per block, and the head
+        model = (hf_gpt2_traced if kind == "traced_gpt2" else hf_llama_traced)(layers=2)
+        micro, linears = split_micro_batches(lm_batch(4, 0), 2), 2 * (4 if kind == "traced_gpt2" else 7) + 1
 
     def grads_and_deferred(schedule: str, interval: int = 0, policy: str = "full"):
         remat = Remat(policy) if interval else None

@@ -48,8 +48,8 @@ _META = 10  # dtype, ndim, up to 8 dims
 
 class _DeferredLinear(torch.autograd.Function):
     """`F.linear` whose backward computes the input's (and bias's) gradient now and leaves the
-    weight's to the weight pass: it records (the stage parameter's id, the weight's shape, input,
-    output gradient) in `store`. The id is taken in forward: a checkpointed group's saved tensors
+    weight's to the weight pass: it records (the stage parameter's id, the weight's shape, dY, X) in
+    `store`, for dW = dYᵀ X. The id is taken in forward: a checkpointed group's saved tensors
     come back from its recompute as other tensor objects. (Written with `forward(ctx, ...)`: a
     separate `setup_context` makes every call bind its arguments with `inspect`, about 6% of a small
     layer's forward.)"""
@@ -63,10 +63,29 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
-        ctx.store.append((ctx.key, w.shape, x.detach(), grad.detach()))  # data only: no path back into the graph
+        ctx.store.append((ctx.key, w.shape, grad.detach(), x.detach()))  # data only: no path back into the graph
         gx = grad.matmul(w) if ctx.needs_input_grad[0] else None
         gb = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, None, gb, None, None
+
+
+class _DeferredAddmm(torch.autograd.Function):
+    """`torch.addmm(bias, x, w)` with a stage weight `w` of shape (in, out) (Hugging Face's `Conv1D`):
+    the input's and bias's gradients now, the weight's left to the weight pass as dW = Xᵀ dY."""
+
+    @staticmethod
+    def forward(ctx, bias, x, w, store, key):
+        ctx.save_for_backward(x, w)
+        ctx.store, ctx.key = store, key
+        return torch.addmm(bias, x, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        ctx.store.append((ctx.key, w.shape, x.detach(), grad.detach()))
+        gx = grad.mm(w.t()) if ctx.needs_input_grad[1] else None
+        gb = grad.sum(0) if ctx.needs_input_grad[0] else None
+        return gb, gx, None, None, None
 
 
 def _deferred_or_plain_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], weights: set[int],
@@ -90,8 +109,10 @@ class _DeferringOps(DenseOps):
 
 
 class _DeferWeightGrads(TorchFunctionMode):
-    """During a zero-bubble forward of layers that may call `F.linear` themselves (a module's): every
-    `F.linear` whose weight is (a view of) a stage parameter becomes a `_DeferredLinear`."""
+    """During a zero-bubble forward of layers that may call `F.linear` themselves (a module's, or an
+    exported graph's `aten.linear`): every linear whose weight is (a view of) a stage parameter
+    becomes a `_DeferredLinear`; every plain `addmm(bias, x, w)` of a 2-D stage weight `w` (Hugging
+    Face's `Conv1D`) a `_DeferredAddmm`."""
 
     def __init__(self, weights: set[int], store: list):
         super().__init__()
@@ -99,10 +120,14 @@ class _DeferWeightGrads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear:
+        if func is F.linear or func is torch.ops.aten.linear.default:
             x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             return _deferred_or_plain_linear(x, w, b, self.weights, self.store)
+        if (func is torch.addmm or func is torch.ops.aten.addmm.default) and len(args) == 3 and not kwargs:
+            bias, x, w = args
+            if id(w) in self.weights and bias.dim() == 1 and torch.is_grad_enabled():  # the parameter itself
+                return _DeferredAddmm.apply(bias, x, w, self.store, id(w))
         return func(*args, **kwargs)
 
 
@@ -226,9 +251,8 @@ class PipelineExecutor:
                 store = deferred.pop((m, c))
                 self.deferred_linears += len(store)
                 with torch.no_grad():
-                    for key, shape, x_in, grad in store:
-                        acc_of[key].view(shape).addmm_(grad.reshape(-1, grad.shape[-1]).t(),
-                                                       x_in.reshape(-1, x_in.shape[-1]))
+                    for key, shape, a, b in store:  # dW += aᵀ b (a linear's dYᵀ X, an addmm's Xᵀ dY)
+                        acc_of[key].view(shape).addmm_(a.reshape(-1, a.shape[-1]).t(), b.reshape(-1, b.shape[-1]))
                 store.clear()  # the graph's nodes still hold the list; its tensors go now
             if self.timeline is not None:
                 self.timeline.append((action, start, time.perf_counter()))
