@@ -107,3 +107,36 @@ def test_a_traced_model_with_dropout_and_checkpointed_layers_in_interleaved_chun
 
 def traced_gpt2_with_dropout():
     return hf_gpt2_traced(dropout=0.1, layers=4)
+
+
+def _pipeline_eval(build, make_batch) -> float:
+    model = build()
+    mesh, plan = fs.Mesh(pipe=2), fs.pipeline(2, "1f1b")
+    state = fs.init_train_state(model.init(), fs.optim.sgd(0.1), plan=plan, mesh=mesh, model=model)
+    return fs.make_eval_step(model, plan=plan, mesh=mesh)(state, make_batch(6, 3))
+
+
+def hf_gpt2_layers_with_dropout():
+    from tests.hf_models import hf_gpt2_layers
+    return hf_gpt2_layers(dropout=0.3)
+
+
+def test_evaluation_through_the_stages_runs_the_modules_in_eval_mode(world2):
+    """The whole batch (6 rows; traced on 2) as one micro-batch through 2 stages, dropout off: the
+    module's own eval-mode loss on every rank, for a traced model and for a hand-written layer list."""
+    from tests.hf_models import lm_dict_batch
+    got = world2.run(_pipeline_eval, traced_gpt2_with_dropout, lm_batch)
+    module = traced_gpt2_with_dropout_module()
+    module.eval()
+    with torch.no_grad():
+        want = float(module(**lm_batch(6, 3)).loss)
+    assert got == pytest.approx([want] * 2, rel=1e-6)
+    got = world2.run(_pipeline_eval, hf_gpt2_layers_with_dropout, lm_dict_batch)
+    model = hf_gpt2_layers_with_dropout()
+    with torch.no_grad():
+        want = [float(model.loss(model.init(), lm_dict_batch(6, 3))) for _ in range(2)]
+    assert want[0] == want[1] and got == pytest.approx(want, rel=1e-6)
+
+
+def traced_gpt2_with_dropout_module():
+    return hf_gpt2(0, 0.1, layers=4)

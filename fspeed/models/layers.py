@@ -106,7 +106,8 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
 
     `loss_fn(y, micro_batch)` gives the loss of the last layer's output; `inputs(micro_batch)` what the
     first layer gets. Dropout in the modules draws from a generator per layer (`fspeed.rng`), so a
-    layer draws the same masks wherever it runs. Modules with persistent buffers (BatchNorm
+    layer draws the same masks wherever it runs; called without one (evaluation) the modules run in
+    eval mode. Modules with persistent buffers (BatchNorm
     statistics) are refused: carry them as parameters or use `functionalize` without a pipeline.
     """
     entries: list[tuple[str, str, Optional[nn.Module], Callable]] = []  # (layer name, prefix, module, call)
@@ -143,6 +144,12 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
         def fn(params: PyTree, x: torch.Tensor, *, rng: Optional[torch.Generator] = None, ops: Any = DENSE):
             if module is None:
                 return call(None, x)
+            if rng is None and module.training:  # no generator: evaluation, dropout off
+                module.eval()
+                try:
+                    return fn(params, x, rng=None, ops=ops)
+                finally:
+                    module.train()
             if not owns:
                 with _seeded(rng):
                     return call(module, x)
