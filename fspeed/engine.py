@@ -32,7 +32,7 @@ from torch import nn
 from . import checkpoint
 from .host_memory import retain_freed_host_memory
 from .data.curriculum import difficulty_at, truncate_to_seqlen
-from .models import Model, functionalize, to_module
+from .models import Model, functionalize, to_module, traced_layers
 from .models.layer_drop import PLD_BATCH_KEY, step_layer_drop, supports_layer_drop
 from .models.module import ModuleLoss, output_loss
 from .optim.base import GradientTransformation
@@ -221,8 +221,12 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
     if module is not None:
         if device is not None:
             module.to(device)  # with every buffer, as DeepSpeed moves the module to its device
-        model = functionalize(module, loss_fn or output_loss, tp_plan=tp_plan if tp_plan is not None else
-                              ("auto" if tensor > 1 else None))
+        if pipe > 1:  # stages need layers: the module's forward, traced on one micro-batch and cut at its blocks
+            model = traced_layers(module, _example_micro_batch(training_data, collate_fn, run.batch.micro_batch_size,
+                                                               pipe), loss_fn or output_loss)
+        else:
+            model = functionalize(module, loss_fn or output_loss, tp_plan=tp_plan if tp_plan is not None else
+                                  ("auto" if tensor > 1 else None))
     elif loss_fn is not None:
         raise ValueError("initialize: loss_fn is for nn.Modules; an fspeed Model brings its own loss")
     if run.curriculum.enabled and run.curriculum.curriculum_type != "seqlen":
@@ -243,7 +247,8 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
             optimizer = _grouped(optimizer, groups)
     if pipe > 1 and model.layers is None:
         raise ValueError(f"initialize: parallel.pipe={pipe} (DeepSpeed's pipeline stages) cuts the model at its "
-                         f"layers, and {model.name} has none: pass fs.models.sequential([...], loss_fn=...) "
+                         f"layers, and {model.name} has none: pass the nn.Module itself (traced into layers), "
+                         "fs.models.traced_layers(module, example), fs.models.sequential([...], loss_fn=...) "
                          "(DeepSpeed's PipelineModule) or the reference GPT")
     plan = None
     if world > 1 or run.zero.stage > 0 or tensor > 1 or pipe > 1:
@@ -268,6 +273,17 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
              f"{plan!r} on {mesh!r}" if plan is not None else "one process", run.batch.derivation, optimizer,
              precision.name)
     return engine, optimizer, loader, engine.lr_schedule
+
+
+def _example_micro_batch(training_data: Any, collate_fn: Optional[Callable], rows: int, pipe: int) -> Any:
+    """The first micro-batch of `training_data`, which `traced_layers` traces the module's forward on."""
+    if training_data is None:
+        raise ValueError(f"initialize: parallel.pipe={pipe} cuts an nn.Module into stages by tracing its forward on a "
+                         "micro-batch: pass training_data=, or a Model with layers (fs.models.traced_layers(module, "
+                         "example_micro_batch) or fs.models.sequential([...], loss_fn=...))")
+    from torch.utils.data import default_collate  # noqa: PLC0415
+
+    return (collate_fn or default_collate)([training_data[i] for i in range(min(rows, len(training_data)))])
 
 
 def _refuse_cli_monitors(run) -> None:

@@ -50,7 +50,7 @@ def losses(run_dir) -> dict[int, float]:
         return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f) if r["loss"]}
 
 
-def test_cli_trains_a_hugging_face_model_resumes_exactly_and_runs_zero3_on_two_ranks(tmp_path):
+def test_cli_trains_a_hugging_face_model_resumes_exactly_and_runs_zero3_and_pipeline_stages_on_two_ranks(tmp_path):
     common = [*GPT2, "train.train_batch_size=8", "train.micro_batch_size=4", "train.eval_every=3", "train.eval_batches=2",
               "monitor.progress_bar=false", "scheduler=constant", "optimizer.lr=3e-3"]
     env = {"PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1])}
@@ -76,3 +76,14 @@ def test_cli_trains_a_hugging_face_model_resumes_exactly_and_runs_zero3_on_two_r
     assert sharded.keys() == reference.keys()
     for step, loss in reference.items():  # the same global batches: the same run up to reduction order
         assert sharded[step] == pytest.approx(loss, rel=1e-5), step
+
+    # two pipeline stages: the module traced on the first micro-batch and cut before each block
+    piped = fspeed_train(*common, "train.steps=6", "parallel.pipe=2", "parallel.data=1", "--launch",
+                         f"hydra.run.dir={tmp_path / 'pipe'}", f"checkpoint.dir={tmp_path / 'ckp'}",
+                         cwd=tmp_path, env=env)
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    assert "traced" in piped.stdout + piped.stderr
+    staged = losses(tmp_path / "pipe")
+    assert staged.keys() == reference.keys()
+    for step, loss in reference.items():
+        assert staged[step] == pytest.approx(loss, rel=1e-5), step

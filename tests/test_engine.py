@@ -201,4 +201,36 @@ def test_initialize_runs_a_deepspeed_pipeline_block_with_train_batch(world2):
 
 def test_initialize_refuses_a_pipeline_for_a_model_without_layers():
     with pytest.raises(ValueError, match="cuts the model at its layers"):
+        fs.initialize(model=fs.functionalize(hf_gpt2()), config={**ds_config(0), "pipeline": {"stages": 2}})
+    with pytest.raises(ValueError, match="pass training_data="):
         fs.initialize(model=hf_gpt2(), config={**ds_config(0), "pipeline": {"stages": 2}})
+
+
+def engine_traced_pipeline_case(steps=2):
+    """A Hugging Face module itself with a pipeline block: traced on training_data's first micro-batch
+    into layers, trained by train_batch, against the functional API on fs.models.traced_layers."""
+    from tests.hf_models import LMDataset, lm_batch
+    config = {**ds_config(1, micro=2, accum=2), "pipeline": {"stages": 2}}
+    engine, _, _, _ = fs.initialize(model=hf_gpt2(layers=3), config=config, training_data=LMDataset(16, 0))
+    losses = [engine.train_batch(data_iter=iter(fs.train_step.split_micro_batches(lm_batch(4, s), 2)))
+              for s in range(steps)]
+    model = fs.models.traced_layers(hf_gpt2(layers=3), lm_batch(2, 0))
+    from fspeed.config.build import build_optimizer
+    from fspeed.config.compose import compose_run_config
+    run, _ = compose_run_config(config, dp_world_size=1)
+    opt = build_optimizer(run)
+    state = fs.init_train_state(model.init(), opt, seed=run.train.seed, plan=engine.plan, mesh=engine.mesh,
+                                model=model)
+    step = fs.make_train_step(model, opt, plan=engine.plan, mesh=engine.mesh)
+    reference = []
+    for s in range(steps):
+        state, metrics = step(state, lm_batch(4, s))
+        reference.append(metrics["loss"])
+    a, b = fs.gather_params(engine.state, engine.mesh), fs.gather_params(state, engine.mesh)
+    return fs.Flat.from_tree(a).buffer, fs.Flat.from_tree(b).buffer, losses, reference, engine.model.name
+
+
+def test_initialize_traces_a_module_into_pipeline_stages(world2):
+    for engine_params, functional_params, losses, reference, name in world2.run(engine_traced_pipeline_case):
+        assert "traced, 4 layers" in name
+        assert torch.equal(engine_params, functional_params) and losses == reference

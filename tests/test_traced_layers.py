@@ -140,3 +140,13 @@ def test_evaluation_through_the_stages_runs_the_modules_in_eval_mode(world2):
 
 def traced_gpt2_with_dropout_module():
     return hf_gpt2(0, 0.1, layers=4)
+
+
+def test_tensor_slicing_a_layer_list_is_a_clear_error_not_replicated_work():
+    """Layer lists have no logical axes: model=2 would have computed every layer twice, silently."""
+    from fspeed.parallel.layout import resolve
+    model = hf_gpt2_traced(layers=2)
+    plan = fs.zero(1) | fs.tensor_slicing(fs.models.gpt_rules) | fs.pipeline(2)
+    with pytest.raises(ValueError, match="slices none of the model's parameters"):
+        resolve(plan, model.init(), {"data": 1, "model": 2, "pipe": 2}, {"data": 0, "model": 0, "pipe": 0},
+                model.logical_axes, model.units, model.layers)

@@ -113,8 +113,9 @@ def _corpus_job(run: RunConfig, ckpt_dir: Path, resume_tag: Optional[str]) -> _J
 
 def _user_job(run: RunConfig, device: Optional[torch.device]) -> _Job:
     """A user's model and data (`model._target_`, `data._target_`; see `user_job`)."""
-    model = build_user_model(run, device)
     train_rows, val_rows = build_user_data(run)
+    rows = torch.arange(min(run.batch.micro_batch_size, len(train_rows)))
+    model = build_user_model(run, device, example=train_rows.get(rows) if run.parallel.pipe > 1 else None)
     rules = fs_rules(model) if run.parallel.tensor > 1 else None
     val = f"{len(val_rows)} validation samples" if val_rows is not None else "no validation data"
     return _Job(model, train_rows, val_rows, {"model_target": str(run.model), "data_target": str(run.data)},

@@ -6,6 +6,8 @@ The model target returns an `nn.Module` (its output's `.loss`, e.g. a Hugging Fa
 `labels`, or a scalar output, is the loss), a `(module, loss_fn(outputs, batch))` pair, or an
 fspeed `Model`. A module is `functionalize`d: its repeated blocks are the units ZeRO-3 gathers,
 and with `parallel.tensor > 1` its own tensor-parallel plan (a transformers model's) slices it.
+With `parallel.pipe > 1` its forward is traced on the first training micro-batch and cut before
+each repeated block instead (`fs.models.traced_layers`): the pipeline's layers.
 The data target returns a map-style `Dataset`, a `(train, validation)` pair, or a mapping with
 `train` and optionally `validation` and `collate_fn`. Batches are drawn as the corpus' windows
 are: a pure function of seed and step (uniform with replacement), so resume is exact.
@@ -14,7 +16,7 @@ are: a pure function of seed and step (uniform with replacement), so resume is e
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -22,16 +24,17 @@ from torch import nn
 from ..config import ConfigError, Problem
 from ..config.schema import RunConfig
 from ..data import DatasetRows
-from ..models import Model, functionalize
+from ..models import Model, functionalize, traced_layers
 from ..models.module import output_loss
 
 _MODEL_RETURNS = "an nn.Module, a (module, loss_fn) pair, or an fspeed Model"
 _DATA_RETURNS = "a map-style Dataset, a (train, validation) pair, or a mapping with train, validation, collate_fn"
 
 
-def build_user_model(run: RunConfig, device: Optional[torch.device] = None) -> Model:
+def build_user_model(run: RunConfig, device: Optional[torch.device] = None, example: Any = None) -> Model:
     """The Model to train from `model._target_`: an nn.Module is moved to `device` with every buffer
-    (None: left where it is) and functionalized."""
+    (None: left where it is) and functionalized, or, with `parallel.pipe > 1`, traced on `example` (a
+    training micro-batch) into layers."""
     built = run.model.instantiate()
     loss_fn: Optional[Callable] = None
     if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module) and callable(built[1]):
@@ -44,9 +47,14 @@ def build_user_model(run: RunConfig, device: Optional[torch.device] = None) -> M
     if device is not None:
         built = built.to(device)
     try:
+        if run.parallel.pipe > 1:
+            if example is None:
+                raise ValueError("a pipeline traces the module's forward on a training micro-batch; none was given")
+            return traced_layers(built, example, loss_fn or output_loss)
         model = functionalize(built, loss_fn or output_loss, tp_plan="auto" if run.parallel.tensor > 1 else None)
     except ValueError as err:
-        key = "parallel.tensor" if run.parallel.tensor > 1 else "model._target_"
+        key = "parallel.pipe" if run.parallel.pipe > 1 else "parallel.tensor" if run.parallel.tensor > 1 \
+            else "model._target_"
         raise ConfigError([Problem(key, str(err))]) from None
     return model
 

@@ -57,11 +57,11 @@ def traced_layers(module: nn.Module, example: Any, loss_fn: Optional[Callable[[A
     points = _split_points(module, split_before, name)
     constants = dict(call_kwargs if call_kwargs is not None else _default_call_kwargs(module))
     kwargs = _call_kwargs(module, example, constants)
+    device = next(module.parameters()).device
     seen: set[int] = set()
-    for key, value in kwargs.items():  # one tensor given twice (labels = input_ids) is traced as two inputs
-        if isinstance(value, torch.Tensor):
-            if id(value) in seen:
-                kwargs[key] = value.clone()
+    for key, value in kwargs.items():  # on the module's device; one tensor given twice (labels = input_ids)
+        if isinstance(value, torch.Tensor):  # is traced as two inputs
+            kwargs[key] = value.to(device, copy=id(value) in seen)
             seen.add(id(value))
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         _, out_spec = torch_pytree.tree_flatten(module(**kwargs))

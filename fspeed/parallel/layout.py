@@ -224,6 +224,11 @@ def resolve_flat(plan: Plan, paths: Sequence[str], leaves: Sequence[torch.Tensor
     else:
         storage, starts = local, tuple(-1 for _ in units)
     tensor_axes = tensor.sliced_axes(sizes) if tensor is not None else ()
+    if tensor_axes and not any(info.tp_sharded for info in infos):
+        raise ValueError(f"tensor slicing over model={sizes['model']} slices none of the model's parameters: no "
+                         f"parameter has a logical axis in {list(tensor_axes)} (a layer list from fs.models.sequential "
+                         "or traced_layers has none); tensor-slice the reference GPT or fs.functionalize(module, "
+                         "tp_plan=...), or set model=1")
     return Layout(plan, zero_cfg, tuple(sorted(sizes.items())), tuple(sorted(mesh_coords.items())), infos, local,
                   units, storage, partition, starts, tensor_axes, stage_plan)
 
