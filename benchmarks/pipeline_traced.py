@@ -1,0 +1,129 @@
+"""A Hugging Face GPT-2 pipelined with no hand-written layer list: fspeed's `traced_layers` against torch's
+own tracing frontend (`torch.distributed.pipelining.pipeline` + `Schedule1F1B`), same model and stages.
+
+Both trace the module's forward with `torch.export` and cut it into 2 stages at the same block, on 2
+gloo ranks of one thread each; 1F1B over 8 micro-batches; the same weights, data and loss (the
+logits' shifted cross-entropy, as Hugging Face's own loss); AdamW (fspeed's fused, torch's foreach).
+Steps alternate between the engines in the same processes (a barrier before each), so the shared
+machine's load falls on both alike. The first step's losses are printed side by side (equal math).
+
+    python benchmarks/pipeline_traced.py [--layers 8] [--width 256] [--rows 8] [--micro 8] [--steps 8]
+
+Last lines: pipeline_traced_hf_step_time_vs_torch (fspeed over torch, median of paired steps),
+pipeline_traced_hf_trace_seconds (fspeed's traced_layers: two exports, train and eval mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fspeed as fs
+from fspeed.testing import GlooWorld
+
+sys.path.insert(0, str(Path(__file__).parent))
+from your_model import SEQ, build_gpt2  # noqa: E402 (the same GPT-2 builder as the module benchmark)
+
+VOCAB = 8192
+
+
+def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's causal-LM loss: position t predicts token t + 1."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
+
+
+def batch_of(args: argparse.Namespace) -> dict:
+    ids = torch.randint(0, VOCAB, (args.rows * args.micro, SEQ), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def measure(args: argparse.Namespace) -> dict:
+    from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    fs.retain_freed_host_memory()
+    rank = dist.get_rank()
+    base = build_gpt2(args.layers, args.width, VOCAB)
+    base.config.use_cache = False
+    batch = batch_of(args)
+    example = {"input_ids": batch["input_ids"][:args.rows]}
+
+    t0 = time.perf_counter()
+    model = fs.models.traced_layers(copy.deepcopy(base), example,
+                                    lambda out, b: shifted_loss(out.logits, b["labels"]))
+    trace_s = time.perf_counter() - t0
+    mesh, plan = fs.Mesh(pipe=2), fs.pipeline(args.micro, "1f1b")
+    opt = fs.optim.adamw(1e-4)
+    state = fs.init_train_state(model.init(), opt, plan=plan, mesh=mesh, model=model)
+    step = fs.make_train_step(model, opt, plan=plan, mesh=mesh)
+    cut = model.layers.layers[state.layout.pipeline.bounds[1]].name  # the block stage 1 starts at
+
+    module = copy.deepcopy(base)
+    pipe = pipeline(module, mb_args=(example["input_ids"],), split_spec={cut: SplitPoint.BEGINNING})
+    stage = pipe.build_stage(rank, device=torch.device("cpu"))
+    schedule = Schedule1F1B(stage, args.micro, loss_fn=lambda logits, labels: shifted_loss(logits, labels))
+    torch_opt = torch.optim.AdamW(stage.submod.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
+
+    times: dict = {"fspeed": [], "torch": []}
+    first = {}
+    for i in range(args.warmup + args.steps):
+        for name in (("fspeed", "torch") if i % 2 == 0 else ("torch", "fspeed")):
+            dist.barrier()
+            t = time.perf_counter()
+            if name == "fspeed":
+                state, metrics = step(state, batch)
+                loss = metrics["loss"]
+            else:
+                out: list = []
+                if rank == 0:
+                    schedule.step(batch["input_ids"])
+                else:
+                    schedule.step(target=batch["labels"], losses=out)
+                torch_opt.step()
+                torch_opt.zero_grad(set_to_none=True)
+                loss = float(torch.stack(out).mean()) if out else None
+            dist.barrier()
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - t)
+            if i == 0:
+                first[name] = loss
+    return {"times": times, "first": first, "trace_s": trace_s, "cut": cut,
+            "layers": len(model.layers), "params": sum(p.numel() for p in base.parameters())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--rows", type=int, default=8, help="rows per micro-batch")
+    parser.add_argument("--micro", type=int, default=8, help="micro-batches per step")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    with GlooWorld(2, timeout_s=1200) as world:
+        results = world.run(measure, args)
+    r0 = results[0]
+    t = r0["times"]
+    ours, theirs = statistics.median(t["fspeed"]), statistics.median(t["torch"])
+    paired = statistics.median(a / b for a, b in zip(t["fspeed"], t["torch"]))
+    print(f"Hugging Face GPT-2, {r0['params'] / 1e6:.1f}M parameters ({args.layers} layers, width {args.width}, "
+          f"vocab {VOCAB}), {args.micro} micro-batches of {args.rows} x {SEQ} tokens, 2 stages cut before "
+          f"{r0['cut']}, 1F1B, 2 gloo ranks x 1 thread; fspeed traced it into {r0['layers']} layers in "
+          f"{r0['trace_s']:.1f} s")
+    print(f"{'engine':<48}{'step ms':>10}   first loss")
+    print(f"{'fspeed traced_layers + train_step':<48}{ours * 1e3:>10.1f}   {results[1]['first']['fspeed']:.4f}")
+    print(f"{'torch.distributed.pipelining pipeline()':<48}{theirs * 1e3:>10.1f}   {results[1]['first']['torch']:.4f}")
+    print(f"pipeline_traced_hf_step_time_vs_torch={paired:.3f}")
+    print(f"pipeline_traced_hf_trace_seconds={r0['trace_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
