@@ -89,7 +89,7 @@ def measure(args: argparse.Namespace) -> dict:
                     schedule.step(target=batch["labels"], losses=out)
                 torch_opt.step()
                 torch_opt.zero_grad(set_to_none=True)
-                loss = float(torch.stack(out).mean()) if out else None
+                loss = float(torch.stack(out).detach().mean()) if out else None
             dist.barrier()
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - t)
