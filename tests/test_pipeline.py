@@ -473,3 +473,25 @@ def test_zero_bubble_defers_the_linears_also_in_checkpointed_groups(kind):
         got, deferred = grads_and_deferred("zero_bubble", interval, policy)
         assert deferred == linears * 2, (interval, policy)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("build", ["gpt", "traced_llama"])
+def test_zero_bubble_weight_pass_in_bf16_equals_1f1b_bit_for_bit(build):
+    """bf16 activations: W makes each weight gradient in bf16, as backward does, and adds it to the
+    fp32 sum (it once fed bf16 operands to the fp32 sum's addmm_ and failed)."""
+    from fspeed.parallel.pipeline_runtime import PipelineExecutor
+    from fspeed.train_step import split_micro_batches
+    model = gpt(2) if build == "gpt" else hf_llama_traced(layers=2)
+    micro = split_micro_batches(batch(4, 0) if build == "gpt" else lm_batch(4, 0), 2)
+
+    def grads(schedule: str):
+        plan = fs.pipeline(2, schedule=schedule)
+        state = fs.init_train_state(model.init(torch.Generator().manual_seed(0)), fs.optim.adamw(1e-3), plan=plan,
+                                    mesh=fs.Mesh.single(), model=model, precision=fs.precision.bf16())
+        executor = PipelineExecutor(state.layout, fs.Mesh.single(), model.layers, torch.float32)
+        _, g = executor.step(state.params, micro, 0.5, lambda m, i: None)
+        return g.buffer, executor.deferred_linears
+    want, _ = grads("1f1b")
+    got, deferred = grads("zero_bubble")
+    assert deferred > 0
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

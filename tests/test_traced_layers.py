@@ -91,12 +91,27 @@ def test_what_it_cannot_trace_is_a_clear_error():
         model.loss(model.init(), {"input_ids": lm_batch(2, 0)["input_ids"]})
 
 
-def test_a_traced_llama_trains_like_one_process_under_zero_bubble_with_zero1(world4):
-    """PP2 x DP2 with ZeRO-1; the weight passes take the traced graph's linears (see test_pipeline's
-    deferral test). GPT-2 under 1F1B: fspeed-train's test (test_cli_targets)."""
+def test_a_traced_llama_trains_like_one_process_under_zero_bubble_with_zero1_in_bf16(world4):
+    """PP2 x DP2 with ZeRO-1 in bf16 (a graph traced for bf16 parameters on the first step); the weight
+    passes take the traced graph's linears (see test_pipeline's deferral test). GPT-2 under 1F1B in
+    fp32: fspeed-train's test (test_cli_targets)."""
     plan = fs.zero(1) | fs.pipeline(2, "zero_bubble")
     assert_trains_like_one_process(hf_llama_traced, plan, make_batch=lm_batch, world_size=4, pipe=2, world=world4,
-                                   steps=2, rtol=1e-4, atol=1e-5)
+                                   steps=2, precision="bf16", rtol=1e-3, atol=1e-4)
+
+
+def test_a_bf16_run_traces_a_bf16_graph_equal_to_the_module_in_bf16():
+    import copy
+    module = hf_gpt2(layers=2)
+    model = fs.models.traced_layers(module, lm_batch(2, 0))
+    params = tree_map(lambda t: t.to(torch.bfloat16), model.init())
+    batch = lm_batch(3, 4)
+    with torch.no_grad():
+        got = model.loss(params, batch, rng=torch.Generator().manual_seed(0))
+        want = copy.deepcopy(module).to(torch.bfloat16)(**batch).loss
+    assert got.dtype == want.dtype == torch.float32 or got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert next(module.parameters()).dtype == torch.float32  # the module's own parameters untouched
 
 
 def test_a_traced_model_with_dropout_and_checkpointed_layers_in_interleaved_chunks(world4):

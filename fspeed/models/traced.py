@@ -65,26 +65,18 @@ def traced_layers(module: nn.Module, example: Any, loss_fn: Optional[Callable[[A
             seen.add(id(value))
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         _, out_spec = torch_pytree.tree_flatten(module(**kwargs))
-    # dropout differs between the modes: training steps pass a generator, evaluation none
-    graphs = {mode: _trace(module, kwargs, points, mode, name) for mode in (True, False)}
-    if [v.name for v in graphs[True].flow.carried[0]] != [v.name for v in graphs[False].flow.carried[0]]:
-        raise ValueError(f"traced_layers: {name} reads different inputs in training and evaluation mode")
-    for graph in graphs.values():
-        if len(graph.flow.outputs) != out_spec.num_leaves:
-            raise ValueError(f"traced_layers: {name}'s traced graph returns {len(graph.flow.outputs)} values, its "
-                             f"forward {out_spec.num_leaves}")
-    canonical = _canonical_names(module)
+    tracer = _Tracer(module, kwargs, points, name, out_spec.num_leaves)
+    base = next(module.parameters()).dtype
+    reference = tracer.graph(True, base)
+    tracer.graph(False, base)  # evaluation's (no dropout), traced now: its errors are the user's now too
     names = ["input", *points]
     kinds = ["input", *(type(module.get_submodule(p)).__name__ for p in points)]
-    layers = []
-    for i in range(len(points) + 1):
-        stage_names = {n: canonical[n] for n, _ in graphs[True].stages[i].named_parameters(remove_duplicate=False)}
-        layers.append(Layer(names[i], _stage_fn(graphs, i, canonical), tuple(dict.fromkeys(stage_names.values())),
-                            kinds[i]))
+    layers = [Layer(names[i], _stage_fn(tracer, i), tuple(dict.fromkeys(tracer.names(reference, i).values())),
+                    kinds[i]) for i in range(len(points) + 1)]
     loss_fn = loss_fn or output_loss
 
     def inputs(micro_batch: Any) -> tuple:
-        return graphs[True].flow.first_inputs(_call_kwargs(module, micro_batch, constants), name)
+        return reference.flow.first_inputs(_call_kwargs(module, micro_batch, constants), name)
 
     def loss(y: Any, micro_batch: Any, *, ops: Any = DENSE) -> torch.Tensor:
         return loss_fn(torch_pytree.tree_unflatten(list(y), out_spec), micro_batch)
@@ -115,16 +107,57 @@ class _Graph(NamedTuple):
     flow: "_Flow"
 
 
-def _trace(module: nn.Module, kwargs: dict, points: list[str], train: bool, name: str) -> _Graph:
-    """The module's forward in train or eval mode, exported with a dynamic batch dimension and cut
-    before each split point (torch.distributed.pipelining's splitter; its tracing entry point has no
-    dynamic shapes, so this calls the export and the split it wraps)."""
+class _Tracer:
+    """The module's graphs by (training, parameter dtype), each traced when first asked for: dropout
+    differs between training and evaluation, and an exported graph asserts the dtypes it was traced
+    with (a bf16 run needs a bf16 graph)."""
+
+    def __init__(self, module: nn.Module, kwargs: dict, points: list[str], name: str, outputs: int):
+        self.module, self.kwargs, self.points, self.name, self.outputs = module, kwargs, points, name, outputs
+        self.canonical = _canonical_names(module)
+        self.graphs: dict[tuple[bool, torch.dtype], _Graph] = {}
+        self.inputs: Optional[list[str]] = None
+
+    def graph(self, train: bool, dtype: torch.dtype) -> _Graph:
+        key = (train, dtype)
+        if key not in self.graphs:
+            graph = _trace(self.module, self.kwargs, self.points, train, self.name, dtype)
+            if dtype != next(self.module.parameters()).dtype:  # which crossing values are sizes: as traced first
+                reference = next(iter(self.graphs.values())).flow
+                for ours, theirs in zip(graph.flow.carried, reference.carried):
+                    if len(ours) != len(theirs):
+                        raise ValueError(f"traced_layers: {self.name}'s {dtype} graph passes other values across its "
+                                         "cuts than its first one")
+                    graph.flow.ints.update(v for v, w in zip(ours, theirs) if w in reference.ints)
+            if len(graph.flow.outputs) != self.outputs:
+                raise ValueError(f"traced_layers: {self.name}'s traced graph returns {len(graph.flow.outputs)} values, "
+                                 f"its forward {self.outputs}")
+            inputs = [v.name for v in graph.flow.carried[0]]
+            if self.inputs is not None and inputs != self.inputs:
+                raise ValueError(f"traced_layers: {self.name} reads {inputs} in one mode and {self.inputs} in another")
+            self.inputs = inputs
+            self.graphs[key] = graph
+        return self.graphs[key]
+
+    def names(self, graph: _Graph, i: int) -> dict[str, str]:
+        """Stage i's parameter names in `graph` -> the module's names for them."""
+        return {n: self.canonical[n] for n, _ in graph.stages[i].named_parameters(remove_duplicate=False)}
+
+
+def _trace(module: nn.Module, kwargs: dict, points: list[str], train: bool, name: str, dtype: torch.dtype) -> _Graph:
+    """The module's forward in train or eval mode with `dtype` parameters, exported with a dynamic
+    batch dimension and cut before each split point (torch.distributed.pipelining's splitter; its
+    tracing entry point has no dynamic shapes, so this calls the export and the split it wraps)."""
     from torch.distributed.pipelining._IR import (  # noqa: PLC0415 (pulls in torch.distributed)
         MultiUseParameterConfig, Pipe, SplitPoint, annotate_split_points)
 
     was = module.training
     module.train(train)
     annotate_split_points(module, {p: SplitPoint.BEGINNING for p in points})
+    swapped = [(p, p.data) for p in module.parameters() if p.is_floating_point() and p.dtype != dtype]
+    for p, data in swapped:  # placeholders of the run's dtype (export reads only their metadata)
+        p.data = torch.empty_like(data, dtype=dtype)
+    kwargs = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kwargs.items()}
     dynamic = {k: ({0: torch.export.Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim() else None)
                for k, v in kwargs.items()}
     try:
@@ -135,6 +168,8 @@ def _trace(module: nn.Module, kwargs: dict, points: list[str], train: bool, name
                          f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); write its layer list with "
                          "fs.models.sequential instead") from err
     finally:
+        for p, data in swapped:
+            p.data = data
         _unannotate(module, points)
         module.train(was)
     stages = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
@@ -142,8 +177,9 @@ def _trace(module: nn.Module, kwargs: dict, points: list[str], train: bool, name
         raise ValueError(f"traced_layers: {name} was cut into {len(stages)} pieces, not {len(points) + 1}: a split "
                          f"point ({points[:3]}...) is not called exactly once per forward")
     flow = _Flow(pipe.split_gm.graph, len(stages), _static_dims(program, kwargs))
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        flow.learn_types(stages, kwargs, name)
+    if not swapped:  # the example's pass needs the module's own parameters (the run's dtype: the tracer maps)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            flow.learn_types(stages, kwargs, name)
     return _Graph(stages, flow)
 
 
@@ -299,21 +335,22 @@ def _node(a: Any) -> torch.fx.Node:
     return a
 
 
-def _stage_fn(graphs: dict[bool, _Graph], i: int, canonical: dict[str, str]) -> Callable:
+def _stage_fn(tracer: _Tracer, i: int) -> Callable:
     """Stage i as a pipeline layer (the training graph when given a generator, else the evaluation
-    one): what enters its cut in, what leaves the next cut out (the module's flat outputs at the end)."""
-    names = {mode: {n: canonical[n] for n, _ in g.stages[i].named_parameters(remove_duplicate=False)}
-             for mode, g in graphs.items()}
+    one; of the parameters' dtype): what enters its cut in, what leaves the next cut out (the
+    module's flat outputs at the end)."""
+    paths = sorted(set(tracer.names(next(iter(tracer.graphs.values())), i).values()))
 
     def fn(params: PyTree, x: Any, *, rng: Optional[torch.Generator] = None, ops: Any = DENSE) -> Any:
-        graph = graphs[rng is not None]
-        tensors = {}
-        for stage_name, path in names[rng is not None].items():
+        by_path = {}
+        for path in paths:
             tree = params
             for part in path.split("."):
                 tree = tree[part]
-            tensors[stage_name] = tree
-        dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
+            by_path[path] = tree
+        dtype = next((t.dtype for t in by_path.values() if t.is_floating_point()), None)
+        graph = tracer.graph(rng is not None, dtype or next(tracer.module.parameters()).dtype)
+        tensors = {stage_name: by_path[path] for stage_name, path in tracer.names(graph, i).items()}
 
         def call(stage: nn.Module, args: list) -> Any:
             if dtype is not None:
