@@ -81,6 +81,10 @@ def test_what_it_cannot_trace_is_a_clear_error():
         fs.models.traced_layers(module, lm_batch(2, 0), split_before="transformer.blocks.*")
     with pytest.raises(ValueError, match="inside other matches"):
         fs.models.traced_layers(module, lm_batch(2, 0), split_before=["transformer.h.*", "transformer.h.0.attn"])
+    checkpointed = hf_gpt2(layers=2)
+    checkpointed.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="activation_checkpoint_interval=1"):
+        fs.models.traced_layers(checkpointed, lm_batch(2, 0))
     with pytest.raises(ValueError, match="persistent buffers"):
         fs.models.traced_layers(small_cnn(), (torch.zeros(2, 3, 6, 6), torch.zeros(2, dtype=torch.long)))
     model = fs.models.traced_layers(module, lm_batch(2, 0))

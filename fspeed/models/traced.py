@@ -15,9 +15,15 @@ a mask computed in layer 0 or the labels the last layer's loss reads, as a tuple
 carry no gradient). Parameters keep the module's names; a tied one used before and after a cut
 (GPT-2's embedding and head) is one path that the pipeline keeps equal on its stages.
 
-Limits: the graph is specialised to the example's shapes and constants, so every micro-batch must
-have the example's shapes (a clear error says so); the module must export as one graph (no
-data-dependent control flow) and hold no state buffers (BatchNorm statistics).
+Graphs are traced for training and for evaluation (dropout differs: a layer given a generator runs
+the training graph, one given none the evaluation graph), and for each parameter dtype a run uses
+(an exported graph asserts the dtypes it was traced with), each when first needed.
+
+Limits, each a clear error: the batch dimension is dynamic but the other dimensions and the
+constants are the example's (every micro-batch has its sequence length); the module must export as
+one graph (no data-dependent control flow), hold no state buffers (BatchNorm statistics) and not
+have Hugging Face's gradient checkpointing on (the pipeline's `activation_checkpoint_interval`
+recomputes layers instead).
 """
 
 from __future__ import annotations
@@ -54,6 +60,11 @@ def traced_layers(module: nn.Module, example: Any, loss_fn: Optional[Callable[[A
         raise ValueError(f"traced_layers: {name} has persistent buffers (module state such as BatchNorm statistics: "
                          f"{persistent[:3]}), which a pipeline layer cannot carry yet; use fs.functionalize without a "
                          "pipeline")
+    if getattr(module, "is_gradient_checkpointing", False):
+        raise ValueError(f"traced_layers: {name} has Hugging Face's gradient checkpointing on, which a traced graph "
+                         "does not keep; call module.gradient_checkpointing_disable() and recompute pipeline layers "
+                         "with fs.pipeline(..., activation_checkpoint_interval=1) "
+                         "(pipeline.activation_checkpoint_interval=1)")
     points = _split_points(module, split_before, name)
     constants = dict(call_kwargs if call_kwargs is not None else _default_call_kwargs(module))
     kwargs = _call_kwargs(module, example, constants)
