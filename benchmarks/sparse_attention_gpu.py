@@ -175,6 +175,29 @@ def check_engine_on_device(device: str, steps: int = 3, cli_steps: tuple[int, in
     print(f"engine on {fused} vs cpu: losses' largest relative difference {err:.1e}")
     if err > 1e-5:
         failures.append(f"fs.initialize on {fused}: losses differ from the CPU run by {err:.1e}")
+    # the module traced into pipeline layers (traced_layers) on the device: its loss and gradients, fp32 and
+    # a bf16 graph traced on first use
+    traced_module = copy.deepcopy(module).to(device)
+    model = fs.models.traced_layers(traced_module, {k: v.to(device) for k, v in your_model.batch_for(0, 4).items()})
+    batch = {k: v.to(device) for k, v in your_model.batch_for(1, 6).items()}
+    params = fs.tree_map(lambda t: t.detach().requires_grad_(), model.init())
+    loss = model.loss(params, batch, rng=torch.Generator(device=device).manual_seed(0))
+    loss.backward()
+    want = traced_module(**batch).loss
+    want.backward()
+    named = dict(traced_module.named_parameters())
+    err = max(relative_error(t.grad, named[path].grad) for path, t in zip(fs.tree_paths(params),
+                                                                           fs.pytree.tree_leaves(params)))
+    print(f"traced_layers on {device}: loss {loss.item():.5f} vs the module's {want.item():.5f}; gradients' largest "
+          f"relative error {err:.1e}")
+    if abs(loss.item() - want.item()) > 1e-5 or err > 1e-4:
+        failures.append(f"traced_layers on {device} differs from the module (loss or gradients, {err:.1e})")
+    with torch.no_grad():
+        half = model.loss(fs.tree_map(lambda t: t.to(torch.bfloat16), model.init()), batch,
+                          rng=torch.Generator(device=device).manual_seed(0))
+    print(f"traced_layers on {device} in bf16: loss {float(half):.4f}")
+    if abs(float(half) - want.item()) > 0.05:
+        failures.append(f"traced_layers on {device} in bf16: loss {float(half):.4f} against fp32's {want.item():.4f}")
     with tempfile.TemporaryDirectory() as tmp:
         common = [sys.executable, "-m", "fspeed.cli.train", f"train.device={device}", "data.max_bytes=200000",
                   "model.n_layer=2", "scheduler.warmup_num_steps=5", "train.eval_every=0", "monitor.progress_bar=false",

@@ -165,8 +165,9 @@ def _trace(module: nn.Module, kwargs: dict, points: list[str], train: bool, name
     was = module.training
     module.train(train)
     annotate_split_points(module, {p: SplitPoint.BEGINNING for p in points})
-    swapped = [(p, p.data) for p in module.parameters() if p.is_floating_point() and p.dtype != dtype]
-    for p, data in swapped:  # placeholders of the run's dtype (export reads only their metadata)
+    swapped = [(p, p.data, p.grad) for p in module.parameters() if p.is_floating_point() and p.dtype != dtype]
+    for p, data, _ in swapped:  # placeholders of the run's dtype (export reads only their metadata)
+        p.grad = None
         p.data = torch.empty_like(data, dtype=dtype)
     kwargs = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kwargs.items()}
     dynamic = {k: ({0: torch.export.Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim() else None)
@@ -179,8 +180,8 @@ def _trace(module: nn.Module, kwargs: dict, points: list[str], train: bool, name
                          f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); write its layer list with "
                          "fs.models.sequential instead") from err
     finally:
-        for p, data in swapped:
-            p.data = data
+        for p, data, grad in swapped:
+            p.data, p.grad = data, grad
         _unannotate(module, points)
         module.train(was)
     stages = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
@@ -325,6 +326,7 @@ class _Flow:
                 env[node] = out[k]
         else:
             env[self.stage_nodes[i]] = out
+        device = next(p.device for p in parts if isinstance(p, torch.Tensor))  # where a size crosses with the rest
         if name:
             for v in self.carried[i + 1]:
                 if isinstance(env[v], int) and not isinstance(env[v], bool):
@@ -332,7 +334,7 @@ class _Flow:
                 elif not isinstance(env[v], torch.Tensor):
                     raise ValueError(f"traced_layers: {name} passes {type(env[v]).__name__} {v.name!r} across a cut; "
                                      "only tensors and sizes can cross stages")
-        return tuple(torch.tensor(env[v]) if v in self.ints else env[v] for v in self.carried[i + 1])
+        return tuple(torch.tensor(env[v], device=device) if v in self.ints else env[v] for v in self.carried[i + 1])
 
     def learn_types(self, stages: list, kwargs: dict, name: str) -> None:
         x = tuple(kwargs[n.name] for n in self.carried[0])
