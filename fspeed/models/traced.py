@@ -266,7 +266,8 @@ class _Flow:
         self.shapes = shapes
         self.stage_nodes: list[torch.fx.Node] = [n for n in graph.nodes if n.op == "call_module"]
         if len(self.stage_nodes) != n_stages:
-            raise ValueError(f"traced_layers: the split graph calls {len(self.stage_nodes)} stages, expected {n_stages}")
+            raise ValueError(f"traced_layers: the split graph calls {len(self.stage_nodes)} stages, "
+                             f"expected {n_stages}")
         index = {n: i for i, n in enumerate(self.stage_nodes)}
         self.stage_args = [[_node(a) for a in n.args] for n in self.stage_nodes]
         if any(n.kwargs for n in self.stage_nodes):
@@ -309,8 +310,8 @@ class _Flow:
             if want is not None and (len(want) != value.dim() or
                                      any(w is not None and w != d for w, d in zip(want, value.shape))):
                 shown = ["any" if w is None else w for w in want]
-                raise ValueError(f"traced_layers: {node.name!r} has shape {list(value.shape)}, but {name}'s graph takes "
-                                 f"{shown} (specialised to the traced example; trace with a micro-batch of the "
+                raise ValueError(f"traced_layers: {node.name!r} has shape {list(value.shape)}, but {name}'s graph "
+                                 f"takes {shown} (specialised to the traced example; trace with a micro-batch of the "
                                  "training shape)")
             out.append(value)
         return tuple(out)

@@ -252,7 +252,8 @@ class PipelineExecutor:
                 self.deferred_linears += len(store)
                 with torch.no_grad():
                     for key, shape, a, b in store:  # dW += aᵀ b (a linear's dYᵀ X, an addmm's Xᵀ dY)
-                        a, b, acc_w = a.reshape(-1, a.shape[-1]).t(), b.reshape(-1, b.shape[-1]), acc_of[key].view(shape)
+                        a, b = a.reshape(-1, a.shape[-1]).t(), b.reshape(-1, b.shape[-1])
+                        acc_w = acc_of[key].view(shape)
                         if a.dtype == acc_w.dtype:
                             acc_w.addmm_(a, b)
                         else:  # 16-bit activations: dW in their dtype, as backward makes it, added to the fp32 sum
