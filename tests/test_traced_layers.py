@@ -170,3 +170,46 @@ def test_tensor_slicing_a_layer_list_is_a_clear_error_not_replicated_work():
     with pytest.raises(ValueError, match="slices none of the model's parameters"):
         resolve(plan, model.init(), {"data": 1, "model": 2, "pipe": 2}, {"data": 0, "model": 0, "pipe": 0},
                 model.logical_axes, model.units, model.layers)
+
+
+def _zoo(name: str):
+    from tests.hf_models import VOCAB, SEQ, quiet_transformers
+    tf = quiet_transformers()
+    torch.manual_seed(0)
+    small = dict(vocab_size=VOCAB, num_attention_heads=4)
+    if name == "bert":  # an encoder, masked-LM head, takes extra arguments through **kwargs
+        return tf.BertForMaskedLM(tf.BertConfig(**small, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                                                max_position_embeddings=SEQ))
+    if name == "gpt_neox":
+        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**small, hidden_size=32, num_hidden_layers=2,
+                                                      intermediate_size=64, max_position_embeddings=SEQ))
+    if name == "opt":
+        return tf.OPTForCausalLM(tf.OPTConfig(**small, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                                              max_position_embeddings=SEQ, word_embed_proj_dim=32))
+    # an encoder-decoder: the decoder's cuts carry the encoder's output
+    return tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=VOCAB, d_model=32, num_layers=2, num_decoder_layers=2,
+                                                     num_heads=4, d_ff=64, d_kv=8, decoder_start_token_id=0,
+                                                     pad_token_id=0))
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt_neox", "opt", "t5"])
+def test_other_architectures_trace_into_layers_equal_to_their_module(name):
+    """Evaluation graph (dropout off) against the module in eval mode: loss and every gradient."""
+    from tests.hf_models import VOCAB, SEQ
+    module = _zoo(name)
+    g = torch.Generator().manual_seed(1)
+    make = lambda rows: {"input_ids": torch.randint(1, VOCAB, (rows, SEQ), generator=g),  # noqa: E731
+                         "labels": torch.randint(1, VOCAB, (rows, SEQ), generator=g)}
+    model = fs.models.traced_layers(module, make(2))
+    assert len(model.layers) == 1 + len([p for p in fs.models.module.repeated_blocks(module)])
+    params = tree_map(lambda t: t.detach().requires_grad_(), model.init())
+    batch = make(3)
+    loss = model.loss(params, batch)  # no generator: the evaluation graph
+    loss.backward()
+    module.eval()
+    want = module(**batch).loss
+    want.backward()
+    assert torch.equal(loss, want)
+    named = dict(module.named_parameters())
+    for path, t in zip(fs.tree_paths(params), tree_leaves(params)):
+        torch.testing.assert_close(t.grad, named[path].grad, rtol=0, atol=1e-6, msg=path)

@@ -170,8 +170,7 @@ def _trace(module: nn.Module, kwargs: dict, points: list[str], train: bool, name
         p.grad = None
         p.data = torch.empty_like(data, dtype=dtype)
     kwargs = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kwargs.items()}
-    dynamic = {k: ({0: torch.export.Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim() else None)
-               for k, v in kwargs.items()}
+    dynamic = _dynamic_batch(module, kwargs)
     try:
         program = torch.export.export(module, (), kwargs, dynamic_shapes=dynamic)
         pipe = Pipe._from_traced(module, program, MultiUseParameterConfig.REPLICATE)
@@ -193,6 +192,20 @@ def _trace(module: nn.Module, kwargs: dict, points: list[str], train: bool, name
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             flow.learn_types(stages, kwargs, name)
     return _Graph(stages, flow)
+
+
+def _dynamic_batch(module: nn.Module, kwargs: dict) -> dict:
+    """`torch.export`'s dynamic_shapes for a keyword call: dimension 0 of every tensor may vary, keyed
+    as the forward's signature names them (arguments it takes through **kwargs under that name)."""
+    params = inspect.signature(module.forward).parameters
+    spec = {k: ({0: torch.export.Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim() else None)
+            for k, v in kwargs.items()}
+    named = {k: v for k, v in spec.items() if k in params and params[k].kind != inspect.Parameter.VAR_KEYWORD}
+    rest = {k: v for k, v in spec.items() if k not in named}
+    var_keyword = next((p.name for p in params.values() if p.kind == inspect.Parameter.VAR_KEYWORD), None)
+    if rest and var_keyword is not None:
+        named[var_keyword] = rest
+    return named
 
 
 def _static_dims(program: Any, kwargs: dict) -> dict[str, tuple]:
@@ -228,7 +241,8 @@ def _split_points(module: nn.Module, split_before: Union[str, Sequence[str]], na
 
 def _default_call_kwargs(module: nn.Module) -> dict:
     config = getattr(module, "config", None)
-    return {"use_cache": False} if getattr(config, "use_cache", None) is not None else {}
+    takes = "use_cache" in inspect.signature(module.forward).parameters
+    return {"use_cache": False} if takes and getattr(config, "use_cache", None) is not None else {}
 
 
 def _call_kwargs(module: nn.Module, batch: Any, constants: dict) -> dict:
