@@ -283,6 +283,10 @@ def _example_micro_batch(training_data: Any, collate_fn: Optional[Callable], row
                          "example_micro_batch) or fs.models.sequential([...], loss_fn=...))")
     from torch.utils.data import default_collate  # noqa: PLC0415
 
+    if not (hasattr(training_data, "__len__") and hasattr(training_data, "__getitem__")):
+        raise ValueError(f"initialize: parallel.pipe={pipe} traces the module on training_data's first micro-batch, "
+                         f"which needs a map-style dataset (len and indexing), not {type(training_data).__name__}; "
+                         "or pass fs.models.traced_layers(module, example_micro_batch) as the model")
     return (collate_fn or default_collate)([training_data[i] for i in range(min(rows, len(training_data)))])
 
 
