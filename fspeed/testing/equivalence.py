@@ -39,6 +39,9 @@ def _model(build_model: Callable, loss_fn: Optional[Callable], tp_plan):
 
     built = build_model()
     if isinstance(built, fs.Model):
+        if tp_plan is not None:
+            raise ValueError("assert_trains_like_one_process: tp_plan= is for an nn.Module that build_model returns; "
+                             f"it returned the Model {built.name}: pass tp_plan to its functionalize instead")
         return built
     if loss_fn is None:
         raise ValueError("assert_trains_like_one_process: build_model returned an nn.Module; pass loss_fn=")
