@@ -1,5 +1,6 @@
 """Shared test setup: a deterministic hypothesis profile for CI, a faster one by default, and
-gloo worlds of 2 and 4 ranks reused by a test module's tests."""
+gloo worlds of 2 and 4 ranks reused by every test that asks for one (spawning a world costs 2-5 s,
+and two dozen modules use them)."""
 
 import os
 
@@ -21,13 +22,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def world2():
     with GlooWorld(2) as world:
         yield world
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def world4():
     with GlooWorld(4) as world:
         yield world

@@ -78,8 +78,7 @@ def traced_layers(module: nn.Module, example: Any, loss_fn: Optional[Callable[[A
         _, out_spec = torch_pytree.tree_flatten(module(**kwargs))
     tracer = _Tracer(module, kwargs, points, name, out_spec.num_leaves)
     base = next(module.parameters()).dtype
-    reference = tracer.graph(True, base)
-    tracer.graph(False, base)  # evaluation's (no dropout), traced now: its errors are the user's now too
+    reference = tracer.graph(True, base)  # evaluation's graph and other dtypes' are traced when first run
     names = ["input", *points]
     kinds = ["input", *(type(module.get_submodule(p)).__name__ for p in points)]
     layers = [Layer(names[i], _stage_fn(tracer, i), tuple(dict.fromkeys(tracer.names(reference, i).values())),
