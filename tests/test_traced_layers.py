@@ -213,3 +213,45 @@ def test_other_architectures_trace_into_layers_equal_to_their_module(name):
     named = dict(module.named_parameters())
     for path, t in zip(fs.tree_paths(params), tree_leaves(params)):
         torch.testing.assert_close(t.grad, named[path].grad, rtol=0, atol=1e-6, msg=path)
+
+
+@pytest.mark.parametrize("build", [hf_gpt2, hf_llama])
+def test_causal_lm_loss_makes_the_last_layer_a_fused_head(build):
+    """With fs.causal_lm_loss the cut before the output head makes it the last layer, run with the loss
+    as ops.head_loss (no logits kept): the module's own loss and gradients (GPT-2's tied head too)."""
+    module = build(layers=2)
+    model = fs.models.traced_layers(module, lm_batch(2, 0), fs.causal_lm_loss)
+    seq = model.layers
+    assert seq.layers[-1].name == "lm_head" and seq.last_with_loss is not None
+    batch = lm_batch(3, 7)
+    batch["labels"] = torch.roll(batch["labels"], 2, 1)
+    batch["labels"][:, :2] = -100
+    loss, want, grads = _grads(model, module, batch)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    for path, (got, ref) in grads.items():
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6, msg=path)
+
+
+def test_causal_lm_loss_refuses_a_head_whose_logits_are_changed():
+    class Scaled(torch.nn.Module):  # logits scaled after the head, as some models do
+        def __init__(self):
+            super().__init__()
+            self.inner = hf_gpt2(layers=2)
+
+        def get_output_embeddings(self):
+            return self.inner.lm_head
+
+        def forward(self, input_ids, labels=None):
+            return {"logits": self.inner(input_ids=input_ids, use_cache=False).logits * 0.5}
+    with pytest.raises(ValueError, match="changes its logits after the output head"):
+        fs.models.traced_layers(Scaled(), lm_batch(2, 0), fs.causal_lm_loss)
+
+
+def test_a_fused_head_pipeline_trains_like_one_process(world2):
+    plan = fs.pipeline(2, "1f1b")
+    assert_trains_like_one_process(traced_llama_fused, plan, make_batch=lm_batch, world_size=2, pipe=2, world=world2,
+                                   steps=2, rtol=1e-4, atol=1e-5)
+
+
+def traced_llama_fused():
+    return fs.models.traced_layers(hf_llama(layers=2), lm_batch(2, 0), fs.causal_lm_loss)

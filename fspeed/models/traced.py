@@ -10,6 +10,10 @@ submodule paths; "auto": every repeated block, `transformer.h.*` / `model.layers
 runs before the first cut (embeddings), layer i the graph from cut i to cut i + 1; the last one holds
 the rest (final norm, head, and the module's own loss when the batch carries labels).
 
+With `loss_fn=fs.causal_lm_loss` the graph is also cut before the output head, traced without the
+labels, and the last layer (the head, which must be a plain linear whose logits are the output) runs
+with the loss as `ops.head_loss`: the logits are never materialized whole (`fspeed.models.causal_lm`).
+
 What crosses a cut is every value a later layer or the output still needs: hidden states, and also
 a mask computed in layer 0 or the labels the last layer's loss reads, as a tuple (integer parts
 carry no gradient). Parameters keep the module's names; a tied one used before and after a cut
@@ -41,6 +45,7 @@ from ..pytree import PyTree
 from ..rng import layer_generators
 from .layers import Layer, LayerSequence, _seeded
 from .model import Model
+from .causal_lm import causal_lm_loss, labels_of, output_head
 from .module import nested, output_loss, repeated_blocks
 from .ops import DENSE
 
@@ -60,14 +65,23 @@ def traced_layers(module: nn.Module, example: Any, loss_fn: Optional[Callable[[A
         raise ValueError(f"traced_layers: {name} has persistent buffers (module state such as BatchNorm statistics: "
                          f"{persistent[:3]}), which a pipeline layer cannot carry yet; use fs.functionalize without a "
                          "pipeline")
-    if getattr(module, "is_gradient_checkpointing", False):
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules()):  # HF's per-layer flag
         raise ValueError(f"traced_layers: {name} has Hugging Face's gradient checkpointing on, which a traced graph "
                          "does not keep; call module.gradient_checkpointing_disable() and recompute pipeline layers "
                          "with fs.pipeline(..., activation_checkpoint_interval=1) "
                          "(pipeline.activation_checkpoint_interval=1)")
     points = _split_points(module, split_before, name)
+    fused = getattr(loss_fn, "fuses_head", False)  # causal_lm_loss: the last layer is the head, run as head_loss
+    if fused:
+        head = output_head(module, name)
+        head_path = next(p for p, m in module.named_modules() if m is head)
+        if any(head_path.startswith(p + ".") for p in points):
+            raise ValueError(f"traced_layers: {name}'s output head {head_path!r} lies inside a split point")
+        points = [*points, head_path]
     constants = dict(call_kwargs if call_kwargs is not None else _default_call_kwargs(module))
     kwargs = _call_kwargs(module, example, constants)
+    if fused:
+        kwargs.pop("labels", None)  # the fused loss reads them from the micro-batch; the graph ends at the logits
     device = next(module.parameters()).device
     seen: set[int] = set()
     for key, value in kwargs.items():  # on the module's device; one tensor given twice (labels = input_ids)
@@ -84,6 +98,7 @@ def traced_layers(module: nn.Module, example: Any, loss_fn: Optional[Callable[[A
     layers = [Layer(names[i], _stage_fn(tracer, i), tuple(dict.fromkeys(tracer.names(reference, i).values())),
                     kinds[i]) for i in range(len(points) + 1)]
     loss_fn = loss_fn or output_loss
+    tail = _fused_head_tail(tracer, reference, layers[-1], name) if fused else None
 
     def inputs(micro_batch: Any) -> tuple:
         return reference.flow.first_inputs(_call_kwargs(module, micro_batch, constants), name)
@@ -91,7 +106,7 @@ def traced_layers(module: nn.Module, example: Any, loss_fn: Optional[Callable[[A
     def loss(y: Any, micro_batch: Any, *, ops: Any = DENSE) -> torch.Tensor:
         return loss_fn(torch_pytree.tree_unflatten(list(y), out_spec), micro_batch)
 
-    seq = LayerSequence(tuple(layers), inputs, loss)
+    seq = LayerSequence(tuple(layers), inputs, loss, tail)
 
     def init(generator: Optional[torch.Generator] = None) -> dict:
         return nested({n: p.detach().clone() for n, p in module.named_parameters()})
@@ -127,6 +142,7 @@ class _Tracer:
         self.canonical = _canonical_names(module)
         self.graphs: dict[tuple[bool, torch.dtype], _Graph] = {}
         self.inputs: Optional[list[str]] = None
+        self._names: dict[tuple[int, int], dict[str, str]] = {}
 
     def graph(self, train: bool, dtype: torch.dtype) -> _Graph:
         key = (train, dtype)
@@ -150,8 +166,11 @@ class _Tracer:
         return self.graphs[key]
 
     def names(self, graph: _Graph, i: int) -> dict[str, str]:
-        """Stage i's parameter names in `graph` -> the module's names for them."""
-        return {n: self.canonical[n] for n, _ in graph.stages[i].named_parameters(remove_duplicate=False)}
+        """Stage i's parameter names in `graph` -> the module's names for them (looked up once)."""
+        key = (id(graph.stages[i]), i)
+        if key not in self._names:
+            self._names[key] = {n: self.canonical[n] for n, _ in graph.stages[i].named_parameters(remove_duplicate=False)}
+        return self._names[key]
 
 
 def _trace(module: nn.Module, kwargs: dict, points: list[str], train: bool, name: str, dtype: torch.dtype) -> _Graph:
@@ -354,6 +373,55 @@ class _Flow:
         x = tuple(kwargs[n.name] for n in self.carried[0])
         for i, stage in enumerate(stages):
             x = self.run_stage(i, stage, x, lambda module, args: module(*args), name)
+
+
+def _fused_head_tail(tracer: _Tracer, reference: _Graph, head: Layer, name: str) -> Callable:
+    """The last layer (the output head, a plain `linear` of the hidden state) and causal_lm_loss as one
+    `ops.head_loss` call (`fspeed.models.causal_lm`): the logits are never materialized whole."""
+    last = len(reference.stages) - 1
+    found = _plain_linear(reference.stages[last])
+    if found is not True:
+        raise ValueError(f"causal_lm_loss: {name} changes its logits after the output head (a scale, soft-capping) or "
+                         f"returns more than them ({found}), so the head cannot be fused with the loss; pass "
+                         "lambda outputs, batch: fs.causal_lm_loss(outputs, batch) (unfused)")
+    (weight_path,) = head.uses
+    entering, hidden_node = reference.flow.carried[last], reference.flow.stage_args[last][0]
+    position = entering.index(hidden_node)
+
+    def tail(params: PyTree, x: Any, micro_batch: Any, *, ops: Any = DENSE) -> torch.Tensor:
+        hidden = (x if isinstance(x, tuple) else (x,))[position]
+        w = params
+        for part in weight_path.split("."):
+            w = w[part]
+        labels = labels_of(micro_batch)
+        if hidden.shape[:-1] != labels.shape:
+            raise ValueError(f"causal_lm_loss: the head's input has positions {list(hidden.shape[:-1])}, the labels "
+                             f"{list(labels.shape)}")
+        h = hidden.to(w.dtype)
+        if w.dtype == torch.float16:  # unfused, as causal_lm_loss in fp16 (module docstring there)
+            return causal_lm_loss({"logits": torch.nn.functional.linear(h, w)}, micro_batch)
+        return ops.head_loss(h[:, :-1].reshape(-1, h.shape[-1]), w, labels[:, 1:].reshape(-1))
+    return tail
+
+
+_PASS_THROUGH = (torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten.alias.default)
+
+
+def _plain_linear(module: nn.Module) -> Any:
+    """True when `module`'s graph computes one `linear` (through nested submodule calls) and returns only
+    its result; else what it computes instead (for the error)."""
+    graph = module.graph
+    computed = [n for n in graph.nodes if n.op in ("call_function", "call_module", "call_method")
+                and n.target not in _PASS_THROUGH]
+    output = next(n for n in graph.nodes if n.op == "output")
+    results = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    results = [r.args[0] if isinstance(r, torch.fx.Node) and r.target in _PASS_THROUGH else r for r in results]
+    if len(computed) != 1 or results != computed:
+        return [str(n.target) for n in computed][:4]
+    (node,) = computed
+    if node.op == "call_module":
+        return _plain_linear(module.get_submodule(node.target))
+    return True if node.target is torch.ops.aten.linear.default else [str(node.target)]
 
 
 def _node(a: Any) -> torch.fx.Node:
