@@ -9,8 +9,13 @@ machine's load falls on both alike. The first step's losses are printed side by 
 
     python benchmarks/pipeline_traced.py [--layers 8] [--width 256] [--rows 8] [--micro 8] [--steps 8]
 
+Then, in one process, what the last pipeline layer keeps for backward at GPT-2's vocabulary (50257)
+with the module's own loss and with `fs.causal_lm_loss`, which cuts before the head and fuses it
+with the loss.
+
 Last lines: pipeline_traced_hf_step_time_vs_torch (fspeed over torch, median of paired steps),
-pipeline_traced_hf_trace_seconds (fspeed's traced_layers: two exports, train and eval mode).
+pipeline_traced_fused_head_kept_bytes_over_own_loss, pipeline_traced_hf_trace_seconds (fspeed's
+traced_layers: the training graph's export).
 """
 
 from __future__ import annotations
@@ -99,6 +104,40 @@ def measure(args: argparse.Namespace) -> dict:
             "layers": len(model.layers), "params": sum(p.numel() for p in base.parameters())}
 
 
+def last_stage_kept_bytes(args: argparse.Namespace, vocab: int = 50257, rows: int = 4) -> dict:
+    """One process: what the traced GPT-2's last pipeline layer keeps for backward (the part of its
+    forward a 1F1B last stage holds per micro-batch), with the module's own loss and with
+    `fs.causal_lm_loss` (the head fused with the loss), at GPT-2's vocabulary."""
+    from fspeed.activation_budget import bytes_kept_for_backward  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    module = build_gpt2(2, args.width, vocab)
+    ids = torch.randint(0, vocab, (rows, SEQ), generator=torch.Generator().manual_seed(2))
+    batch = {"input_ids": ids, "labels": ids}
+    out = {}
+    for name, loss_fn in (("own loss", None), ("causal_lm_loss", fs.causal_lm_loss)):
+        model = fs.models.traced_layers(module, batch, loss_fn)
+        seq, params = model.layers, model.init()
+        fused = seq.last_with_loss is not None  # then the head is a layer of its own, run by the tail
+        first = len(seq) - 1 - fused  # the last block: where the measured part starts
+        rng = torch.Generator().manual_seed(0)
+        x = seq.inputs(batch)
+        with torch.no_grad():  # the layers before: the stage's input (the training graph's)
+            for layer in seq.layers[:first]:
+                x = layer.fn(params, x, rng=rng)
+        tree = fs.tree_map(lambda t: t.detach().requires_grad_(), params)
+        x = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in x)
+
+        def run(seq=seq, tree=tree, x=x, first=first, fused=fused):
+            y = x
+            for layer in seq.layers[first:len(seq) - fused]:
+                y = layer.fn(tree, y, rng=torch.Generator().manual_seed(0))
+            seq.tail(tree, y, batch).backward()
+        kept = [bytes_kept_for_backward(run) for _ in range(3)]
+        out[name] = (statistics.median(k for k, _ in kept), statistics.median(t for _, t in kept))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -121,7 +160,13 @@ def main() -> None:
     print(f"{'engine':<48}{'step ms':>10}   first loss")
     print(f"{'fspeed traced_layers + train_step':<48}{ours * 1e3:>10.1f}   {results[1]['first']['fspeed']:.4f}")
     print(f"{'torch.distributed.pipelining pipeline()':<48}{theirs * 1e3:>10.1f}   {results[1]['first']['torch']:.4f}")
+    kept = last_stage_kept_bytes(args)
+    print(f"\nthe last layer (final block, norm, head, loss) of the traced GPT-2 at vocabulary 50257, {4} x {SEQ} "
+          "tokens, one process:")
+    for name, (nbytes, seconds) in kept.items():
+        print(f"  {name:<16} kept for backward {nbytes / 2**20:8.1f} MiB   {seconds * 1e3:7.1f} ms")
     print(f"pipeline_traced_hf_step_time_vs_torch={paired:.3f}")
+    print(f"pipeline_traced_fused_head_kept_bytes_over_own_loss={kept['causal_lm_loss'][0] / kept['own loss'][0]:.3f}")
     print(f"pipeline_traced_hf_trace_seconds={r0['trace_s']:.2f}")
 
 
