@@ -255,3 +255,13 @@ def test_a_fused_head_pipeline_trains_like_one_process(world2):
 
 def traced_llama_fused():
     return fs.models.traced_layers(hf_llama(layers=2), lm_batch(2, 0), fs.causal_lm_loss)
+
+
+def test_explain_plans_a_traced_pipeline_from_one_process():
+    """fs.explain with mesh sizes (no process group): the stages of the traced layers and the tied
+    embedding held by both."""
+    model = hf_gpt2_traced(layers=3)
+    plan = fs.zero(1) | fs.pipeline(4, "1f1b", partition="parameters")
+    table = fs.explain(plan, model.init(), {"data": 2, "pipe": 2}, model.logical_axes, layers=model.layers)
+    assert "stage 0: input" in table and "stage 1:" in table
+    assert [line.split()[-1] for line in table.splitlines() if line.startswith("transformer.wte.weight")] == ["0,1"]

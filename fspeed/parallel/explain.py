@@ -26,10 +26,15 @@ def explain(plan: Plan, params: PyTree, mesh, logical_axes: Optional[Mapping] = 
             precision: str = "bf16", layers=None) -> str:
     """The table described in the module docstring (`precision` prices the bytes). Under a pipeline
     (`layers`: the model's `LayerSequence`) the table is this rank's stage's, each parameter with the
-    stages holding it, after the layers of every stage."""
+    stages holding it, after the layers of every stage. `mesh`: a Mesh, or axis sizes
+    (`{"data": 4, "pipe": 2}`) to plan a launch from one process (the table of the first rank)."""
     if logical_axes is None and hasattr(params, "logical_axes"):
         raise TypeError("pass the params tree, and the model's logical axes as logical_axes=")
-    layout = resolve(plan, params, mesh.sizes, mesh.coords, logical_axes, layers=layers)
+    if isinstance(mesh, Mapping):
+        sizes, coords = {"data": 1, "model": 1, "pipe": 1, **dict(mesh)}, {"data": 0, "model": 0, "pipe": 0}
+    else:
+        sizes, coords = mesh.sizes, mesh.coords
+    layout = resolve(plan, params, sizes, coords, logical_axes, layers=layers)
     policy = _precision(precision)
     stages = "" if layout.pipeline is None else layout.pipeline.describe() + "\n\n"
     return stages + _table(layout, policy) + "\n\n" + str(layout_memory(layout, policy))
