@@ -93,6 +93,8 @@ def test_what_it_cannot_trace_is_a_clear_error():
         model.loss(model.init(), short)
     with pytest.raises(ValueError, match="lacks 'labels'"):
         model.loss(model.init(), {"input_ids": lm_batch(2, 0)["input_ids"]})
+    with pytest.raises(ValueError, match="traced on cpu and runs on meta"):
+        model.loss(tree_map(lambda t: t.to("meta"), model.init()), lm_batch(2, 0))
 
 
 def test_a_traced_llama_trains_like_one_process_under_zero_bubble_with_zero1_in_bf16(world2):

@@ -24,7 +24,8 @@ the training graph, one given none the evaluation graph), and for each parameter
 (an exported graph asserts the dtypes it was traced with), each when first needed.
 
 Limits, each a clear error: the batch dimension is dynamic but the other dimensions and the
-constants are the example's (every micro-batch has its sequence length); the module must export as
+constants are the example's (every micro-batch has its sequence length), and so is the device (a
+graph makes its own position and mask tensors there: trace where it trains); the module must export as
 one graph (no data-dependent control flow), hold no state buffers (BatchNorm statistics) and not
 have Hugging Face's gradient checkpointing on (the pipeline's `activation_checkpoint_interval`
 recomputes layers instead).
@@ -140,6 +141,7 @@ class _Tracer:
     def __init__(self, module: nn.Module, kwargs: dict, points: list[str], name: str, outputs: int):
         self.module, self.kwargs, self.points, self.name, self.outputs = module, kwargs, points, name, outputs
         self.canonical = _canonical_names(module)
+        self.device = next(module.parameters()).device  # a graph makes its own tensors (positions, masks) here
         self.graphs: dict[tuple[bool, torch.dtype], _Graph] = {}
         self.inputs: Optional[list[str]] = None
         self._names: dict[tuple[int, int], dict[str, str]] = {}
@@ -443,6 +445,11 @@ def _stage_fn(tracer: _Tracer, i: int) -> Callable:
             for part in path.split("."):
                 tree = tree[part]
             by_path[path] = tree
+        some = next(iter(by_path.values()), None)
+        if some is not None and some.device != tracer.device:
+            raise ValueError(f"traced_layers: {tracer.name} was traced on {tracer.device} and runs on {some.device}; "
+                             "its graph makes tensors on the traced device: trace the module where it trains "
+                             "(module.to(device) before traced_layers)")
         dtype = next((t.dtype for t in by_path.values() if t.is_floating_point()), None)
         graph = tracer.graph(rng is not None, dtype or next(tracer.module.parameters()).dtype)
         tensors = {stage_name: by_path[path] for stage_name, path in tracer.names(graph, i).items()}
