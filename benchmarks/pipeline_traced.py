@@ -13,7 +13,12 @@ Then, in one process, what the last pipeline layer keeps for backward at GPT-2's
 with the module's own loss and with `fs.causal_lm_loss`, which cuts before the head and fuses it
 with the loss.
 
+Then 2 stages of the same GPT-2 at vocabulary 50257, whose last layer (head and loss) outweighs many
+blocks, cut by DeepSpeed's `uniform` and `parameters` partitions and by `fs.parallel.balanced_partition`
+(measured layer times), alternating steps.
+
 Last lines: pipeline_traced_hf_step_time_vs_torch (fspeed over torch, median of paired steps),
+pipeline_balanced_partition_step_time_over_uniform and _over_parameters,
 pipeline_traced_fused_head_kept_bytes_over_own_loss, pipeline_traced_hf_trace_seconds (fspeed's
 traced_layers: the training graph's export).
 """
@@ -138,6 +143,37 @@ def last_stage_kept_bytes(args: argparse.Namespace, vocab: int = 50257, rows: in
     return out
 
 
+def compare_partitions(args: argparse.Namespace, vocab: int = 50257, rows: int = 4, micro: int = 4,
+                       steps: int = 3) -> dict:
+    """2 stages of the traced GPT-2 at GPT-2's vocabulary (its last layer, the head and the loss, costs
+    as much as many blocks): partitions `uniform` and `parameters` (DeepSpeed's) against
+    `fs.parallel.balanced_partition` (measured layer times), 1F1B, steps alternating; seconds per step."""
+    torch.set_num_threads(1)
+    module = build_gpt2(args.layers, args.width, vocab)
+    module.config.use_cache = False
+    ids = torch.randint(0, vocab, (rows * micro, SEQ), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "labels": ids}
+    example = {"input_ids": ids[:rows], "labels": ids[:rows]}
+    model = fs.models.traced_layers(module, example)
+    balanced = fs.parallel.balanced_partition(model, example, 2)
+    mesh, opt = fs.Mesh(pipe=2), fs.optim.adamw(1e-4)
+    runs = {}
+    for name, partition in (("uniform", "uniform"), ("parameters", "parameters"), (f"balanced {balanced}", balanced)):
+        plan = fs.pipeline(micro, "1f1b", partition=partition)
+        state = fs.init_train_state(model.init(), opt, plan=plan, mesh=mesh, model=model)
+        runs[name] = [state, fs.make_train_step(model, opt, plan=plan, mesh=mesh), [],
+                      list(state.layout.pipeline.bounds)]
+    for i in range(steps + 1):
+        for name, run in (runs.items() if i % 2 == 0 else reversed(list(runs.items()))):
+            dist.barrier()
+            t = time.perf_counter()
+            run[0], _ = run[1](run[0], batch)
+            dist.barrier()
+            if i:
+                run[2].append(time.perf_counter() - t)
+    return {name: (statistics.median(run[2]), run[3]) for name, run in runs.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -149,6 +185,7 @@ def main() -> None:
     args = parser.parse_args()
     with GlooWorld(2, timeout_s=1200) as world:
         results = world.run(measure, args)
+        partitions = world.run(compare_partitions, args)[0]
     r0 = results[0]
     t = r0["times"]
     ours, theirs = statistics.median(t["fspeed"]), statistics.median(t["torch"])
@@ -165,7 +202,14 @@ def main() -> None:
           "tokens, one process:")
     for name, (nbytes, seconds) in kept.items():
         print(f"  {name:<16} kept for backward {nbytes / 2**20:8.1f} MiB   {seconds * 1e3:7.1f} ms")
+    print(f"\n2 stages of the traced GPT-2 at vocabulary 50257 ({args.layers} blocks), 1F1B, 4 micro-batches of "
+          f"4 x {SEQ} tokens, by partition:")
+    for name, (seconds, bounds) in partitions.items():
+        print(f"  {name:<24} layer bounds {bounds}   {seconds * 1e3:8.0f} ms per step")
+    balanced_s = next(v[0] for k, v in partitions.items() if k.startswith("balanced"))
     print(f"pipeline_traced_hf_step_time_vs_torch={paired:.3f}")
+    print(f"pipeline_balanced_partition_step_time_over_uniform={balanced_s / partitions['uniform'][0]:.3f}")
+    print(f"pipeline_balanced_partition_step_time_over_parameters={balanced_s / partitions['parameters'][0]:.3f}")
     print(f"pipeline_traced_fused_head_kept_bytes_over_own_loss={kept['causal_lm_loss'][0] / kept['own loss'][0]:.3f}")
     print(f"pipeline_traced_hf_trace_seconds={r0['trace_s']:.2f}")
 

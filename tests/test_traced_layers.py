@@ -267,3 +267,22 @@ def test_explain_plans_a_traced_pipeline_from_one_process():
     table = fs.explain(plan, model.init(), {"data": 2, "pipe": 2}, model.logical_axes, layers=model.layers)
     assert "stage 0: input" in table and "stage 1:" in table
     assert [line.split()[-1] for line in table.splitlines() if line.startswith("transformer.wte.weight")] == ["0,1"]
+
+
+def test_balanced_partition_gives_a_heavy_last_layer_its_own_stage():
+    """A layer list whose last layer costs far more than the others: layer counts balanced by measured
+    time, not uniform; with the reference GPT (its fused tail) the counts cover every layer."""
+    heavy = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(12)])
+    model = fs.models.sequential([torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16),
+                                  torch.nn.Linear(16, 512), heavy],
+                                 loss_fn=lambda y, b: y.square().mean(), inputs=lambda b: b["x"])
+    example = {"x": torch.randn(64, 16)}
+    costs = fs.parallel.layer_costs(model, example)
+    assert len(costs) == 5 and all(c > 0 for c in costs) and costs[-1] > 5 * max(costs[:3])
+    assert fs.parallel.balanced_partition(model, example, 2) == [4, 1]
+    gpt = fs.models.gpt(fs.models.GPTConfig(vocab_size=64, seq_len=16, n_layer=3, d_model=32, n_head=4))
+    counts = fs.parallel.balanced_partition(gpt, {"inputs": torch.randint(0, 64, (2, 16)),
+                                                  "targets": torch.randint(0, 64, (2, 16))}, 2)
+    assert sum(counts) == len(gpt.layers) and len(counts) == 2
+    with pytest.raises(ValueError, match="pieces"):
+        fs.parallel.balanced_partition(model, example, 9)
