@@ -106,6 +106,19 @@ def torch_setup(args: argparse.Namespace, micro_batches: int, bounds: list[int])
     return schedule, opt
 
 
+def torch_pipeline_step(schedule, opt: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor):
+    """One step of torch.distributed.pipelining (`schedule` on this rank's stage) and the optimizer:
+    the mean loss of the micro-batches on the last stage, None on the others."""
+    out: list = []
+    if dist.get_rank() == 0:
+        schedule.step(inputs)
+    else:
+        schedule.step(target=targets, losses=out)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(torch.stack(out).detach().mean()) if out else None
+
+
 def compare_step_time(args: argparse.Namespace, micro_batches: int) -> dict:
     """fspeed's train_step and torch's 1F1B step + AdamW, alternating; seconds per step on this rank."""
     fs.retain_freed_host_memory()
@@ -113,7 +126,6 @@ def compare_step_time(args: argparse.Namespace, micro_batches: int) -> dict:
     bounds = list(state.layout.pipeline.bounds)
     schedule, opt = torch_setup(args, micro_batches, bounds)
     batch = make_batch(args, micro_batches)
-    rank = dist.get_rank()
     times = {"fspeed": [], "torch": []}
     losses = {}
     for i in range(args.warmup + args.steps):
@@ -122,17 +134,11 @@ def compare_step_time(args: argparse.Namespace, micro_batches: int) -> dict:
         state, metrics = step(state, batch)
         dist.barrier()
         t1 = time.perf_counter()
-        out: list = []
-        if rank == 0:
-            schedule.step(batch["inputs"])
-        else:
-            schedule.step(target=batch["targets"], losses=out)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        torch_loss = torch_pipeline_step(schedule, opt, batch["inputs"], batch["targets"])
         dist.barrier()
         t2 = time.perf_counter()
         if i == 0:
-            losses = {"fspeed": float(metrics["loss"]), "torch": float(torch.stack(out).detach().mean()) if out else None}
+            losses = {"fspeed": float(metrics["loss"]), "torch": torch_loss}
         if i >= args.warmup:
             times["fspeed"].append(t1 - t0)
             times["torch"].append(t2 - t1)

@@ -40,6 +40,7 @@ import fspeed as fs
 from fspeed.testing import GlooWorld
 
 sys.path.insert(0, str(Path(__file__).parent))
+from pipeline import torch_pipeline_step  # noqa: E402 (torch's side of the step, as in pipeline.py)
 from your_model import SEQ, build_gpt2  # noqa: E402 (the same GPT-2 builder as the module benchmark)
 
 VOCAB = 8192
@@ -92,14 +93,7 @@ def measure(args: argparse.Namespace) -> dict:
                 state, metrics = step(state, batch)
                 loss = metrics["loss"]
             else:
-                out: list = []
-                if rank == 0:
-                    schedule.step(batch["input_ids"])
-                else:
-                    schedule.step(target=batch["labels"], losses=out)
-                torch_opt.step()
-                torch_opt.zero_grad(set_to_none=True)
-                loss = float(torch.stack(out).detach().mean()) if out else None
+                loss = torch_pipeline_step(schedule, torch_opt, batch["input_ids"], batch["labels"])
             dist.barrier()
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - t)

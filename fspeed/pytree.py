@@ -101,6 +101,13 @@ def tree_paths(tree: PyTree, is_leaf=None) -> list[str]:
     return tree_flatten_with_paths(tree, is_leaf=is_leaf)[0]
 
 
+def subtree(tree: PyTree, path: str) -> PyTree:
+    """The subtree of nested dicts/lists at a dotted path (`blocks.3` -> tree["blocks"][3])."""
+    for part in path.split(".") if path else ():
+        tree = tree[int(part)] if isinstance(tree, (list, tuple)) else tree[part]
+    return tree
+
+
 def tensor_leaves(tree: PyTree) -> list[torch.Tensor]:
     """The tensor leaves of `tree` (non-tensor leaves such as step counters are skipped)."""
     return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..pytree import PyTree
+from ..pytree import PyTree, subtree
 from ..rng import layer_generators
 from .model import Model
 from .module import nested
@@ -153,10 +153,7 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
             if not owns:
                 with _seeded(rng):
                     return call(module, x)
-            tree = params
-            for part in prefix.split("."):
-                tree = tree[part]
-            named = _flat_named(tree)
+            named = _flat_named(subtree(params, prefix))
             if named:  # the floating input (or floating parts of a tuple) in the layer's dtype
                 dtype = next(iter(named.values())).dtype
                 cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731

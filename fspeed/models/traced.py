@@ -33,7 +33,6 @@ recomputes layers instead).
 
 from __future__ import annotations
 
-import fnmatch
 import inspect
 import operator
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
@@ -42,12 +41,12 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch import nn
 
-from ..pytree import PyTree
+from ..pytree import PyTree, subtree
 from ..rng import layer_generators
 from .layers import Layer, LayerSequence, _seeded
 from .model import Model
 from .causal_lm import causal_lm_loss, labels_of, output_head
-from .module import nested, output_loss, repeated_blocks
+from .module import _match, nested, output_loss, repeated_blocks
 from .ops import DENSE
 
 
@@ -246,9 +245,7 @@ def _split_points(module: nn.Module, split_before: Union[str, Sequence[str]], na
             raise ValueError(f"traced_layers: {name} has no repeated blocks to cut before; pass split_before= "
                              "(submodule path patterns, e.g. 'encoder.layer.*')")
         return points
-    patterns = [split_before] if isinstance(split_before, str) else list(split_before)
-    points = [p for p in paths if any(fnmatch.fnmatchcase(p, pat) for pat in patterns)]
-    unmatched = [pat for pat in patterns if not any(fnmatch.fnmatchcase(p, pat) for p in paths)]
+    points, unmatched = _match(paths, [split_before] if isinstance(split_before, str) else list(split_before))
     if unmatched:
         raise ValueError(f"traced_layers: split_before {unmatched} matches no submodule of {name}; its submodules "
                          f"include {paths[:8]}")
@@ -392,9 +389,7 @@ def _fused_head_tail(tracer: _Tracer, reference: _Graph, head: Layer, name: str)
 
     def tail(params: PyTree, x: Any, micro_batch: Any, *, ops: Any = DENSE) -> torch.Tensor:
         hidden = (x if isinstance(x, tuple) else (x,))[position]
-        w = params
-        for part in weight_path.split("."):
-            w = w[part]
+        w = subtree(params, weight_path)
         labels = labels_of(micro_batch)
         if hidden.shape[:-1] != labels.shape:
             raise ValueError(f"causal_lm_loss: the head's input has positions {list(hidden.shape[:-1])}, the labels "
@@ -439,12 +434,7 @@ def _stage_fn(tracer: _Tracer, i: int) -> Callable:
     paths = sorted(set(tracer.names(next(iter(tracer.graphs.values())), i).values()))
 
     def fn(params: PyTree, x: Any, *, rng: Optional[torch.Generator] = None, ops: Any = DENSE) -> Any:
-        by_path = {}
-        for path in paths:
-            tree = params
-            for part in path.split("."):
-                tree = tree[part]
-            by_path[path] = tree
+        by_path = {path: subtree(params, path) for path in paths}
         some = next(iter(by_path.values()), None)
         if some is not None and some.device != tracer.device:
             raise ValueError(f"traced_layers: {tracer.name} was traced on {tracer.device} and runs on {some.device}; "

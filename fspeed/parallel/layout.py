@@ -32,7 +32,7 @@ import optree
 import torch
 
 from ..flat import FlatLayout
-from ..pytree import PyTree, tree_flatten, tree_flatten_with_paths, tree_unflatten
+from ..pytree import PyTree, subtree, tree_flatten, tree_flatten_with_paths, tree_unflatten
 from .comm import ceil_div
 from .config import ZeroConfig
 from .pipeline import StagePlan
@@ -257,13 +257,6 @@ def _subtree_structure(index_tree: PyTree, name: str, members: Sequence[int]) ->
         return None
     leaves, treedef = tree_flatten(tree)
     return treedef if leaves == list(members) else None
-
-
-def subtree(tree: PyTree, path: str) -> PyTree:
-    """The subtree of nested dicts/lists at a dotted path (`blocks.3` -> tree["blocks"][3])."""
-    for part in path.split(".") if path else ():
-        tree = tree[int(part)] if isinstance(tree, (list, tuple)) else tree[part]
-    return tree
 
 
 def _slice_pieces(paths: Sequence[str], offsets: Sequence[int], sizes: Sequence[int], lo: int, hi: int,
