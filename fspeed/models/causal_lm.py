@@ -69,11 +69,7 @@ class FusedHead:
         self.result: Optional[torch.Tensor] = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[:-1] != self.labels.shape:
-            raise ValueError(f"causal_lm_loss: the head's input has positions {list(hidden.shape[:-1])}, the labels "
-                             f"{list(self.labels.shape)}; the module must apply its head to every position")
-        x = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-        self.result = self.ops.head_loss(x, self.head.weight, self.labels[:, 1:].reshape(-1), **self.axes)
+        self.result = shifted_head_loss(hidden, self.head.weight, self.labels, self.ops, **self.axes)
         return self.result
 
     def loss(self, outputs: Any, name: str) -> torch.Tensor:
@@ -89,6 +85,22 @@ class FusedHead:
         return logits
 
 
+def check_positions(hidden: torch.Tensor, labels: torch.Tensor) -> None:
+    """The head's input covers every labelled position."""
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"causal_lm_loss: the head's input has positions {list(hidden.shape[:-1])}, the labels "
+                         f"{list(labels.shape)}; the module must apply its head to every position")
+
+
+def shifted_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ops: Any,
+                      **axes: Any) -> torch.Tensor:
+    """The loss of the head `weight` on `hidden` (rows, positions, width) against `labels` shifted by
+    one position, as one `ops.head_loss` call (`axes`: a tensor-sliced head's)."""
+    check_positions(hidden, labels)
+    x = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    return ops.head_loss(x, weight, labels[:, 1:].reshape(-1), **axes)
+
+
 def labels_of(batch: Any) -> torch.Tensor:
     """`batch["labels"]`, checked: token ids [rows, positions]."""
     labels = batch.get("labels") if isinstance(batch, dict) else None
@@ -98,4 +110,4 @@ def labels_of(batch: Any) -> torch.Tensor:
     return labels
 
 
-__all__ = ["FusedHead", "causal_lm_loss", "labels_of", "output_head"]
+__all__ = ["FusedHead", "causal_lm_loss", "labels_of", "check_positions", "output_head", "shifted_head_loss"]
