@@ -1,7 +1,7 @@
 """Activation checkpointing (remat): a block keeps only what its policy saves; backward recomputes the rest.
 
     model = fs.remat(model, policy=fs.remat_policies.save_matmuls, every=2)   # any Model
-    model = fs.functionalize(hf_model, loss_fn, remat="transformer.h.*")       # by submodule path
+    model = fs.remat(fs.functionalize(hf_model, loss_fn), where=["transformer.h.*"])  # by submodule path
 
 One mechanism for every model and plan: a unit's call (`ops.call`, `ops.scan`'s blocks) runs
 under `checkpointed`, which is `torch.utils.checkpoint` (non-reentrant; the step differentiates

@@ -34,6 +34,9 @@ with a static scale), a step whose loss or gradient norm is not finite either ra
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
 import inspect
 import logging
 import math
@@ -115,7 +118,7 @@ def _split_leading_clip(optimizer: GradientTransformation) -> tuple[float | None
 def make_train_step(
     loss_fn: LossFn | Model, optimizer: GradientTransformation, *, grad_accum: int = 1,
     plan: Optional[Plan] = None, mesh=None, on_nonfinite: Optional[str] = None,
-    timers: Optional[StepTimers] = None,
+    timers: Optional[StepTimers] = None, pause_gc: bool = True,
 ) -> "TrainStep":
     """Build `train_step(state, batch) -> (state, metrics)`; see the module docstring.
 
@@ -373,8 +376,31 @@ def make_train_step(
             metrics.update(timers.end_step())
         return metrics
 
-    return TrainStep(begin, micro, boundary, grad_accum, runtime_for, persistent_grad_bytes,
-                     pipelined if pipe is not None else None)
+    phases = (begin, micro, boundary, pipelined if pipe is not None else None)
+    if pause_gc:
+        phases = tuple(None if fn is None else _without_gc(fn) for fn in phases)
+    return TrainStep(*phases[:3], grad_accum, runtime_for, persistent_grad_bytes, phases[3])
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector held off inside (`make_train_step`'s `pause_gc`);
+    re-entrant, and a collector the caller turned off stays off."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
+def _without_gc(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with gc_paused():
+            return fn(*args, **kwargs)
+    return run
 
 
 class _Step:

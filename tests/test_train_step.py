@@ -1,5 +1,6 @@
 """train_step against plain references: accumulation, overflow skipping, donation, precision."""
 
+import gc
 import math
 
 import pytest
@@ -278,3 +279,55 @@ def test_eval_step_and_lr_property():
     assert m["lr"] == 0.0 and state.lr == 0.0  # WarmupLR's first two updates run at min_lr
     state, m = fs.make_train_step(model.loss, opt)(state, batch)
     assert state.lr == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("pause_gc", [True, False])
+def test_step_holds_the_garbage_collector_off_and_restores_it(pause_gc):
+    cfg, model = tiny_gpt()
+    seen = []
+
+    def loss(params, batch, *, rng=None):
+        seen.append(gc.isenabled())
+        return model.loss(params, batch, rng=rng)
+
+    opt = adamw(1e-3)
+    state = fs.init_train_state(model.init(torch.Generator().manual_seed(0)), opt)
+    step = fs.make_train_step(loss, opt, grad_accum=2, pause_gc=pause_gc)
+    assert gc.isenabled()
+    state, _ = step(state, token_batch(4, cfg.seq_len, cfg.vocab_size, 0))
+    assert seen == [not pause_gc] * 2 and gc.isenabled()
+    gc.disable()  # a caller's choice stands
+    try:
+        step(state, token_batch(4, cfg.seq_len, cfg.vocab_size, 1))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_functionalized_step_leaves_no_reference_cycles(remat):
+    """Held off in the step, the collector must have nothing of fspeed's to find after it: a forward's
+    module routes and its units' closures must not hold each other (they did, once per unit per
+    micro-batch). (torch.utils.checkpoint's own pytree flattening leaves a few cycles of its own.)"""
+    from tests.hf_models import hf_gpt2, lm_batch, lm_loss
+
+    model = fs.functionalize(hf_gpt2(), lm_loss)
+    model = fs.remat(model, where=["transformer.h.0"]) if remat else model
+    opt = adamw(1e-3)
+    state = fs.init_train_state(model.init(), opt, model=model)
+    step = fs.make_train_step(model.loss, opt, grad_accum=2)
+    state, _ = step(state, lm_batch(4, 0))
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        state, _ = step(state, lm_batch(4, 1))
+        gc.collect()
+        ours = [o for o in gc.garbage if (getattr(o, "__module__", None) or type(o).__module__).startswith("fspeed")]
+        functions = {o.__qualname__ for o in gc.garbage if type(o).__name__ == "function"}
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert not ours
+    assert functions <= ({"tree_flatten.<locals>.helper"} if remat else set())

@@ -32,7 +32,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import fnmatch
+import functools
 import inspect
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -348,12 +350,13 @@ class ModuleLoss:
         (remat: `remat`, or zero.recompute_blocks), its gradients handed on as its backward ends."""
         module = self.module.get_submodule(path)
         slots = self._slots(module)
-
-        def run(tree, *args, **kwargs):
-            with installed, _forward_as(module, compute):  # names in `tree` are relative to the unit's module
-                return slots.call(_flat(tree), args, kwargs)
+        # `installed` holds this forward among its overrides: a weak reference here, so the two make no
+        # reference cycle (one per unit per micro-batch, for the garbage collector); each call's `run`
+        # (kept by autograd for a recompute) holds it strongly
+        installed_ref = weakref.ref(installed)
 
         def forward(*args, **kwargs):
+            run = functools.partial(_run_unit, installed_ref(), module, compute, slots)
             return ops.call(u, run, *args, _remat=remat, **kwargs)
         return forward
 
@@ -377,6 +380,14 @@ class ModuleLoss:
             with _forward_as(module, compute):
                 return slots.call(params, args, kwargs)
         return forward
+
+
+def _run_unit(installed: "_Installed", module: nn.Module, compute: Optional[Callable], slots: "_Slots", tree: Any,
+              *args: Any, **kwargs: Any) -> Any:
+    """A routed unit's module on the tensors of `tree` (names relative to the module), with the
+    forward's routes installed (a recompute in backward runs after the forward has left them)."""
+    with installed, _forward_as(module, compute):
+        return slots.call(_flat(tree), args, kwargs)
 
 
 class _Installed:
