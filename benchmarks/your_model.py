@@ -16,7 +16,7 @@ fspeed's step time goes: `grad_and_value` of the loss (forward + backward throug
 functional_call), the gradient delivery, the optimizer step; and fspeed with `fs.causal_lm_loss`
 (the output head fused with the loss; the eager loop keeps Hugging Face's own loss).
 
-    python benchmarks/your_model.py [--steps 8] [--warmup 2] [--layers 6] [--width 384] [--threads 1] [--system-malloc]
+    python benchmarks/your_model.py [--steps 12] [--warmup 2] [--layers 6] [--width 384] [--threads 1] [--system-malloc]
 
 Every process raises glibc's malloc thresholds as fspeed-train does (`fs.retain_freed_host_memory`,
 for every engine in it alike); --system-malloc keeps glibc's defaults.
@@ -49,6 +49,8 @@ from pathlib import Path
 import torch
 
 VOCAB, SEQ, MICRO = 8192, 128, 4
+# the headline ratios: each the median over steps of the two engines' times in that step (the same round)
+PAIRS = (("fspeed ZeRO-3", "FSDP2"), ("fspeed ZeRO-1", "DDP"), ("fspeed ZeRO-0", "DDP"), ("fspeed ZeRO-3", "DeepSpeed ZeRO-3"))
 
 
 def build_gpt2(layers: int, width: int, vocab: int = VOCAB):
@@ -119,7 +121,8 @@ def one_process(args, loss_fn=lm_loss) -> dict:
         eager_fwd_bwd.append(time.perf_counter() - t0)
         eager.zero_grad(set_to_none=True)
     med = {k: statistics.median(v[args.warmup:]) for k, v in times.items()}
-    return {"times": med, "phases": {k: statistics.median(v) for k, v in phases.items()},
+    paired = statistics.median(f / e for f, e in zip(times["fspeed"][args.warmup:], times["eager"][args.warmup:]))
+    return {"times": med, "paired": paired, "phases": {k: statistics.median(v) for k, v in phases.items()},
             "eager_forward_backward": statistics.median(eager_fwd_bwd),
             "params": sum(p.numel() for p in module.parameters())}
 
@@ -285,7 +288,11 @@ def worker(args) -> None:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times[name].append(float(elapsed))
     if rank == 0:
-        Path(args.result).write_text(json.dumps({k: statistics.median(v[args.warmup:]) for k, v in times.items()}))
+        kept = {k: v[args.warmup:] for k, v in times.items()}
+        pairs = {f"{a} / {b}": statistics.median(x / y for x, y in zip(kept[a], kept[b])) for a, b in PAIRS
+                 if a in kept and b in kept}
+        Path(args.result).write_text(json.dumps({"times": {k: statistics.median(v) for k, v in kept.items()},
+                                                 "paired": pairs}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -319,7 +326,8 @@ def main(args) -> None:
     single = one_process(args)
     single_fused = one_process(args, fs.causal_lm_loss)
     fused = fused_head(args)
-    ranks = launch(args)
+    launched = launch(args)
+    ranks, paired = launched["times"], launched["paired"]
     ms = 1e3
     print(f"\nHugging Face GPT-2, {single['params'] / 1e6:.1f}M parameters ({args.layers} layers, width {args.width}), "
           f"seq {SEQ}, micro-batch {MICRO}, AdamW; median step time after {args.warmup} warmup steps")
@@ -341,14 +349,16 @@ def main(args) -> None:
     for name, t in ranks.items():
         print(f"  {name:<38}{t * ms:>9.1f} ms")
     print()
-    print(f"hf_zero3_step_time_vs_fsdp2={ranks['fspeed ZeRO-3'] / ranks['FSDP2']:.3f}")
-    print(f"hf_zero1_step_time_vs_ddp={ranks['fspeed ZeRO-1'] / ranks['DDP']:.3f}")
-    print(f"hf_zero0_step_time_vs_ddp={ranks['fspeed ZeRO-0'] / ranks['DDP']:.3f}")
+    print("(each ratio: the median over steps of the two engines' times in the same step; of the medians in #)")
+    for name, (a, b) in zip(("hf_zero3_step_time_vs_fsdp2", "hf_zero1_step_time_vs_ddp", "hf_zero0_step_time_vs_ddp"),
+                            PAIRS):
+        print(f"{name}={paired[f'{a} / {b}']:.3f}  # {ranks[a] / ranks[b]:.3f}")
     if "DeepSpeed ZeRO-3" in ranks:
-        print(f"hf_step_time_vs_deepspeed={ranks['fspeed ZeRO-3'] / ranks['DeepSpeed ZeRO-3']:.3f}")
+        print(f"hf_step_time_vs_deepspeed={paired['fspeed ZeRO-3 / DeepSpeed ZeRO-3']:.3f}  "
+              f"# {ranks['fspeed ZeRO-3'] / ranks['DeepSpeed ZeRO-3']:.3f}")
     else:
         print("hf_step_time_vs_deepspeed=nan  (DeepSpeed not installed: pip install -e '.[bench]')")
-    print(f"hf_step_time_vs_eager={single['times']['fspeed'] / single['times']['eager']:.3f}")
+    print(f"hf_step_time_vs_eager={single['paired']:.3f}  # {single['times']['fspeed'] / single['times']['eager']:.3f}")
     print(f"hf_step_time_vs_eager_with_causal_lm_loss="
           f"{single_fused['times']['fspeed'] / single_fused['times']['eager']:.3f}  # the head fused, eager's not")
     print(f"hf_dispatch_bound_step_time_vs_eager={dispatch['fspeed'] / dispatch['eager']:.3f}")
@@ -360,7 +370,7 @@ def main(args) -> None:
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=384)

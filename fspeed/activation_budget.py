@@ -26,6 +26,7 @@ from .activation_checkpointing import RematProfile, remat
 from .host_memory import live_host_bytes
 from .models.model import Model
 from .pytree import PyTree
+from .train_step import gc_paused, make_train_step
 
 CANDIDATES: tuple[tuple[Optional[str], int], ...] = (
     (None, 1), ("save_matmuls", 4), ("save_matmuls", 2), ("save_matmuls", 1), ("full", 4), ("full", 2), ("full", 1),
@@ -56,14 +57,13 @@ def bytes_kept_for_backward(run: Callable[[], Any], device: torch.device = torch
     before = _in_use(device)
     if before is None:
         raise RuntimeError("measuring activations counts the allocator's bytes: CUDA's, or glibc's malloc on CPU")
-    gc.disable()
     torch.autograd.backward = measuring
     start = time.perf_counter()
     try:
-        run()
+        with gc_paused():
+            run()
     finally:
         torch.autograd.backward = real
-        gc.enable()
     if not kept:
         raise RuntimeError("measuring activations: the function ran no autograd backward")
     return kept[0], time.perf_counter() - start
@@ -74,7 +74,6 @@ def measure_activations(model: Model, params: PyTree, micro_batch: Any, *, seed:
     measured through `make_train_step` on one process, after one warm-up step (module docstring)."""
     from . import optim  # noqa: PLC0415 (the package imports this module)
     from .train_init import init_train_state  # noqa: PLC0415
-    from .train_step import make_train_step  # noqa: PLC0415
 
     opt = optim.sgd(0.0)
     state = init_train_state(params, opt, seed=seed, model=model if model.init_buffers is not None else None)
