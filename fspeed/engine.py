@@ -36,7 +36,7 @@ from .models import Model, functionalize, to_module, traced_layers
 from .models.layer_drop import PLD_BATCH_KEY, step_layer_drop, supports_layer_drop
 from .models.module import ModuleLoss, output_loss
 from .optim.base import GradientTransformation
-from .parallel import CommLog, Mesh, Plan, gather_params, init_distributed, tensor_slicing, zero
+from .parallel import CommLog, Mesh, Plan, gather_params, init_distributed, profiled_partition, tensor_slicing, zero
 from .pytree import PyTree
 from .train_init import init_train_state
 from .train_state import TrainState
@@ -217,13 +217,14 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
     run, _ = compose_run_config(config, overrides, dp_world_size=data)
     _refuse_cli_monitors(run)
     module = model if isinstance(model, nn.Module) else None
+    example = None  # the first micro-batch, when one is taken (tracing a module into pipeline layers)
     device = build_device(run)  # None: the state stays where the model's parameters are
     if module is not None:
         if device is not None:
             module.to(device)  # with every buffer, as DeepSpeed moves the module to its device
         if pipe > 1:  # stages need layers: the module's forward, traced on one micro-batch and cut at its blocks
-            model = traced_layers(module, _example_micro_batch(training_data, collate_fn, run.batch.micro_batch_size,
-                                                               pipe), loss_fn or output_loss)
+            example = _example_micro_batch(training_data, collate_fn, run.batch.micro_batch_size, pipe)
+            model = traced_layers(module, example, loss_fn or output_loss)
         else:
             model = functionalize(module, loss_fn or output_loss, tp_plan=tp_plan if tp_plan is not None else
                                   ("auto" if tensor > 1 else None))
@@ -261,6 +262,8 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
             interval = run.pipeline.activation_checkpoint_interval
             plan = plan | run.pipeline.to_library(run.batch.grad_accum,
                                                   run.activation_checkpointing.to_library() if interval else None)
+            plan = profiled_partition(plan, model, lambda: example if example is not None else _example_micro_batch(
+                training_data, collate_fn, run.batch.micro_batch_size, pipe, profile=True), pipe, device)
     params = model.init(torch.Generator().manual_seed(run.train.seed))
     state = init_train_state(params, optimizer, precision=precision, seed=run.train.seed, device=device, plan=plan,
                              mesh=mesh if plan is not None else None, model=model)
@@ -275,18 +278,24 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
     return engine, optimizer, loader, engine.lr_schedule
 
 
-def _example_micro_batch(training_data: Any, collate_fn: Optional[Callable], rows: int, pipe: int) -> Any:
-    """The first micro-batch of `training_data`, which `traced_layers` traces the module's forward on."""
-    if training_data is None:
-        raise ValueError(f"initialize: parallel.pipe={pipe} cuts an nn.Module into stages by tracing its forward on a "
-                         "micro-batch: pass training_data=, or a Model with layers (fs.models.traced_layers(module, "
+def _example_micro_batch(training_data: Any, collate_fn: Optional[Callable], rows: int, pipe: int,
+                         profile: bool = False) -> Any:
+    """The first micro-batch of `training_data`, which `traced_layers` traces the module's forward on
+    (`profile`: on which pipeline.partition=profile times each layer)."""
+    if profile:
+        what, instead = ("pipeline.partition=profile times each layer on the first micro-batch",
+                         "or give the layer counts per stage (pipeline.partition='4,4')")
+    else:
+        what, instead = (f"parallel.pipe={pipe} cuts an nn.Module into stages by tracing its forward on the first "
+                         "micro-batch", "or pass a Model with layers (fs.models.traced_layers(module, "
                          "example_micro_batch) or fs.models.sequential([...], loss_fn=...))")
+    if training_data is None:
+        raise ValueError(f"initialize: {what}: pass training_data=, {instead}")
     from torch.utils.data import default_collate  # noqa: PLC0415
 
     if not (hasattr(training_data, "__len__") and hasattr(training_data, "__getitem__")):
-        raise ValueError(f"initialize: parallel.pipe={pipe} traces the module on training_data's first micro-batch, "
-                         f"which needs a map-style dataset (len and indexing), not {type(training_data).__name__}; "
-                         "or pass fs.models.traced_layers(module, example_micro_batch) as the model")
+        raise ValueError(f"initialize: {what}, which needs a map-style dataset (len and indexing), not "
+                         f"{type(training_data).__name__}; {instead}")
     return (collate_fn or default_collate)([training_data[i] for i in range(min(rows, len(training_data)))])
 
 

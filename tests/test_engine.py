@@ -208,9 +208,10 @@ def test_initialize_refuses_a_pipeline_for_a_model_without_layers():
 
 def engine_traced_pipeline_case(steps=2):
     """A Hugging Face module itself with a pipeline block: traced on training_data's first micro-batch
-    into layers, trained by train_batch, against the functional API on fs.models.traced_layers."""
+    into layers, trained by train_batch, against the functional API on fs.models.traced_layers; the
+    stages balanced by each layer's time measured on that micro-batch (partition "profile")."""
     from tests.hf_models import LMDataset, lm_batch
-    config = {**ds_config(1, micro=2, accum=2), "pipeline": {"stages": 2}}
+    config = {**ds_config(1, micro=2, accum=2), "pipeline": {"stages": 2, "partition": "profile"}}
     engine, _, _, _ = fs.initialize(model=hf_gpt2(layers=3), config=config, training_data=LMDataset(16, 0))
     losses = [engine.train_batch(data_iter=iter(fs.train_step.split_micro_batches(lm_batch(4, s), 2)))
               for s in range(steps)]
@@ -227,10 +228,13 @@ def engine_traced_pipeline_case(steps=2):
         state, metrics = step(state, lm_batch(4, s))
         reference.append(metrics["loss"])
     a, b = fs.gather_params(engine.state, engine.mesh), fs.gather_params(state, engine.mesh)
-    return fs.Flat.from_tree(a).buffer, fs.Flat.from_tree(b).buffer, losses, reference, engine.model.name
+    return (fs.Flat.from_tree(a).buffer, fs.Flat.from_tree(b).buffer, losses, reference, engine.model.name,
+            engine.plan.find("pipeline").partition)
 
 
 def test_initialize_traces_a_module_into_pipeline_stages(world2):
-    for engine_params, functional_params, losses, reference, name in world2.run(engine_traced_pipeline_case):
+    results = world2.run(engine_traced_pipeline_case)
+    assert results[0][-1] == results[1][-1] and len(results[0][-1]) == 2 and sum(results[0][-1]) == 4
+    for engine_params, functional_params, losses, reference, name, _ in results:
         assert "traced, 4 layers" in name
         assert torch.equal(engine_params, functional_params) and losses == reference

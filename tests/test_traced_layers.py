@@ -286,3 +286,15 @@ def test_balanced_partition_gives_a_heavy_last_layer_its_own_stage():
     assert sum(counts) == len(gpt.layers) and len(counts) == 2
     with pytest.raises(ValueError, match="pieces"):
         fs.parallel.balanced_partition(model, example, 9)
+
+    # the same through the plan: partition="profile" resolved on an example micro-batch
+    plan = fs.zero(1) | fs.pipeline(4, partition="profile")
+    asked = []
+    profiled = fs.parallel.profiled_partition(plan, model, lambda: asked.append(1) or example, stages=2)
+    assert profiled.find("pipeline").partition == (4, 1) and profiled.find("zero") == plan.find("zero") and asked
+    explicit = fs.zero(1) | fs.pipeline(4, partition=(3, 2))
+    assert fs.parallel.profiled_partition(explicit, model, lambda: asked.append(2), stages=2) is explicit
+    assert asked == [1]  # an example is taken only for a plan that profiles
+    with pytest.raises(ValueError, match="partition 'profile' times each layer.*profiled_partition"):
+        fs.init_train_state(model.init(torch.Generator().manual_seed(0)), fs.optim.sgd(0.1), plan=plan,
+                            mesh=fs.Mesh(pipe=1), model=model)

@@ -50,7 +50,8 @@ from ..host_memory import retain_freed_host_memory
 from ..loss_scale import LossScaleAtMinimumError
 from ..models import GPT_RULES, Model, count_params, gpt
 from ..monitor import comm_scalars
-from ..parallel import CommLog, Mesh, Plan, estimate_memory, init_distributed, shutdown_distributed, tensor_slicing, zero
+from ..parallel import (CommLog, Mesh, Plan, estimate_memory, init_distributed, profiled_partition,
+                        shutdown_distributed, tensor_slicing, zero)
 from ..parallel.memory import state_bytes_per_parameter
 from ..train_init import init_train_state
 from ..timers import METRIC_KEYS, breakdown_line, breakdown_summary
@@ -66,9 +67,10 @@ from .user_job import build_user_data, build_user_model
 log = logging.getLogger("fspeed")
 
 
-def _parallel_setup(run: RunConfig, rules):
+def _parallel_setup(run: RunConfig, rules, model: Model, train_rows: Any, device: Optional[torch.device]):
     """(mesh, plan) for this run: None, None for a plain single process. `rules`: the model's
-    tensor-slicing rules (used when parallel.tensor > 1)."""
+    tensor-slicing rules (used when parallel.tensor > 1); `model` and its first training micro-batch
+    (from `train_rows`) for pipeline.partition=profile."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and run.zero.stage == 0 and run.parallel.tensor == 1 and run.parallel.pipe == 1:
         return None, None
@@ -83,6 +85,8 @@ def _parallel_setup(run: RunConfig, rules):
         interval = run.pipeline.activation_checkpoint_interval
         remat = run.activation_checkpointing.to_library() if interval else None
         plan = plan | run.pipeline.to_library(run.batch.grad_accum, remat)
+        first = torch.arange(min(run.batch.micro_batch_size, len(train_rows)))
+        plan = profiled_partition(plan, model, lambda: train_rows.get(first), run.parallel.pipe, device)
     return mesh, plan
 
 
@@ -153,7 +157,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     device = build_device(run)
     job = _user_job(run, device) if isinstance(run.model, TargetConfig) else _corpus_job(run, ckpt_dir, resume_tag)
     model, remat_profile = apply_activation_checkpointing(run, job.model)
-    mesh, plan = _parallel_setup(run, job.rules)
+    mesh, plan = _parallel_setup(run, job.rules, model, job.train_rows, device)
     lead = mesh is None or mesh.rank == 0
     if not lead:
         log.setLevel(logging.WARNING)

@@ -637,11 +637,11 @@ def _pipeline(ds: Mapping[str, Any], w: _Ledger) -> None:
     if partition == "best":
         w.accept("pipeline.partition", partition, "DeepSpeed's default: PipelineModule's partition_method "
                  "'parameters', fspeed's pipeline.partition default")
-    elif isinstance(partition, str) and (partition.lower() in ("uniform", "parameters") or
+    elif isinstance(partition, str) and (partition.lower() in ("uniform", "parameters", "profile") or
                                          partition.lower().startswith("type:")):
-        w.emit("pipeline.partition", "pipeline.partition", partition)
+        w.emit("pipeline.partition", "pipeline.partition", partition)  # profile: DeepSpeed names it, fspeed runs it
     else:
-        w.unsupported("pipeline.partition", partition, "best, uniform, parameters, type:<regex>")
+        w.unsupported("pipeline.partition", partition, "best, uniform, parameters, type:<regex>, profile")
     if "seed_layers" in block:
         w.accept("pipeline.seed_layers", block["seed_layers"], "fspeed always seeds each layer from (seed, step, "
                  "micro-batch, layer): the masks do not depend on the stage a layer runs on")

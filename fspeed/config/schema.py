@@ -601,7 +601,7 @@ class PipelineSection(ValidatedConfig):
 
     micro_batches: Optional[int] = setting(None, POSITIVE)  # null: train.grad_accum; set: it is train.grad_accum
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
-    partition: str = "parameters"  # uniform | parameters | type:<regex> | explicit counts "3,4,4,3"
+    partition: str = "parameters"  # uniform | parameters | type:<regex> | profile | explicit counts "3,4,4,3"
     virtual_stages: int = setting(1, POSITIVE)  # model chunks per stage (interleaved_1f1b: >= 2)
     activation_checkpoint_interval: int = setting(0, NON_NEGATIVE)  # DeepSpeed's: checkpoint groups of k layers
 

@@ -26,7 +26,7 @@ from .runtime import gather_params
 from .schedules import SCHEDULES, Action, Schedule, build_schedule
 from .specs import P, PartitionSpec
 from .tensor_slicing import tensor_slicing
-from .layer_costs import balanced_partition, layer_costs
+from .layer_costs import balanced_partition, layer_costs, profiled_partition
 from .pipeline import StagePlan, pipeline, show_schedule
 from .zero import zero
 
@@ -35,5 +35,5 @@ __all__ = [
     "OffloadParamConfig", "P", "PartitionSpec", "Placement", "Plan", "Schedule", "Transform", "UnitParams",
     "ZeroConfig", "build_schedule", "estimate_memory", "explain", "gather_params", "init_distributed", "resolve",
     "show_schedule", "shutdown_distributed", "tensor_slicing", "zero", "StagePlan", "pipeline",
-    "balanced_partition", "layer_costs",
+    "balanced_partition", "layer_costs", "profiled_partition",
 ]

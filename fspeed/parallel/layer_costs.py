@@ -3,6 +3,7 @@ micro-batch, then cut so the slowest stage is as fast as it can be.
 
     counts = fs.parallel.balanced_partition(model, example_micro_batch, pieces=2)   # e.g. [6, 3]
     plan = fs.zero(1) | fs.pipeline(8, partition=counts)
+    plan = fs.parallel.profiled_partition(fs.pipeline(8, partition="profile"), model, example, stages=2)  # the same
 
 DeepSpeed's methods balance layer counts (`uniform`), parameter counts (`parameters`) or layers of a
 kind (`type:`); none sees that a language model's last layer (the head and the loss over a large
@@ -13,15 +14,17 @@ a training step passes it; the last layer's time includes the loss. Every rank g
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from ..pytree import PyTree, tree_leaves, tree_map
 from .pipeline import balanced_bounds
+from .plan import Plan
 
 
 def layer_costs(model: Any, example: Any, params: Optional[PyTree] = None, repeats: int = 3) -> list[float]:
@@ -75,6 +78,25 @@ def balanced_partition(model: Any, example: Any, pieces: int, params: Optional[P
         dist.broadcast_object_list(shared, src=0)
         counts = shared[0]
     return counts
+
+
+def profiled_partition(plan: Plan, model: Any, example: Union[Any, Callable[[], Any]], stages: int,
+                       device: Optional[torch.device] = None) -> Plan:
+    """`plan` with a pipeline partition of "profile" replaced by the layer counts `balanced_partition`
+    measures on `example` (a micro-batch, or a function giving one: called only when needed) for
+    `stages` x the pipeline's virtual stages pieces, on `device` (None: where `model.init` puts the
+    parameters); any other plan as it is."""
+    pipe = plan.find("pipeline")
+    if pipe is None or not isinstance(pipe.partition, str) or pipe.partition.lower() != "profile":
+        return plan
+    example = example() if callable(example) else example
+    params = None
+    if device is not None:
+        params = tree_map(lambda t: t.to(device), model.init(torch.Generator().manual_seed(0)))
+        example = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, example)
+    counts = balanced_partition(model, example, stages * pipe.virtual_stages, params)
+    profiled = dataclasses.replace(pipe, partition=tuple(counts))
+    return Plan(tuple(profiled if t is pipe else t for t in plan.transforms))
 
 
 def _floats(x: Any) -> list[torch.Tensor]:

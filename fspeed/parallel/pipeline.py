@@ -8,6 +8,9 @@ virtual_stages` consecutive pieces by a partition method (DeepSpeed's `partition
     "uniform"        equal layer counts, the first pieces one more when it does not divide
     "parameters"     balanced by the parameters each layer uses (DeepSpeed's default)
     "type:<regex>"   balanced by the layers whose kind (class name) matches, case-insensitive
+    "profile"        balanced by each layer's measured time on an example micro-batch (DeepSpeed
+                     names this method and leaves it unimplemented; `fspeed.parallel.layer_costs`:
+                     fspeed-train and `fs.initialize` measure on the first micro-batch)
     (4, 6, 6, 4)     explicit layer counts per piece
 
 Piece k runs on stage `k % stages` as its chunk `k // stages` (Megatron's interleaving). A stage
@@ -26,7 +29,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from .plan import COMPUTE, ParamEntry, Placement, Plan
 
-PARTITION_METHODS = ("uniform", "parameters", "type:<regex>", "explicit per-piece layer counts")
+PARTITION_METHODS = ("uniform", "parameters", "type:<regex>", "profile", "explicit per-piece layer counts")
 Partition = Union[str, tuple[int, ...]]
 
 
@@ -209,6 +212,11 @@ def partition_layers(method: Partition, layers: Sequence[Any], param_counts: Seq
         return uniform_bounds(n, pieces)
     if name == "parameters":
         return balanced_bounds(list(param_counts), pieces)
+    if name == "profile":
+        raise ValueError("pipeline partition 'profile' times each layer on an example micro-batch before the stages "
+                         "exist: resolve it with fs.parallel.profiled_partition(plan, model, example, stages) "
+                         "(fspeed-train and fs.initialize do), or pass fs.parallel.balanced_partition(model, "
+                         "example, pieces)'s layer counts")
     pattern = re.compile(method[len("type:"):], re.IGNORECASE)
     weights = [1 if pattern.search(layer.kind) else 0 for layer in layers]
     if not any(weights):
@@ -256,7 +264,7 @@ def balanced_bounds(weights: Sequence[int], pieces: int) -> list[int]:
 
 def _check_method(method: str) -> str:
     name = method.lower()
-    if name in ("uniform", "parameters"):
+    if name in ("uniform", "parameters", "profile"):
         return name
     if name.startswith("type:"):
         try:
