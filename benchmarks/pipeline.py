@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import fspeed as fs
 from fspeed.parallel.pipeline_runtime import PipelineExecutor
 from fspeed.parallel.schedules import bubble_fraction, build_schedule, simulate
-from fspeed.train_step import split_micro_batches
+from fspeed.train_step import gc_paused, split_micro_batches
 from fspeed.testing import GlooWorld
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -82,7 +82,8 @@ def measure_bubbles(args: argparse.Namespace, micro_batches: int) -> dict:
         for key, (executor, params) in runs.items():
             executor.timeline = []
             dist.barrier()
-            executor.step(params, micro, 1.0 / micro_batches, lambda m, layer: None)
+            with gc_paused():  # as make_train_step runs it
+                executor.step(params, micro, 1.0 / micro_batches, lambda m, layer: None)
             t = executor.timeline
             if i >= args.warmup:
                 steps[key].append({"busy": {k: sum(e - s for a, s, e in t if a.kind == k) for k in "FBW"},
