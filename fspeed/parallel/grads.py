@@ -95,6 +95,9 @@ class GradSink:
 
     def deliver(self, unit: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
         """The gradients of a unit's parameters (`order(unit)`; None: unused), from backward."""
+        if not torch._C._are_functorch_transforms_active() and not torch.is_grad_enabled():
+            self._deliver(unit, grads)  # plain autograd's backward (the train step's): nothing to step below
+            return
         with below_functorch():
             self._deliver(unit, [None if g is None else unwrapped(g) for g in grads])
 

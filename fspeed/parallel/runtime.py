@@ -176,6 +176,7 @@ class ParallelRuntime:
         self._copies = HostDeviceCopies()
         self._host: dict[str, torch.Tensor] = {}  # offload: host gradient and 16-bit staging buffers
         self._pieces_for: dict = {}
+        self._units_for: tuple = (None, None)  # (the parameter buffer's identity, its units' views)
         self._trace = UnitTrace()  # the order units ran in, for ZeRO-3's prefetch
         self._unit_ops: Optional[UnitOps] = None
         self.param_gather: Optional[GatherInFlight] = None  # ZeRO-1/2's, started by write_back
@@ -200,7 +201,11 @@ class ParallelRuntime:
 
     def view(self, params: Flat, ops, parallel_aware: bool) -> PyTree:
         """What the loss sees: units in place for a parallel-aware loss, else plain tensors."""
-        units = unit_params(self.layout, params)
+        buffer = params.buffer  # updated in place from step to step: its views stay valid, so build them once
+        key = (params.layout, buffer.untyped_storage().data_ptr(), buffer.storage_offset(), buffer.shape, buffer.dtype)
+        if self._units_for[0] != key:
+            self._units_for = (key, unit_params(self.layout, params))
+        units = self._units_for[1]
         self._unit_ops.bind(units)
         tree = model_view(self.layout, units) if parallel_aware else None
         return tree if tree is not None else eager_params(self._unit_ops, units)
