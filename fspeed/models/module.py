@@ -65,8 +65,9 @@ def nested(flat: dict[str, Any]) -> dict:
     return out
 
 
-def _flat(tree: PyTree) -> dict[str, Any]:
-    paths, leaves, _ = tree_flatten_with_paths(tree, is_leaf=_is_unit)
+def _flat(tree: PyTree, units: bool = True) -> dict[str, Any]:
+    """{dotted path: leaf} of `tree`; `units`: a UnitParams is a leaf (a unit's own tensors have none)."""
+    paths, leaves, _ = tree_flatten_with_paths(tree, is_leaf=_is_unit if units else None)
     return dict(zip(paths, leaves))
 
 
@@ -371,7 +372,7 @@ class ModuleLoss:
             params = {}
             for path, u, names in units_taken:
                 tree = ops.param(u)
-                by_name = {f"{path}.{rel}" if rel else path: t for rel, t in _flat(tree).items()} \
+                by_name = {f"{path}.{rel}" if rel else path: t for rel, t in _flat(tree, units=False).items()} \
                     if isinstance(tree, dict) else {names[0]: tree}
                 for name in names:
                     for alias in self.aliases.get(name, [name]):
@@ -387,7 +388,7 @@ def _run_unit(installed: "_Installed", module: nn.Module, compute: Optional[Call
     """A routed unit's module on the tensors of `tree` (names relative to the module), with the
     forward's routes installed (a recompute in backward runs after the forward has left them)."""
     with installed, _forward_as(module, compute):
-        return slots.call(_flat(tree), args, kwargs)
+        return slots.call(_flat(tree, units=False), args, kwargs)
 
 
 class _Installed:
