@@ -144,6 +144,7 @@ class ModuleLoss:
         self.remat: Any = None  # fspeed.activation_checkpointing.Remat for the units in remat_units
         self.slots: dict[int, _Slots] = {}  # by id of the (sub)module they swap tensors into
         self.modules = dict(module.named_modules())
+        self._holders_of: dict[str, Optional[list[str]]] = {}  # by unit path (`_holders`)
         self.hf_layer_paths = [p for p, m in self.modules.items()  # layers that Hugging Face may checkpoint
                                if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
         self.remat_units: frozenset = frozenset()
@@ -261,6 +262,17 @@ class ModuleLoss:
     def _unit_parameter_names(self, unit: str) -> list[str]:
         return self.members.get(unit, [])
 
+    def _holders(self, path: str) -> Optional[list[str]]:
+        """None when the unit's module can be called (it alone uses its parameters); else the modules
+        holding its parameters (ties), which take the unit whole. Fixed by the module's structure:
+        worked out once per unit."""
+        if path not in self._holders_of:
+            names = self._unit_parameter_names(path)
+            shared = [a for n in names for a in self.aliases.get(n, [n]) if not _within(a, path)]
+            self._holders_of[path] = None if not shared and path and path in self.modules else \
+                sorted({_owner(a) for n in names for a in self.aliases.get(n, [n])})
+        return self._holders_of[path]
+
     @contextlib.contextmanager
     def _routed(self, units: dict, ops, dtype: torch.dtype, train: bool,
                 head: Optional[FusedHead] = None) -> Iterator[None]:
@@ -292,9 +304,8 @@ class ModuleLoss:
                                all_modules=list(self.modules.values()))
         taken: dict[str, list[tuple[str, Any, list[str]]]] = {}  # holder module -> the units it takes
         for path, u in units.items():
-            names = self._unit_parameter_names(path)
-            shared = [a for n in names for a in self.aliases.get(n, [n]) if not _within(a, path)]
-            if not shared and path and path in modules:
+            holders = self._holders(path)
+            if holders is None:
                 remat = hf_remat if path in hf_layers else self.remat if path in self.remat_units else None
                 overrides[modules[path]] = self._call_route(path, u, ops, computes.get(modules[path]), installed,
                                                             remat)
@@ -302,8 +313,8 @@ class ModuleLoss:
                 if path in self.remat_units or path in hf_layers:
                     raise ValueError(f"remat: unit {path!r} of {self.name} shares parameters with another module, "
                                      "so it is taken whole, not called: it cannot be checkpointed")
-                for holder in {_owner(a) for n in names for a in self.aliases.get(n, [n])}:
-                    taken.setdefault(holder, []).append((path, u, names))
+                for holder in holders:
+                    taken.setdefault(holder, []).append((path, u, self._unit_parameter_names(path)))
         for holder, units_taken in taken.items():
             m = modules[holder]
             overrides[m] = self._take_route(holder, units_taken, ops, computes.get(m))
