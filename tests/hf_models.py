@@ -5,6 +5,7 @@ a tp_plan) and a small ResNet-style CNN with BatchNorm buffers; and plain PyTorc
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -168,18 +169,26 @@ class _FirstOutput(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-def hf_gpt2_layers(seed: int = 0, layers: int = 3, dropout: float = 0.0):
+def hf_gpt2_layers(seed: int = 0, layers: int = 3, dropout: float = 0.0, fused: Optional[bool] = None):
     """A Hugging Face GPT-2 as a pipeline layer list (DeepSpeed's PipelineModule, fspeed's `sequential`):
-    embeddings, blocks, final norm, and the head tied to the token embedding (TiedLayer)."""
+    embeddings, blocks, final norm, and the head tied to the token embedding (TiedLayer). `fused`:
+    the loss is fs.causal_lm_loss on batches with labels (`lm_labels_batch`), the head fused with it
+    (True, `head_of`) or not (False: the head a lambda, the loss of its logits)."""
     import fspeed as fs
 
     gpt2 = hf_gpt2(seed, dropout, layers=layers).transformer
     embed = _GPT2Embed(gpt2.wte, gpt2.wpe)
+    head = fs.models.head_of("wte.weight") if fused else lambda m, x: x @ m.wte.weight.t()
+    loss_fn = (lambda logits, batch: F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())) \
+        if fused is None else fs.causal_lm_loss if fused else (lambda logits, batch: fs.causal_lm_loss(logits, batch))
     return fs.models.sequential(
         [fs.models.TiedLayer("embed", embed), *[_FirstOutput(b) for b in gpt2.h], gpt2.ln_f,
-         fs.models.TiedLayer("embed", embed, forward=lambda m, x: x @ m.wte.weight.t())],
-        loss_fn=lambda logits, batch: F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten()),
-        name="hf-gpt2-layers")
+         fs.models.TiedLayer("embed", embed, forward=head)], loss_fn=loss_fn, name="hf-gpt2-layers")
+
+
+def lm_labels_batch(rows: int, seed: int) -> dict:
+    ids = torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(seed))
+    return {"inputs": ids, "labels": ids}
 
 
 def lm_dict_batch(rows: int, seed: int) -> dict:

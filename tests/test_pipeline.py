@@ -4,6 +4,7 @@ parameters, in-flight micro-batches, evaluation, checkpoints, a Hugging Face mod
 
 import math
 
+import optree
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,8 @@ from hypothesis import strategies as st
 import fspeed as fs
 from fspeed.parallel.pipeline import balanced_bounds, partition_layers, uniform_bounds
 from fspeed.testing import assert_trains_like_one_process
-from tests.hf_models import hf_gpt2_layers, hf_gpt2_traced, hf_llama_traced, lm_batch, lm_dict_batch
+from tests.hf_models import (hf_gpt2_layers, hf_gpt2_traced, hf_llama_traced, lm_batch, lm_dict_batch,
+                              lm_labels_batch)
 
 VOCAB, SEQ = 64, 16
 
@@ -243,6 +245,38 @@ def test_a_hugging_face_gpt2_as_layers_trains_like_one_process(world4):
 
 def hf_gpt2_layers_with_dropout():
     return hf_gpt2_layers(dropout=0.1)
+
+
+def test_a_layer_list_fuses_its_output_head_with_causal_lm_loss():
+    """sequential(loss_fn=fs.causal_lm_loss) with the tied head as head_of(...): the same loss and
+    gradients as the head's logits fed to the loss, without keeping those logits for backward."""
+    fused, plain = hf_gpt2_layers(fused=True), hf_gpt2_layers(fused=False)
+    assert fused.layers.last_with_loss is not None and plain.layers.last_with_loss is None
+    params = fused.init()
+    batch = lm_labels_batch(4, 0)
+    batch["labels"] = batch["labels"].clone()
+    batch["labels"][0, :5] = -100  # ignored positions
+    results = []
+    for model in (fused, plain):
+        leaves = optree.tree_map(lambda t: t.detach().requires_grad_(True), params)
+        loss = model.loss(leaves, batch)
+        loss.backward()
+        results.append((loss.detach(), [t.grad for t in optree.tree_leaves(leaves)]))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="fuses the last layer.*head_of"):
+        fs.models.sequential([torch.nn.Linear(4, 4), torch.nn.Linear(4, 8, bias=True)], loss_fn=fs.causal_lm_loss)
+
+
+def test_a_fused_head_layer_list_pipelines_like_one_process(world4):
+    plan = fs.zero(1) | fs.pipeline(2, "1f1b")
+    assert_trains_like_one_process(hf_gpt2_layers_fused, plan, make_batch=lm_labels_batch, world_size=4, pipe=2,
+                                   world=world4, steps=2, rtol=1e-4, atol=1e-5)
+
+
+def hf_gpt2_layers_fused():
+    return hf_gpt2_layers(fused=True)
 
 
 def _tuple_eval_loss(pipe: int) -> float:

@@ -2,7 +2,7 @@
 
 from .causal_lm import causal_lm_loss
 from .gpt import GPT_RULES, GPTConfig, gpt, gpt_logical_axes, pad_vocab
-from .layers import Layer, LayerSequence, TiedLayer, sequential
+from .layers import Layer, LayerSequence, TiedLayer, head_of, sequential
 from .layer_drop import LayerDrop, kept_blocks, step_layer_drop
 from .model import LogicalAxes, Model, count_params
 from .module import functionalize, to_module
@@ -18,5 +18,5 @@ __all__ = [
     "functionalize",
     "MODULE_TP_RULES", "gpt", "gpt_logical_axes", "gpt_rules", "module_tp_rules", "pad_vocab", "to_module",
     "tp_plan_from", "LayerDrop", "kept_blocks", "step_layer_drop",
-    "Layer", "LayerSequence", "TiedLayer", "sequential", "traced_layers",
+    "Layer", "LayerSequence", "TiedLayer", "head_of", "sequential", "traced_layers",
 ]

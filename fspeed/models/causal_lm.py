@@ -32,8 +32,10 @@ from .head_loss import IGNORE_INDEX
 
 
 def causal_lm_loss(outputs: Any, batch: Any) -> torch.Tensor:
-    """Mean next-token cross-entropy of `outputs.logits` against `batch["labels"]` (module docstring)."""
-    logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+    """Mean next-token cross-entropy of `outputs.logits` (or of `outputs`, the logits themselves: a
+    layer list's last output) against `batch["labels"]` (module docstring)."""
+    logits = outputs if isinstance(outputs, torch.Tensor) else outputs["logits"] if isinstance(outputs, dict) \
+        else outputs.logits
     labels = labels_of(batch)
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
 
@@ -101,6 +103,17 @@ def shifted_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     return ops.head_loss(x, weight, labels[:, 1:].reshape(-1), **axes)
 
 
+def fused_tail(hidden: torch.Tensor, weight: torch.Tensor, micro_batch: Any, ops: Any) -> torch.Tensor:
+    """A pipeline's last layer when it is the output head `weight` under `causal_lm_loss`: the loss of
+    `hidden` (cast to the head's dtype), fused (`shifted_head_loss`); in fp16 unfused, as in
+    `functionalize` (module docstring)."""
+    h, labels = hidden.to(weight.dtype), labels_of(micro_batch)
+    if weight.dtype == torch.float16:
+        check_positions(h, labels)
+        return causal_lm_loss(F.linear(h, weight), micro_batch)
+    return shifted_head_loss(h, weight, labels, ops)
+
+
 def labels_of(batch: Any) -> torch.Tensor:
     """`batch["labels"]`, checked: token ids [rows, positions]."""
     labels = batch.get("labels") if isinstance(batch, dict) else None
@@ -110,4 +123,5 @@ def labels_of(batch: Any) -> torch.Tensor:
     return labels
 
 
-__all__ = ["FusedHead", "causal_lm_loss", "labels_of", "check_positions", "output_head", "shifted_head_loss"]
+__all__ = ["FusedHead", "causal_lm_loss", "check_positions", "fused_tail", "labels_of", "output_head",
+           "shifted_head_loss"]

@@ -14,6 +14,9 @@ one of them keeps a copy, and the pipeline sums their gradients so the copies st
 
 `sequential(modules, loss_fn=...)` builds a `Model` with such a sequence from a list of `nn.Module`s
 (and `TiedLayer`s), for users who bring their own layers, as DeepSpeed users write a `PipelineModule`.
+With `loss_fn=fs.causal_lm_loss` and a last layer that is the output head (an `nn.Linear` without
+bias, or a `TiedLayer` called as `head_of("wte.weight")`), the head and the loss run as one fused op
+(`causal_lm.fused_tail`): the logits are never kept for backward.
 """
 
 from __future__ import annotations
@@ -85,6 +88,26 @@ class LayerSequence:
         if self.last_with_loss is not None:
             return self.last_with_loss(params, x, micro_batch, ops=ops)
         return self.loss(x, micro_batch, ops=ops)
+
+
+def head_of(name: str) -> "_HeadOf":
+    """A `TiedLayer` forward that uses the module's parameter `name` (a dotted path in it) as an output
+    head, `x @ weight.T`: `TiedLayer("embed", embed, forward=head_of("weight"))`. Unlike a lambda, it
+    says which weight it uses, so `sequential(..., loss_fn=fs.causal_lm_loss)` can fuse it with the loss."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"head_of(name={name!r}): name the head's weight, a parameter path in the module")
+    return _HeadOf(name)
+
+
+class _HeadOf:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, module.get_parameter(self.name))
+
+    def __repr__(self) -> str:
+        return f"head_of({self.name!r})"
 
 
 @dataclass(frozen=True)
@@ -173,7 +196,8 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
     def loss(y: torch.Tensor, micro_batch: Any, *, ops: Any = DENSE) -> torch.Tensor:
         return loss_fn(y, micro_batch)
 
-    seq = LayerSequence(layers, inputs, loss)
+    seq = LayerSequence(layers, inputs, loss, _fused_head(modules, entries) if getattr(loss_fn, "fuses_head", False)
+                        else None)
 
     # not parallel-aware (no ops=): under a plan without a pipeline the step hands them plain tensors
     def model_loss(params: PyTree, batch: Any, *, rng: Optional[torch.Generator] = None):
@@ -186,6 +210,27 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
 
     units = {f"{prefix}.{n}": prefix for prefix, m in seen.items() for n, _ in m.named_parameters()}
     return Model(init, apply, model_loss, {}, name=name, units=units, layers=seq)
+
+
+def _fused_head(modules: Sequence[Any], entries: list) -> Callable[..., torch.Tensor]:
+    """The last layer (the output head) and causal_lm_loss as one function (`LayerSequence.last_with_loss`)."""
+    from .causal_lm import fused_tail  # noqa: PLC0415 (causal_lm imports the module helpers)
+
+    last, (_, prefix, module, _) = modules[-1], entries[-1]
+    if isinstance(last, nn.Linear) and last.bias is None:
+        weight_path = f"{prefix}.weight"
+    elif isinstance(last, TiedLayer) and isinstance(last.forward, _HeadOf):
+        module.get_parameter(last.forward.name)  # names a parameter of the module, or raises naming it
+        weight_path = f"{prefix}.{last.forward.name}"
+    else:
+        raise ValueError(f"sequential(loss_fn=fs.causal_lm_loss) fuses the last layer, the output head, with the loss, "
+                         f"and the last layer is {type(last).__name__}: make it an nn.Linear without bias or "
+                         "fs.models.TiedLayer(key, module, forward=fs.models.head_of('weight')), or pass "
+                         "loss_fn=lambda logits, batch: fs.causal_lm_loss(logits, batch) (unfused)")
+
+    def tail(params: PyTree, x: torch.Tensor, micro_batch: Any, *, ops: Any = DENSE) -> torch.Tensor:
+        return fused_tail(x, subtree(params, weight_path), micro_batch, ops)
+    return tail
 
 
 def _flat_named(tree: PyTree, prefix: str = "") -> dict[str, torch.Tensor]:

@@ -45,7 +45,7 @@ from ..pytree import PyTree, subtree
 from ..rng import layer_generators
 from .layers import Layer, LayerSequence, _seeded
 from .model import Model
-from .causal_lm import causal_lm_loss, check_positions, labels_of, output_head, shifted_head_loss
+from .causal_lm import fused_tail, output_head
 from .module import _match, nested, output_loss, repeated_blocks
 from .ops import DENSE
 
@@ -388,13 +388,7 @@ def _fused_head_tail(tracer: _Tracer, reference: _Graph, head: Layer, name: str)
     position = entering.index(hidden_node)
 
     def tail(params: PyTree, x: Any, micro_batch: Any, *, ops: Any = DENSE) -> torch.Tensor:
-        hidden = (x if isinstance(x, tuple) else (x,))[position]
-        w = subtree(params, weight_path)
-        h, labels = hidden.to(w.dtype), labels_of(micro_batch)
-        if w.dtype == torch.float16:  # unfused, as causal_lm_loss in fp16 (module docstring there)
-            check_positions(h, labels)
-            return causal_lm_loss({"logits": torch.nn.functional.linear(h, w)}, micro_batch)
-        return shifted_head_loss(h, w, labels, ops)
+        return fused_tail((x if isinstance(x, tuple) else (x,))[position], subtree(params, weight_path), micro_batch, ops)
     return tail
 
 
