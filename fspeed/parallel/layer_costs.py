@@ -89,11 +89,13 @@ def profiled_partition(plan: Plan, model: Any, example: Union[Any, Callable[[], 
     pipe = plan.find("pipeline")
     if pipe is None or not isinstance(pipe.partition, str) or pipe.partition.lower() != "profile":
         return plan
+    from ..train_step import on_device  # noqa: PLC0415 (train_step imports the parallel package)
+
     example = example() if callable(example) else example
     params = None
     if device is not None:
         params = tree_map(lambda t: t.to(device), model.init(torch.Generator().manual_seed(0)))
-        example = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, example)
+        example = on_device(example, device)
     counts = balanced_partition(model, example, stages * pipe.virtual_stages, params)
     profiled = dataclasses.replace(pipe, partition=tuple(counts))
     return Plan(tuple(profiled if t is pipe else t for t in plan.transforms))
@@ -111,4 +113,4 @@ def _detached(x: Any) -> Any:
     return tuple(one(t) for t in x) if isinstance(x, tuple) else one(x)
 
 
-__all__ = ["balanced_partition", "layer_costs"]
+__all__ = ["balanced_partition", "layer_costs", "profiled_partition"]
