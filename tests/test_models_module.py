@@ -183,6 +183,32 @@ def test_a_parameter_used_outside_its_unit_is_an_error_not_a_silent_zero_gradien
         fs.make_train_step(model.loss, opt)(state, (torch.randn(2, 4),))
 
 
+
+def test_module_hooks_fire_once_per_call_and_instance_forwards_survive_a_step():
+    """A unit's forward hooks run once per forward (its route calls the module's own forward, not
+    the module again), with remat too; a forward the user set on an instance (as accelerate's hooks
+    do) computes the unit and is still there after the step."""
+    for remat in (False, True):
+        module = hf_gpt2(layers=2)
+        calls = {"hook": 0, "wrapper": 0}
+        module.transformer.h[0].register_forward_hook(lambda m, args, out: calls.__setitem__("hook", calls["hook"] + 1))
+        block = module.transformer.h[1]
+        own = block.forward
+
+        def wrapper(*args, **kwargs):
+            calls["wrapper"] += 1
+            return own(*args, **kwargs)
+        block.forward = wrapper
+        model = fs.functionalize(module, lm_loss)
+        if remat:
+            model = fs.remat(model)
+        opt = fs.optim.sgd(0.1)
+        state = fs.init_train_state(model.init(), opt, model=model)
+        fs.make_train_step(model.loss, opt)(state, lm_batch(2, 0))
+        assert calls == {"hook": 1, "wrapper": 2 if remat else 1}, (remat, calls)  # remat recomputes the block
+        assert block.__dict__["forward"] is wrapper and "forward" not in module.transformer.h[0].__dict__
+
+
 # ------------------------------------------------------------------------------ on 2 gloo ranks
 
 
