@@ -184,6 +184,36 @@ register_node(
 )
 
 
+class LooseGrads:
+    """A gradient as backward left it: one 1-D tensor per parameter of `layout`, in its order, not
+    one buffer. What a gradient sink that reduces nothing hands an optimizer whose fused `apply`
+    takes it (`Capabilities.loose_grads`): no pass copies the whole gradient into a flat buffer,
+    and none is held between steps (as an eager loop's `.grad`s)."""
+
+    __slots__ = ("tensors", "layout", "norms")
+
+    def __init__(self, tensors: list[torch.Tensor], layout: FlatLayout, norms: list[torch.Tensor] | None = None):
+        if len(tensors) != len(layout.paths) or any(t.numel() != n for t, n in zip(tensors, layout.sizes)):
+            raise ValueError(f"LooseGrads needs one tensor per parameter of the layout ({len(layout.paths)}), "
+                             f"sized as the layout says; got {len(tensors)}")
+        self.tensors, self.layout = tensors, layout
+        self.norms = norms  # each tensor's L2 norm (0-d), when its maker took them (in cache, as they came)
+
+    def segments(self) -> list[torch.Tensor]:
+        return self.tensors
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensors[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    def __repr__(self) -> str:
+        return f"LooseGrads({len(self.tensors)} tensors, {self.layout.numel:,} elements)"
+
+
 def segments(tree: PyTree) -> list[torch.Tensor]:
     """One tensor per parameter: a Flat contributes its per-parameter views, other leaves themselves.
 
@@ -192,7 +222,7 @@ def segments(tree: PyTree) -> list[torch.Tensor]:
     """
     out: list[torch.Tensor] = []
     for leaf in optree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Flat), namespace="fspeed"):
-        if isinstance(leaf, Flat):
+        if isinstance(leaf, (Flat, LooseGrads)):
             out.extend(leaf.segments())
         elif isinstance(leaf, torch.Tensor):
             out.append(leaf)

@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .flat import Flat
+from .flat import Flat, LooseGrads
 from .loss_scale import update_loss_scale
 from .optim.base import GradientTransformation, chain, needs_full_allreduce, optimizer_step
 from .optim.clipping import clip_coefficient
@@ -195,7 +195,8 @@ def make_train_step(
         key = (layout, state.precision)
         if key not in runtimes:
             runtimes.clear()
-            runtimes[key] = ParallelRuntime(layout, step_mesh, state.precision, state.params)
+            runtimes[key] = ParallelRuntime(layout, step_mesh, state.precision, state.params,
+                                            loose_grads=rest.capabilities.loose_grads)
             if pipe is not None:
                 executors.clear()
                 executors[key] = PipelineExecutor(layout, step_mesh, model.layers, state.precision.grad_accum_dtype)
@@ -352,8 +353,11 @@ def make_train_step(
         factor = local_scale / unscale
         if clip_norm is not None:
             factor *= clip_coefficient(grad_norm, clip_norm)
-        if factor != 1.0:
-            grads.buffer.mul_(factor)  # unscale and clip in one pass
+        if factor != 1.0:  # unscale and clip in one pass
+            if isinstance(grads, LooseGrads):
+                torch._foreach_mul_(grads.tensors, factor)
+            else:
+                grads.buffer.mul_(factor)
         master = fields["master"] if fields["master"] is not None else fields["params"]
         cast_to = runtime.cast_target(master, fields["params"])  # never a device tensor for a CPU (offload) update
         opt_state = fields["opt_state"]

@@ -331,3 +331,45 @@ def test_functionalized_step_leaves_no_reference_cycles(remat):
         gc.enable()
     assert not ours
     assert functions <= ({"tree_flatten.<locals>.helper"} if remat else set())
+
+
+class _HandsOverOddGradients(torch.nn.Module):
+    """Parameters whose gradients backward hands over shared, expanded or not at all: `a` and `b` get
+    one tensor (an add's backward), `s` a stride-0 one (a sum's), `unused` none."""
+
+    def __init__(self, width: int, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.w = torch.nn.Linear(width, width)
+        self.a = torch.nn.Parameter(torch.randn(width))
+        self.b = torch.nn.Parameter(torch.randn(width))
+        self.s = torch.nn.Parameter(torch.randn(3))
+        self.unused = torch.nn.Parameter(torch.randn(2))
+
+    def forward(self, x):
+        return (self.w(x) * (self.a + self.b)).sum(-1) + self.s.sum()
+
+
+@given(seed=st.integers(0, 10_000), width=st.integers(2, 6), grad_accum=st.sampled_from([1, 2, 3]),
+       clip=st.sampled_from([None, 0.01]))
+def test_loose_gradients_train_as_the_flat_buffer_does(seed, width, grad_accum, clip):
+    """One process in fp32 hands AdamW backward's own gradient tensors (no flat gradient buffer, none
+    held between steps): the same parameters, loss and grad norm as the flat buffer's path."""
+    module = _HandsOverOddGradients(width, seed)
+    model = fs.functionalize(module, lambda out, batch: out.square().mean())
+    batch = (torch.randn(4 * grad_accum, width, generator=torch.Generator().manual_seed(seed)),)
+    runs = {}
+    for name in ("loose", "flat"):
+        adam = adamw(1e-2, weight_decay=0.1)
+        inner = adam if name == "loose" else fs.optim.GradientTransformation(adam.init, adam.update)  # no fused apply
+        opt = chain(clip_by_global_norm(clip), inner) if clip else inner
+        state = fs.init_train_state(model.init(), opt, model=model)
+        step = fs.make_train_step(model.loss, opt, grad_accum=grad_accum)
+        metrics = []
+        for _ in range(3):
+            state, m = step(state, batch)
+            metrics += [m["loss"], m["grad_norm"]]
+        runs[name] = (state.params.buffer.clone(), metrics, step.persistent_grad_bytes())
+    torch.testing.assert_close(runs["loose"][0], runs["flat"][0], rtol=1e-6, atol=1e-7)
+    assert runs["loose"][1] == pytest.approx(runs["flat"][1], rel=1e-6)
+    assert runs["loose"][2] == 0 and runs["flat"][2] > 0  # the loose path ran, and holds no buffer

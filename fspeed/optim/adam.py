@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from ..flat import LooseGrads, segments
 from ..pytree import tensor_leaves, tree_map, tree_zeros_like
 from .base import (
     ELEMENTWISE,
@@ -136,9 +137,15 @@ def adam(
 
     def apply(grads, state: AdamState, params, *, cast_to=None):
         lr_t, b1_t, bc1, bc2 = hparams(state.count)
-        p, g, m, v = (tensor_leaves(x) for x in (params, grads, state.mu, state.nu))
-        c = cast_targets(cast_to, p) if cast_to is not None else [None] * len(p)
-        kernel = numba_kernel(name, backend, _KERNELS, p)
+        if isinstance(grads, LooseGrads):  # backward's own tensors: the buffers' per-parameter views match them
+            p, g, m, v = segments(params), grads.tensors, segments(state.mu), segments(state.nu)
+            c = segments(cast_to) if cast_to is not None else [None] * len(p)
+        else:
+            p, g, m, v = (tensor_leaves(x) for x in (params, grads, state.mu, state.nu))
+            c = cast_targets(cast_to, p) if cast_to is not None else [None] * len(p)
+        # many tensors (loose gradients): torch's one multi-tensor launch beats a kernel call per tensor
+        kernel = None if isinstance(grads, LooseGrads) and backend == "auto" and _has_fused(p) else \
+            numba_kernel(name, backend, _KERNELS, p)
         rest = []  # (p, g, m, v, cast) groups for the torch path
         for group in zip(p, g, m, v, c):
             if kernel is not None and (backend == "numba" or kernel.supports(*group)):
@@ -160,7 +167,7 @@ def adam(
              backend=backend),
         factory=functools.partial(adam, adam_w_mode=adam_w_mode),
     )
-    return GradientTransformation(init, update, apply, info, capabilities=ELEMENTWISE)
+    return GradientTransformation(init, update, apply, info, capabilities=ELEMENTWISE._replace(loose_grads=True))
 
 
 def adamw(

@@ -81,6 +81,9 @@ class Capabilities(NamedTuple):
     cpu            has a CPU path (ZeRO-Offload runs it on the host)
     clip_norm      the transform only scales updates to a global L2 norm of at most this value:
                    train_step folds it into the loss-scale unscaling, with the true global norm
+    loose_grads    its fused `apply` also takes a `LooseGrads` (one gradient tensor per parameter,
+                   as backward made them, with params and state as Flats): one process in fp32 then
+                   skips the copy of the whole gradient into a buffer
     """
 
     elementwise: bool = False
@@ -88,6 +91,7 @@ class Capabilities(NamedTuple):
     communicates: bool = False
     cpu: bool = False
     clip_norm: Optional[float] = None
+    loose_grads: bool = False
 
 
 ELEMENTWISE = Capabilities(elementwise=True, cpu=True)
@@ -273,7 +277,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     parts = [p.capabilities for t in transforms for p in t.parts]
     caps = Capabilities(elementwise=all(c.elementwise for c in parts), whole_tensors=any(c.whole_tensors for c in parts),
-                        communicates=any(c.communicates for c in parts), cpu=all(c.cpu for c in parts))
+                        communicates=any(c.communicates for c in parts), cpu=all(c.cpu for c in parts),
+                        loose_grads=len(parts) == 1 and parts[0].loose_grads)  # `apply` hands it to the one part
     return GradientTransformation(init, update, apply, TransformInfo("chain", {}, tuple(transforms)), allreduce, caps)
 
 

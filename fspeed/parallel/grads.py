@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..flat import Flat
+from ..flat import Flat, LooseGrads
 from .comm import AxisComm, Pending
 from .layout import Layout
 from ..torch_internals import apply_function, below_functorch, unwrapped
@@ -225,15 +225,26 @@ def _aligned_ranges(offsets: Sequence[int], sizes: Sequence[int], bucket: int,
 
 class AccumulatedGrads(GradSink):
     """Stages 0 and 1: one full accumulation buffer; buckets of it are all-reduced (stage 0) or
-    reduced onto their owner (stage 1) on the last micro-batch, as gradients complete them."""
+    reduced onto their owner (stage 1) on the last micro-batch, as gradients complete them.
 
-    def __init__(self, layout: Layout, comm: AxisComm, dtype: torch.dtype, device: torch.device):
+    `loose` (stage 0 on one data rank, for an optimizer that takes `LooseGrads`): no buffer; the
+    gradient tensors backward made are kept as they are (later micro-batches add into them), and
+    `finish` hands them over. A tensor that is not the sink's alone (a view into a larger one, the
+    same tensor delivered for two parameters, another dtype) is copied instead."""
+
+    def __init__(self, layout: Layout, comm: AxisComm, dtype: torch.dtype, device: torch.device,
+                 loose: bool = False):
         super().__init__(layout, comm, dtype, device)
         self.stage1 = layout.stage == 1
         n, local = comm.size, layout.local
+        self.loose = loose and not self.stage1 and n == 1
+        self.kept: list[Optional[torch.Tensor]] = [None] * len(local.paths)
+        self.norms: list[Optional[torch.Tensor]] = [None] * len(local.paths)  # of the final gradients
+        self.kept_storages: set[int] = set()
         self.part = layout.partition_numel if self.stage1 else local.numel
-        self.acc = torch.zeros(n * self.part if self.stage1 else local.numel, dtype=dtype, device=device)
-        self.segments = local.segments(self.acc)
+        self.acc = None if self.loose else \
+            torch.zeros(n * self.part if self.stage1 else local.numel, dtype=dtype, device=device)
+        self.segments = [] if self.loose else local.segments(self.acc)
         cuts = [k * self.part for k in range(1, n)] if self.stage1 else []
         ranges, members = _aligned_ranges(local.offsets, local.sizes, self.bucket, cuts)
         owned = [(a, b, a // self.part if self.stage1 else -1) for a, b in ranges]
@@ -246,10 +257,16 @@ class AccumulatedGrads(GradSink):
     def begin_step(self, reduce: bool, micro_batches: int) -> None:
         super().begin_step(reduce, micro_batches)
         self.buckets.reset()
+        if self.loose:  # (a step that failed part-way left its tensors)
+            self.kept, self.norms = [None] * len(self.kept), [None] * len(self.kept)
+            self.kept_storages = set()
 
     def _deliver(self, unit: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
         self._first_delivery(unit)
         params = self.order(unit)
+        if self.loose:
+            self._keep(params, grads)
+            return
         first = self.micro == 0
         segs, flat = [], []
         for i, g in zip(params, grads):
@@ -263,7 +280,41 @@ class AccumulatedGrads(GradSink):
         if self.last and self.reduce and self.comm.size > 1:
             self.buckets.arrived(params)
 
-    def finish(self) -> Flat:
+    def _keep(self, params: Sequence[int], grads: Sequence[Optional[torch.Tensor]]) -> None:
+        done = []
+        for i, g in zip(params, grads):
+            if g is None:
+                continue
+            g = g.reshape(-1)
+            held = self.kept[i]
+            if held is not None:  # a later micro-batch (the kept tensor is the sink's own)
+                held.add_(g)
+            elif self._owns(g):
+                self.kept[i] = g
+                self.kept_storages.add(g.untyped_storage().data_ptr())
+            else:
+                self.kept[i] = torch.empty(g.numel(), dtype=self.dtype, device=self.device).copy_(g)
+            done.append(i)
+        if self.last and done:  # final: the unit's norms now, while its gradient is in cache
+            for i, norm in zip(done, torch._foreach_norm([self.kept[i] for i in done])):
+                self.norms[i] = norm
+
+    def _owns(self, g: torch.Tensor) -> bool:
+        """Whether `g` (1-D) can be kept and added into: the whole of its storage, not kept already."""
+        storage = g.untyped_storage()
+        return (g.dtype == self.dtype and g.device == self.device and g.is_contiguous() and g.storage_offset() == 0
+                and storage.nbytes() == g.numel() * g.element_size() and storage.data_ptr() not in self.kept_storages)
+
+    def finish(self) -> Flat | LooseGrads:
+        if self.loose:
+            local = self.layout.local
+            tensors = [t if t is not None else torch.zeros(n, dtype=self.dtype, device=self.device)
+                       for t, n in zip(self.kept, local.sizes)]  # unused parameters: zero gradients
+            norms = [n if n is not None else torch.zeros((), dtype=self.dtype, device=self.device)
+                     for n in self.norms]
+            self.kept, self.norms = [None] * len(local.paths), [None] * len(local.paths)
+            self.kept_storages = set()
+            return LooseGrads(tensors, local, norms)
         if self.reduce and self.comm.size > 1:
             self.buckets.flush()
         if self.stage1:

@@ -28,11 +28,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..flat import Flat
+from ..flat import Flat, FlatLayout, LooseGrads
 from ..precision import Precision
 from ..pytree import PyTree, tensor_leaves, tree_map, tree_unflatten
 from .comm import AxisComm, GatherInFlight
-from .grads import SINKS, GradSink, ShardGrads
+from .grads import SINKS, AccumulatedGrads, GradSink, ShardGrads
 from .layout import Layout
 from .offload import (
     HostDeviceCopies, check_optimizer_for_offload, compute_device, copy_to, host_buffer, offloads_optimizer,
@@ -154,7 +154,8 @@ class NormPieces(NamedTuple):
 class ParallelRuntime:
     """The per-step work of a layout on a mesh (module docstring); built once per layout."""
 
-    def __init__(self, layout: Layout, mesh, precision: Precision, params: Flat, train: bool = True):
+    def __init__(self, layout: Layout, mesh, precision: Precision, params: Flat, train: bool = True,
+                 loose_grads: bool = False):
         self.layout = layout
         self.mesh = mesh
         self.data: AxisComm = mesh.comm("data")
@@ -170,12 +171,19 @@ class ParallelRuntime:
         if train and sink_cls is ShardGrads:
             self.sink = ShardGrads(layout, self.data, precision.grad_accum_dtype, params.device, self.device,
                                    on_host=self.offload_params)
+        elif train and sink_cls is AccumulatedGrads:
+            # an optimizer that takes backward's own gradient tensors gets them where nothing is reduced,
+            # offloaded or cast (fp32 training on one data rank, outside a pipeline's own accumulator)
+            loose = loose_grads and self.n == 1 and layout.pipeline is None and not self.offload and \
+                params.dtype == precision.grad_accum_dtype
+            self.sink = AccumulatedGrads(layout, self.data, precision.grad_accum_dtype, params.device, loose=loose)
         elif train:
             self.sink = sink_cls(layout, self.data, precision.grad_accum_dtype, params.device)
         self.param_dtype = params.dtype
         self._copies = HostDeviceCopies()
         self._host: dict[str, torch.Tensor] = {}  # offload: host gradient and 16-bit staging buffers
         self._pieces_for: dict = {}
+        self._groups: dict = {}  # by gradient layout: `_classify`'s index groups
         self._units_for: tuple = (None, None)  # (the parameter buffer's identity, its units' views)
         self._trace = UnitTrace()  # the order units ran in, for ZeRO-3's prefetch
         self._unit_ops: Optional[UnitOps] = None
@@ -236,9 +244,9 @@ class ParallelRuntime:
             self.sink.deliver(unit.index, [segments[i] for i in unit.params])
         self.sink.end_micro()
 
-    def finish(self) -> Flat:
+    def finish(self) -> Flat | LooseGrads:
         """The reduced gradient the optimizer consumes (with offload_optimizer: on the host, in the
-        accumulation dtype)."""
+        accumulation dtype; backward's own tensors where the sink keeps them, `LooseGrads`)."""
         self.settle_params()  # the optimizer is about to write the slice the gather reads
         grads = self.sink.finish()
         if not self.offload or self.offload_params:
@@ -263,12 +271,15 @@ class ParallelRuntime:
 
     # -- the boundary ----------------------------------------------------------------------
 
-    def grad_norm(self, grads: Flat) -> torch.Tensor:
+    def grad_norm(self, grads: Flat | LooseGrads) -> torch.Tensor:
         """The global L2 norm of the gradient, each element counted once over data and model ranks: a
         0-d float64 tensor on the gradient's device (the caller decides when the host reads it)."""
-        pieces = self._pieces(grads)
-        sums = [torch.stack(foreach_norm(group)).double().square().sum() if group
-                else torch.zeros((), dtype=torch.float64) for group in pieces]
+        if isinstance(grads, LooseGrads) and grads.norms is not None:  # taken as backward delivered them
+            norms = self._pieces(grads, grads.norms)
+        else:
+            norms = [foreach_norm(group) if group else [] for group in self._pieces(grads)]
+        sums = [torch.stack(group).double().square().sum() if group
+                else torch.zeros((), dtype=torch.float64) for group in norms]
         data_model, data_only, model_only, local = sums
         device = self.device if grads.device.type == "cpu" and self.device.type != "cpu" else grads.device
         if self.n > 1:
@@ -282,29 +293,37 @@ class ParallelRuntime:
             total = self.pipe.all_reduce_(total.reshape(1).to(device)).to(grads.device)[0]
         return total.sqrt()
 
-    def _pieces(self, grads: Flat) -> NormPieces:
+    def _pieces(self, grads: Flat | LooseGrads, per_param: Optional[list] = None) -> NormPieces:
+        """The gradient's per-parameter tensors (or `per_param`'s entries), grouped as `_classify` says."""
+        if grads.layout not in self._groups:
+            self._groups = {grads.layout: self._classify(grads.layout)}
+        groups = self._groups[grads.layout]
+        if isinstance(grads, LooseGrads):  # new tensors every step
+            per_param = per_param if per_param is not None else grads.tensors
+            return NormPieces(*([per_param[i] for i in group] for group in groups))
         key = (grads.layout, grads.buffer.data_ptr())
         if key not in self._pieces_for:
-            self._pieces_for = {key: self._classify(grads)}
+            segs = grads.segments()
+            self._pieces_for = {key: NormPieces(*([segs[i] for i in group] for group in groups))}
         return self._pieces_for[key]
 
-    def _classify(self, grads: Flat) -> NormPieces:
-        """Each piece of the gradient by whether it is partitioned over data (a ZeRO slice or
-        shard) and sliced over model (tensor slicing); padding pieces are left out (zeros)."""
+    def _classify(self, grads_layout: FlatLayout) -> NormPieces:
+        """The index of each piece of the gradient, grouped by whether it is partitioned over data (a
+        ZeRO slice or shard) and sliced over model (tensor slicing); padding pieces are left out (zeros)."""
         layout, pieces = self.layout, NormPieces([], [], [], [])
         info = layout.info
         sharded = {layout.params[i].path for u in layout.units for i in u.sharded_params}
         partitioned_stage = layout.stage in (1, 2) and self.n > 1
         plan = layout.pipeline
         copies = {p for p, stages in plan.tied if stages[0] != plan.stage} if plan is not None else set()
-        for path, seg in zip(grads.layout.paths, grads.segments()):
-            if path not in info or not seg.numel() or path in copies:
+        for i, (path, size) in enumerate(zip(grads_layout.paths, grads_layout.sizes)):
+            if path not in info or not size or path in copies:
                 continue  # padding, or a tied parameter's copy (its first stage counts it)
             partitioned = partitioned_stage or path in sharded
             sliced = info[path].tp_sharded
             group = pieces.data_model if partitioned and sliced else pieces.data_only if partitioned \
                 else pieces.model_only if sliced else pieces.local
-            group.append(seg)
+            group.append(i)
         return pieces
 
     def compute_device(self, params: Flat) -> torch.device:
