@@ -366,9 +366,11 @@ def test_loose_gradients_train_as_the_flat_buffer_does(seed, width, grad_accum, 
         state = fs.init_train_state(model.init(), opt, model=model)
         step = fs.make_train_step(model.loss, opt, grad_accum=grad_accum)
         metrics = []
-        for _ in range(3):
-            state, m = step(state, batch)
-            metrics += [m["loss"], m["grad_norm"]]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("fspeed.parallel.runtime.LOOSE_MIN_MEAN_NUMEL", 0)  # these tensors are tiny
+            for _ in range(3):
+                state, m = step(state, batch)
+                metrics += [m["loss"], m["grad_norm"]]
         runs[name] = (state.params.buffer.clone(), metrics, step.persistent_grad_bytes())
     torch.testing.assert_close(runs["loose"][0], runs["flat"][0], rtol=1e-6, atol=1e-7)
     assert runs["loose"][1] == pytest.approx(runs["flat"][1], rel=1e-6)

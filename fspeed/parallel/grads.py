@@ -240,7 +240,7 @@ class AccumulatedGrads(GradSink):
         self.loose = loose and not self.stage1 and n == 1
         self.kept: list[Optional[torch.Tensor]] = [None] * len(local.paths)
         self.norms: list[Optional[torch.Tensor]] = [None] * len(local.paths)  # of the final gradients
-        self.kept_storages: set[int] = set()
+        self.kept_ptrs: set[int] = set()  # data pointers of the tensors kept
         self.part = layout.partition_numel if self.stage1 else local.numel
         self.acc = None if self.loose else \
             torch.zeros(n * self.part if self.stage1 else local.numel, dtype=dtype, device=device)
@@ -259,7 +259,7 @@ class AccumulatedGrads(GradSink):
         self.buckets.reset()
         if self.loose:  # (a step that failed part-way left its tensors)
             self.kept, self.norms = [None] * len(self.kept), [None] * len(self.kept)
-            self.kept_storages = set()
+            self.kept_ptrs = set()
 
     def _deliver(self, unit: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
         self._first_delivery(unit)
@@ -285,25 +285,25 @@ class AccumulatedGrads(GradSink):
         for i, g in zip(params, grads):
             if g is None:
                 continue
-            g = g.reshape(-1)
             held = self.kept[i]
             if held is not None:  # a later micro-batch (the kept tensor is the sink's own)
-                held.add_(g)
+                held.add_(g.reshape(-1))
             elif self._owns(g):
-                self.kept[i] = g
-                self.kept_storages.add(g.untyped_storage().data_ptr())
-            else:
-                self.kept[i] = torch.empty(g.numel(), dtype=self.dtype, device=self.device).copy_(g)
+                self.kept[i] = g.view(-1)
+                self.kept_ptrs.add(g.data_ptr())
+            else:  # a part of a larger tensor (or expanded), kept already, or not the sink's dtype
+                self.kept[i] = torch.empty(g.numel(), dtype=self.dtype, device=self.device).copy_(g.reshape(-1))
             done.append(i)
         if self.last and done:  # final: the unit's norms now, while its gradient is in cache
             for i, norm in zip(done, torch._foreach_norm([self.kept[i] for i in done])):
                 self.norms[i] = norm
 
     def _owns(self, g: torch.Tensor) -> bool:
-        """Whether `g` (1-D) can be kept and added into: the whole of its storage, not kept already."""
-        storage = g.untyped_storage()
-        return (g.dtype == self.dtype and g.device == self.device and g.is_contiguous() and g.storage_offset() == 0
-                and storage.nbytes() == g.numel() * g.element_size() and storage.data_ptr() not in self.kept_storages)
+        """Whether the sink may keep `g` and add into it: all of its storage, dense, not kept already
+        (an add's backward hands its two inputs one tensor)."""
+        return g.dtype == self.dtype and g.device == self.device and g.is_contiguous() and \
+            g.storage_offset() == 0 and g.untyped_storage().nbytes() == g.numel() * g.element_size() and \
+            g.data_ptr() not in self.kept_ptrs
 
     def finish(self) -> Flat | LooseGrads:
         if self.loose:
@@ -313,7 +313,7 @@ class AccumulatedGrads(GradSink):
             norms = [n if n is not None else torch.zeros((), dtype=self.dtype, device=self.device)
                      for n in self.norms]
             self.kept, self.norms = [None] * len(local.paths), [None] * len(local.paths)
-            self.kept_storages = set()
+            self.kept_ptrs = set()
             return LooseGrads(tensors, local, norms)
         if self.reduce and self.comm.size > 1:
             self.buckets.flush()
