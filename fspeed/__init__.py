@@ -14,7 +14,7 @@ from . import checkpoint, data, models, optim, precision, sparse
 from . import monitor, profile
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from . import parallel
-from .flat import Flat, FlatLayout
+from .flat import Flat, FlatLayout, LooseGrads
 from .host_memory import retain_freed_host_memory
 from .activation_budget import BudgetChoice, measure_activations, remat_within_budget
 from .activation_checkpointing import Remat, RematPolicy, RematProfile, checkpoint_name, remat, remat_policies
@@ -41,7 +41,7 @@ __all__ = [
     "init_distributed", "parallel", "pipeline", "shutdown_distributed", "tensor_slicing", "UnitParams", "zero",
     "MemoryEstimate", "OffloadOptimizerConfig", "OffloadParamConfig", "estimate_memory",
     "CheckpointError", "checkpoint", "data", "load_checkpoint", "save_checkpoint", "sparse",
-    "DonatedStateError", "Flat", "FlatLayout", "LossScaleAtMinimumError", "LossScaleState", "Model",
+    "DonatedStateError", "Flat", "FlatLayout", "LooseGrads", "LossScaleAtMinimumError", "LossScaleState", "Model",
     "Engine", "TrainState", "causal_lm_loss", "functionalize", "initialize", "init_train_state", "make_eval_step", "make_train_step", "models",
     "monitor", "optim", "precision", "profile", "StepTimers",
     "to_module", "tp_plan_from", "tree_flatten_with_paths", "tree_map", "tree_paths",

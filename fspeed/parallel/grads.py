@@ -10,7 +10,8 @@ backward when the identity is applied where the layer is used (`fspeed.parallel.
 
     stage 0   copy/add into the full accumulation buffer; on the last micro-batch, all-reduce
               each bucket (`reduce_bucket_size`, parameter-aligned ranges of the buffer) as soon
-              as every gradient in it has arrived
+              as every gradient in it has arrived; one CPU process (nothing to reduce) whose
+              optimizer takes them keeps backward's own tensors instead (`LooseGrads`: no copy)
     stage 1   the same buffer; its buckets are cut at partition boundaries and reduced onto the
               rank that owns them (DeepSpeed's reduce_scatter=true); the partition is a view
     stage 2   no full buffer: gradients are copied into a bucket as they arrive (DeepSpeed's IPG

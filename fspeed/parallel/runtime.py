@@ -12,7 +12,8 @@ A step, as train_step drives it (`ParallelRuntime`):
 
     begin_step(reduce, micro_batches)      the gradient sink of the stage, chosen once
     per micro-batch: ops(anchor), view(params, ops), grad_and_value, end_micro()
-    finish() -> gradient the optimizer consumes (reduced during backward; offload: on the host)
+    finish() -> gradient the optimizer consumes (reduced during backward; offload: on the host;
+                one CPU process in fp32: backward's own tensors, `LooseGrads`)
     grad_norm, cast_target, write_back (all-gather for stages 1-2), mean_over_data
 
 With ZeRO-Offload (`zero.offload_optimizer`, `zero.offload_param`) masters and optimizer state live
