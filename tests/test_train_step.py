@@ -335,7 +335,8 @@ def test_functionalized_step_leaves_no_reference_cycles(remat):
 
 class _HandsOverOddGradients(torch.nn.Module):
     """Parameters whose gradients backward hands over shared, expanded or not at all: `a` and `b` get
-    one tensor (an add's backward), `s` a stride-0 one (a sum's), `unused` none."""
+    one tensor (an add's backward), `s` a stride-0 one (a sum's), `unused` none, `sometimes` one on
+    the micro-batches whose inputs sum above zero (as a layer that progressive layer dropping skips)."""
 
     def __init__(self, width: int, seed: int):
         super().__init__()
@@ -345,9 +346,11 @@ class _HandsOverOddGradients(torch.nn.Module):
         self.b = torch.nn.Parameter(torch.randn(width))
         self.s = torch.nn.Parameter(torch.randn(3))
         self.unused = torch.nn.Parameter(torch.randn(2))
+        self.sometimes = torch.nn.Parameter(torch.randn(width))
 
     def forward(self, x):
-        return (self.w(x) * (self.a + self.b)).sum(-1) + self.s.sum()
+        out = (self.w(x) * (self.a + self.b)).sum(-1) + self.s.sum()
+        return out + (x * self.sometimes).sum(-1) if x.sum() > 0 else out
 
 
 @given(seed=st.integers(0, 10_000), width=st.integers(2, 6), grad_accum=st.sampled_from([1, 2, 3]),

@@ -311,6 +311,9 @@ class AccumulatedGrads(GradSink):
             local = self.layout.local
             tensors = [t if t is not None else torch.zeros(n, dtype=self.dtype, device=self.device)
                        for t, n in zip(self.kept, local.sizes)]  # unused parameters: zero gradients
+            late = [i for i, n in enumerate(self.norms) if n is None and self.kept[i] is not None]
+            for i, norm in zip(late, torch._foreach_norm([tensors[i] for i in late]) if late else ()):
+                self.norms[i] = norm  # delivered on an earlier micro-batch only (a layer dropped on the last)
             norms = [n if n is not None else torch.zeros((), dtype=self.dtype, device=self.device)
                      for n in self.norms]
             self.kept, self.norms = [None] * len(local.paths), [None] * len(local.paths)
