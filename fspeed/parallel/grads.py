@@ -239,9 +239,7 @@ class AccumulatedGrads(GradSink):
         self.stage1 = layout.stage == 1
         n, local = comm.size, layout.local
         self.loose = loose and not self.stage1 and n == 1
-        self.kept: list[Optional[torch.Tensor]] = [None] * len(local.paths)
-        self.norms: list[Optional[torch.Tensor]] = [None] * len(local.paths)  # of the final gradients
-        self.kept_ptrs: set[int] = set()  # data pointers of the tensors kept
+        self._forget_kept()
         self.part = layout.partition_numel if self.stage1 else local.numel
         self.acc = None if self.loose else \
             torch.zeros(n * self.part if self.stage1 else local.numel, dtype=dtype, device=device)
@@ -259,8 +257,13 @@ class AccumulatedGrads(GradSink):
         super().begin_step(reduce, micro_batches)
         self.buckets.reset()
         if self.loose:  # (a step that failed part-way left its tensors)
-            self.kept, self.norms = [None] * len(self.kept), [None] * len(self.kept)
-            self.kept_ptrs = set()
+            self._forget_kept()
+
+    def _forget_kept(self) -> None:
+        n = len(self.layout.local.paths)
+        self.kept: list[Optional[torch.Tensor]] = [None] * n
+        self.norms: list[Optional[torch.Tensor]] = [None] * n  # of the final gradients
+        self.kept_ptrs: set[int] = set()  # data pointers of the tensors kept
 
     def _deliver(self, unit: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
         self._first_delivery(unit)
@@ -316,8 +319,7 @@ class AccumulatedGrads(GradSink):
                 self.norms[i] = norm  # delivered on an earlier micro-batch only (a layer dropped on the last)
             norms = [n if n is not None else torch.zeros((), dtype=self.dtype, device=self.device)
                      for n in self.norms]
-            self.kept, self.norms = [None] * len(local.paths), [None] * len(local.paths)
-            self.kept_ptrs = set()
+            self._forget_kept()
             return LooseGrads(tensors, local, norms)
         if self.reduce and self.comm.size > 1:
             self.buckets.flush()

@@ -179,12 +179,12 @@ class ParallelRuntime:
             self.sink = ShardGrads(layout, self.data, precision.grad_accum_dtype, params.device, self.device,
                                    on_host=self.offload_params)
         elif train and sink_cls is AccumulatedGrads:
-            # an optimizer that takes backward's own gradient tensors gets them where nothing is reduced,
-            # offloaded or cast (fp32 on one data rank, outside a pipeline's own accumulator), on a CPU:
-            # there a copy of the whole gradient competes with the compute for memory bandwidth (on a GPU
-            # it is one fast launch), unless the tensors are small (their bookkeeping then costs more)
+            # an optimizer that takes backward's own gradient tensors gets them where nothing is offloaded
+            # or cast (fp32; the sink also needs one data rank), outside a pipeline's own accumulator, on a
+            # CPU: there a copy of the whole gradient competes with the compute for memory bandwidth (on a
+            # GPU it is one fast launch), unless the tensors are small (their bookkeeping then costs more)
             local = layout.local
-            loose = loose_grads and self.n == 1 and layout.pipeline is None and not self.offload and \
+            loose = loose_grads and layout.pipeline is None and not self.offload and \
                 params.dtype == precision.grad_accum_dtype and params.device.type == "cpu" and \
                 local.numel >= LOOSE_MIN_MEAN_NUMEL * len(local.paths)
             self.sink = AccumulatedGrads(layout, self.data, precision.grad_accum_dtype, params.device, loose=loose)
