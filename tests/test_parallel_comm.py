@@ -104,6 +104,27 @@ def test_an_all_gather_in_flight_completes_by_range(world2):
         assert out == expected and done
 
 
+def meshes_case():
+    """Build meshes again and again (as a loop of runs or engines does): the descriptors a rank holds
+    stay as they were after the first, and the meshes share their groups."""
+    import os
+
+    def open_files():
+        return len(os.listdir("/proc/self/fd"))
+
+    first = fs.Mesh(data=-1, log=fs.CommLog())
+    before = open_files()
+    for _ in range(20):
+        mesh = fs.Mesh(data=-1)
+        mesh.comm("data").all_reduce_(torch.ones(2))
+    return before, open_files(), mesh.comm("data").group is first.comm("data").group
+
+
+def test_meshes_share_their_process_groups_instead_of_leaking_one_per_mesh(world2):
+    for before, after, shared in world2.run(meshes_case):
+        assert after == before and shared  # a group per mesh held 5 more descriptors each
+
+
 @pytest.mark.parametrize("cuda, local_rank, expected_backend, expected_device",
                          [(False, "0", "gloo", None), (True, "1", "cpu:gloo,cuda:nccl", 1),
                           (True, "3", "cpu:gloo,cuda:nccl", None)])  # rank 3 of 2 GPUs: a CPU run, no device set

@@ -92,13 +92,39 @@ def dying_rank_case():
     fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)(state, global_batch(cfg, 2, 0, 0))
 
 
-def test_a_dead_rank_makes_the_others_fail_with_a_clear_error():
+def rank_case():
+    return fs.Mesh(data=-1).comm("data").all_reduce_(torch.ones(1)).item()
+
+
+def test_a_dead_rank_makes_the_others_fail_with_a_clear_error_and_the_world_starts_afresh():
     with GlooWorld(2, timeout_s=60) as world:
         with pytest.raises(WorkerError) as err:
             world.run(dying_rank_case)
+        assert world.run(rank_case) == [2.0, 2.0]  # the next call gets a new group, not the dead one
     text = str(err.value)
     assert "rank 1 died (exit code 3)" in text
     assert "CommError" in text and "over mesh axis 'data'" in text and "peer rank" in text
+
+
+def sleeping_rank_case():
+    import time
+
+    if fs.Mesh(data=-1).rank == 1:
+        time.sleep(30)
+    return "done"
+
+
+def test_a_rank_past_the_timeout_fails_the_call_with_its_stack_and_the_world_starts_afresh():
+    with GlooWorld(2, timeout_s=60) as world:
+        world.run(rank_case)  # started, so that the short timeout below times the function alone
+        world.timeout_s = 3
+        with pytest.raises(WorkerError) as err:
+            world.run(sleeping_rank_case)
+        world.timeout_s = 60
+        assert world.run(rank_case) == [2.0, 2.0]
+    text = str(err.value)
+    assert "no answer within 3s from ranks [1]" in text
+    assert "sleeping_rank_case" in text.split("--- rank 1:")[1]  # where rank 1 was stuck
 
 
 def straggler_case():

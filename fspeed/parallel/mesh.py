@@ -125,7 +125,7 @@ class Mesh:
                     coord = list(fixed)
                     coord[i] = k
                     ranks.append(_ravel(coord, shape))
-                group = dist.new_group(ranks, timeout=self.timeout)
+                group = process_group(ranks, self.timeout)
                 if self.rank in ranks:
                     mine, my_group = ranks, group
         return AxisComm(axis, my_group, mine or [self.rank], self.log, self.rank)
@@ -183,6 +183,25 @@ class Mesh:
 
     def get_pipeline_model_parallel_group(self) -> Optional[dist.ProcessGroup]:
         return self.comms["pipe"].group
+
+
+# Process-group state beside torch's own registry: the sub-groups made so far, by their default group.
+_SUB_GROUPS: dict[tuple[Any, tuple[int, ...], Optional[datetime.timedelta]], dist.ProcessGroup] = {}
+
+
+def process_group(ranks: list[int], timeout: Optional[datetime.timedelta]) -> dist.ProcessGroup:
+    """The process group of `ranks` (global ranks) with `timeout`, made once per default group and
+    shared by every Mesh and pipeline that asks for it: a group per Mesh would hold its sockets and
+    threads for the life of the process (5 descriptors a group on gloo), and a loop that builds
+    meshes would run out of file descriptors. Like `dist.new_group`, every rank asks for every
+    group, in the same order."""
+    world = dist.distributed_c10d._get_default_group()
+    key = (world, tuple(ranks), timeout)
+    if key not in _SUB_GROUPS:
+        for stale in [k for k in _SUB_GROUPS if k[0] is not world]:  # groups of a destroyed world
+            del _SUB_GROUPS[stale]
+        _SUB_GROUPS[key] = dist.new_group(list(ranks), timeout=timeout)
+    return _SUB_GROUPS[key]
 
 
 def _world_timeout() -> Optional[datetime.timedelta]:

@@ -28,7 +28,6 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -38,7 +37,7 @@ from ..models.ops import DenseOps, flat_linear
 from ..pytree import PyTree, tree_flatten_with_paths, tree_unflatten
 from .comm import AxisComm, Pending
 from .layout import Layout
-from .mesh import AXES
+from .mesh import AXES, process_group
 from .schedules import Action, Schedule, build_schedule
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool,
@@ -466,7 +465,7 @@ def _tie_groups(layout: Layout, mesh) -> list[tuple[list[str], AxisComm]]:
         for data in range(mesh.sizes["data"]):
             for model in range(mesh.sizes["model"]):
                 ranks = [(s * sizes[1] + data) * sizes[2] + model for s in stages]
-                group = dist.new_group(ranks, timeout=mesh.timeout)
+                group = process_group(ranks, mesh.timeout)
                 if mesh.rank in ranks:
                     out.append((paths, AxisComm("pipe", group, ranks, mesh.log, mesh.rank)))
     return out

@@ -7,19 +7,26 @@ Spawning and initializing a world costs seconds, so a `GlooWorld` starts its pro
 runs many functions on them. Functions must be importable by module path (defined at the top
 level of a module) and their arguments and results picklable. A function that raises on any rank
 raises `WorkerError` here with that rank's traceback; a rank that dies or hangs past `timeout_s`
-fails the call instead of hanging the test run. `collective_timeout_s` (default `timeout_s`) is
-the process group's timeout: a collective waiting longer raises `fspeed.CommError` on its rank.
+fails the call instead of hanging the test run: the error holds the Python stack of each rank that
+did not answer. The next call on a world that lost a rank starts a fresh one, so one failure
+fails one test, not every later test that shares the world. `collective_timeout_s` (default
+`timeout_s`) is the process group's timeout: a collective waiting longer raises
+`fspeed.CommError` on its rank.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
+import signal
 import socket
+import tempfile
+import time
 import traceback
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Optional
 
 
@@ -33,7 +40,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, tasks, results, threads: int, timeout_s: float) -> None:
+def _worker(rank: int, world: int, port: int, tasks, results, threads: int, timeout_s: float,
+            stack_file: str) -> None:
+    dump = open(stack_file, "w")  # noqa: SIM115 - open for the process's life: faulthandler writes here
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(threads))
     import torch
@@ -46,9 +56,9 @@ def _worker(rank: int, world: int, port: int, tasks, results, threads: int, time
         task = tasks.get()
         if task is None:
             break
-        fn, args, kwargs = task
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            fn, args, kwargs = pickle.loads(task)
+            results.put((rank, True, pickle.dumps(fn(*args, **kwargs))))
         except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
             results.put((rank, False, traceback.format_exc()))
     import torch.distributed as dist
@@ -63,29 +73,45 @@ class GlooWorld:
                  collective_timeout_s: Optional[float] = None):
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
-        ctx = mp.get_context("spawn")
         self.world_size, self.timeout_s = world_size, timeout_s
+        self.threads_per_rank, self.collective_timeout_s = threads_per_rank, collective_timeout_s or timeout_s
+        self.stack_dir = tempfile.mkdtemp(prefix="fspeed-world-")
+        self.procs: list = []
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
-        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.tasks = [ctx.Queue() for _ in range(self.world_size)]
         port = _free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results,
-                                                        threads_per_rank, collective_timeout_s or timeout_s),
-                                  daemon=True)
-                      for r in range(world_size)]
+        for r in range(self.world_size):  # a rank's file appears once it runs: no file, not started
+            if os.path.exists(self._stack_file(r)):
+                os.remove(self._stack_file(r))
+        self.procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self.tasks[r], self.results,
+                                                        self.threads_per_rank, self.collective_timeout_s,
+                                                        self._stack_file(r)), daemon=True)
+                      for r in range(self.world_size)]
         for p in self.procs:
             p.start()
 
+    def _stack_file(self, rank: int) -> str:
+        return os.path.join(self.stack_dir, f"rank{rank}.txt")
+
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """Run `fn(*args, **kwargs)` on every rank; the results in rank order. `fn` and its
-        arguments travel pickled: a lambda or a local function is a TypeError here, not a silent
-        timeout (the queue's feeder thread would only print its pickling error)."""
+        """Run `fn(*args, **kwargs)` on every rank; the results in rank order. `fn`, its arguments
+        and its results travel as plain pickles, tensors by value: no shared memory or passed file
+        descriptors, whose limits differ from machine to machine. A lambda or a local function is a
+        TypeError here, and an unpicklable result an error from its rank, not a silent timeout."""
         try:
-            ForkingPickler.dumps((fn, args, kwargs))
+            task = pickle.dumps((fn, args, kwargs))
         except (pickle.PicklingError, TypeError, AttributeError) as err:
             raise TypeError(f"GlooWorld.run: {getattr(fn, '__name__', fn)!r} or its arguments cannot be sent to the "
                             f"ranks ({err}); use module-level functions and picklable values") from None
+        if not self.alive():  # an earlier call lost a rank: its group is gone, so start a new world
+            self._stop()
+            self._start()
         for q in self.tasks:
-            q.put((fn, args, kwargs))
+            q.put(task)
         out: dict[int, Any] = {}
         failures: list[tuple[int, str]] = []
         waited, deadline = 0.0, self.timeout_s
@@ -100,11 +126,13 @@ class GlooWorld:
                         failures.append((r, f"rank {r} died (exit code {p.exitcode})"))
                 if waited >= deadline and len(out) + len(failures) < self.world_size:
                     silent = sorted(set(range(self.world_size)) - set(out) - {r for r, _ in failures})
-                    self.close()
-                    raise WorkerError(f"{fn.__name__}: no answer within {self.timeout_s:.0f}s from ranks {silent}")
+                    stacks = self._stacks(silent)
+                    self._stop()
+                    raise WorkerError(f"{fn.__name__}: no answer within {self.timeout_s:.0f}s from ranks {silent}; "
+                                      f"where they were:\n{stacks}")
                 continue
             if ok:
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 failures.append((rank, value))
         if failures:
@@ -113,10 +141,33 @@ class GlooWorld:
             raise WorkerError(f"{fn.__name__} failed on {len(failures)} rank(s):\n{details}")
         return [out[r] for r in range(self.world_size)]
 
+    def _stacks(self, ranks: list[int]) -> str:
+        """The Python stacks of `ranks`, dumped by each rank's faulthandler on SIGUSR1."""
+        started = [r for r in ranks if os.path.exists(self._stack_file(r)) and self.procs[r].is_alive()]
+        before = {r: os.path.getsize(self._stack_file(r)) for r in started}
+        for r in started:
+            os.kill(self.procs[r].pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        parts = []
+        for r in ranks:
+            stack = "(no stack: the rank had not started)"
+            if r in started:
+                with open(self._stack_file(r)) as f:
+                    f.seek(before[r])
+                    stack = f.read().strip() or "(no stack: the rank did not answer the signal)"
+            parts.append(f"--- rank {r}:\n{stack}")
+        return "\n".join(parts)
+
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
     def close(self) -> None:
+        """Stop the ranks and remove their stack files."""
+        self._stop()
+        shutil.rmtree(self.stack_dir, ignore_errors=True)
+
+    def _stop(self) -> None:
+        """Stop the ranks (killing any that do not stop) and let go of their queues."""
         for q, p in zip(self.tasks, self.procs):
             if p.is_alive():
                 q.put(None)
@@ -124,6 +175,10 @@ class GlooWorld:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
+        for q in [*self.tasks, self.results]:
+            q.cancel_join_thread()  # a dead rank never reads its queue: exiting must not wait to flush it
+            q.close()
 
     def __enter__(self) -> "GlooWorld":
         return self
