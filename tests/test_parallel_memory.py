@@ -88,7 +88,10 @@ def measured_memory_case(stage, precision, offload, offload_param):
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     params_b = nbytes(state.params.buffer)
     grads_device, grads_host = step.persistent_grad_bytes("device"), step.persistent_grad_bytes("host")
-    master_b = nbytes(state.master.buffer) if state.master is not None else 0
+    shares = lambda a, b: a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # noqa: E731
+    # fp32 ZeRO-1/2 update the params' own slice in place: those masters hold no bytes of their own
+    master_b = nbytes(state.master.buffer) if state.master is not None and \
+        not shares(state.master.buffer, state.params.buffer) else 0
     opt_b = nbytes(state.opt_state.mu.buffer) + nbytes(state.opt_state.nu.buffer)
     on_device = {"params": 0 if offload_param else params_b, "grads": grads_device,
                  "master": 0 if offload else master_b, "optimizer": 0 if offload else opt_b}

@@ -170,7 +170,7 @@ def layout_memory(layout: Layout, policy: Precision, optimizer_state_bytes: int 
         device["params"] = padded * pb
         grads = {0: psi, 1: padded, 2: part + buckets(psi)}[stage]
         device["grads"] = grads * gb
-        separate_master = policy.has_master or stage in (1, 2)
+        separate_master = policy.has_master or (stage in (1, 2) and offload)
     state_at = cpu if offload else device
     state_at["master"] = updated * 4 if separate_master else 0
     state_at["optimizer"] = updated * optimizer_state_bytes

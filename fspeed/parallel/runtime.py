@@ -139,7 +139,10 @@ def build_param_state(leaves: list[torch.Tensor], layout: Layout, precision: Pre
         return compute, (full if precision.has_master else None), full
     p = layout.partition_numel
     piece = full.buffer[rank * p:(rank + 1) * p]
-    part = Flat(to_host(piece, offload.pin_memory) if offload.enabled else piece.clone(), layout.partition)
+    if offload.enabled:
+        part = Flat(to_host(piece, offload.pin_memory), layout.partition)
+    else:  # in fp32 the partition the optimizer updates is the params' own slice: no copy to write back
+        part = Flat(piece.clone() if precision.has_master else piece, layout.partition)
     return compute, part, part
 
 
