@@ -195,7 +195,7 @@ def process_group(ranks: list[int], timeout: Optional[datetime.timedelta]) -> di
     threads for the life of the process (5 descriptors a group on gloo), and a loop that builds
     meshes would run out of file descriptors. Like `dist.new_group`, every rank asks for every
     group, in the same order."""
-    world = dist.distributed_c10d._get_default_group()
+    world = dist.group.WORLD
     key = (world, tuple(ranks), timeout)
     if key not in _SUB_GROUPS:
         for stale in [k for k in _SUB_GROUPS if k[0] is not world]:  # groups of a destroyed world
