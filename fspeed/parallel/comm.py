@@ -20,6 +20,7 @@ backward this way.
 
 from __future__ import annotations
 
+import atexit
 import statistics
 import time
 from collections import defaultdict
@@ -388,10 +389,19 @@ class GatherInFlight:
     def __init__(self, out: torch.Tensor, size: int, part_numel: int, chunks: list):
         self.out, self.size, self.part = out, size, part_numel
         self.chunks = chunks  # (lo, hi, staging buffer or None, Pending), None once done
+        if chunks:
+            for landed in [g for g in _UNWAITED if g.landed]:  # what a dropped state left: finish it
+                landed.wait()
+            _UNWAITED.add(self)
 
     @property
     def done(self) -> bool:
         return all(c is None for c in self.chunks)
+
+    @property
+    def landed(self) -> bool:
+        """Every bucket has arrived (waiting would not block)."""
+        return all(c is None or c[3].landed for c in self.chunks)
 
     def wait_range(self, start: int, stop: int) -> None:
         for k, chunk in enumerate(self.chunks):
@@ -412,6 +422,25 @@ class GatherInFlight:
         if buf is not None:  # .data: a plain memory write, no version bump of views taken meanwhile
             self.out.data.view(self.size, -1)[:, lo:hi].copy_(buf.view(self.size, -1))
         self.chunks[k] = None
+        if self.done:
+            _UNWAITED.discard(self)
+
+
+# Process-group state: the gathers not waited for yet, held here even when their state is dropped.
+# A run may end without reading its last ZeRO-1/2 parameter gather, and gloo kills a process that
+# exits with a collective never waited (std::terminate, exit code -6, after all its work was done),
+# so what is left is waited at exit, even after the process group was destroyed (measured: the wait
+# still succeeds then, and the exit is clean).
+_UNWAITED: set[GatherInFlight] = set()
+
+
+@atexit.register
+def _wait_unwaited_gathers() -> None:
+    for gather in list(_UNWAITED):
+        try:
+            gather.wait()
+        except RuntimeError:  # a peer already gone (CommError): nothing is left to save
+            pass
 
 
 class Pending:
@@ -447,6 +476,11 @@ class Pending:
                              issued=self.issued, blocked=now - start)
         self.finished, self.keep = True, None
         return self.work if isinstance(self.work, torch.Tensor) else None
+
+    @property
+    def landed(self) -> bool:
+        """Done, or done in the backend and only not waited for yet (so `wait()` would not block)."""
+        return self.finished or not hasattr(self.work, "is_completed") or self.work.is_completed()
 
 
 def _nbytes(t: torch.Tensor) -> int:
