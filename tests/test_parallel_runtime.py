@@ -170,22 +170,21 @@ def test_a_run_that_ends_with_its_parameter_gather_unread_exits_cleanly(stage):
     for; fspeed waits what is left at exit, so both ranks exit with 0. Real processes: GlooWorld's
     ranks leave through os._exit, which skips the exit this is about."""
     import os
-    import socket
     import subprocess
     import sys
     from pathlib import Path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from fspeed.testing.world import _free_port
+
+    port = _free_port()
     code = f"from tests.test_parallel_runtime import unread_gather_case as c; fs.init_distributed(); c({stage})"
     procs = [subprocess.Popen([sys.executable, "-c", "import fspeed as fs; " + code],
                               cwd=Path(__file__).resolve().parent.parent, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
              for r in range(2)]
-    outcomes = [(p.wait(timeout=120), p.stderr.read()[-2000:]) for p in procs]
-    assert [rc for rc, _ in outcomes] == [0, 0], outcomes
+    errors = [p.communicate(timeout=120)[1][-2000:] for p in procs]  # read as they run: a full pipe blocks
+    assert [p.returncode for p in procs] == [0, 0], errors
 
 
 def params_in_flight_case(stage):

@@ -435,7 +435,7 @@ _UNWAITED: set[GatherInFlight] = set()
 
 
 @atexit.register
-def _wait_unwaited_gathers() -> None:
+def _settle_communication_at_exit() -> None:
     """Wait what is left, then tear the process group down while the interpreter still runs (its
     gloo threads joined in order, not destroyed running as the process ends)."""
     for gather in list(_UNWAITED):
