@@ -195,6 +195,42 @@ def _adam_kernel(p, g, m, v, out, grad_is_bf16, out_is_bf16,
             _store_half(oc, i, param, out_is_bf16)
 
 
+@intrinsic
+def _f32_at(typingctx, address):
+    """The float32 pointer at an integer address (a torch tensor's data_ptr)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
+
+    return types.CPointer(types.float32)(address), codegen
+
+
+@numba.njit(parallel=True, fastmath=_FASTMATH, error_model="numpy", cache=True)
+def _adam_runs_kernel(table, first_chunk, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
+                      l2_decay, decoupled_keep, step_size, inv_sqrt_bc2):
+    """`_adam_kernel` over many runs in one parallel pass: `table[r]` holds run r's addresses of p,
+    g, m, v (fp32) and its length; `first_chunk[r]` its first chunk in the pass (a prefix sum)."""
+    for c in numba.prange(first_chunk[-1]):
+        r = np.searchsorted(first_chunk, c, side="right") - 1
+        start = (c - first_chunk[r]) * CHUNK
+        size = min(CHUNK, table[r, 4] - start)
+        offset = start * 4
+        pc = numba.carray(_f32_at(table[r, 0] + offset), size)
+        gc = numba.carray(_f32_at(table[r, 1] + offset), size)
+        mc = numba.carray(_f32_at(table[r, 2] + offset), size)
+        vc = numba.carray(_f32_at(table[r, 3] + offset), size)
+        for i in range(size):
+            param = pc[i]
+            grad = gc[i] + l2_decay * param
+            mi = beta1 * mc[i] + one_minus_beta1 * grad
+            vi = beta2 * vc[i] + one_minus_beta2 * grad * grad
+            mc[i] = mi
+            vc[i] = vi
+            pc[i] = param * decoupled_keep - step_size * mi / (math.sqrt(vi) * inv_sqrt_bc2 + eps)
+
+
 # --------------------------------------------------------------------------- torch entry point
 
 
@@ -240,6 +276,51 @@ def adam_step(
     # Starting Numba's OpenMP pool resets the process-wide OpenMP thread count, which torch's
     # intra-op pool shares: with several ranks per host that oversubscribed the cores (3.2x slower).
     torch.set_num_threads(torch_threads)
+
+
+def adam_step_runs(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[torch.Tensor],
+                   exp_avg_sq: list[torch.Tensor], *, lr: float, beta1: float, beta2: float, eps: float,
+                   weight_decay: float, step: int, adam_w_mode: bool, bias_correction: bool = True,
+                   checked: bool = False) -> None:
+    """`adam_step` with the same settings over several fp32 buffers (the runs of a parameter group)
+    in one parallel pass: one dispatch instead of one per run (each about 20 us, which a group of
+    many small runs such as biases and norms pays over and over). `checked`: the caller has
+    checked every run with `supports_runs`."""
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"adam_step_runs: step={step!r} must be a positive integer (1 for the first update)")
+    if not (len(params) == len(grads) == len(exp_avg) == len(exp_avg_sq)):
+        raise ValueError(f"adam_step_runs: {len(params)} params, {len(grads)} grads, {len(exp_avg)} exp_avg and "
+                         f"{len(exp_avg_sq)} exp_avg_sq; one of each per run")
+    table = np.empty((len(params), 5), dtype=np.int64)
+    for r, run in enumerate(zip(params, grads, exp_avg, exp_avg_sq)):
+        if not checked and not supports_runs(*run):
+            raise ValueError(f"adam_step_runs: run {r} must be four contiguous fp32 CPU tensors of one size, got "
+                             + ", ".join(f"{t.dtype} {list(t.shape)} on {t.device}" for t in run))
+        p, g, m, v = run
+        table[r] = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel())
+    first_chunk = np.zeros(len(params) + 1, dtype=np.int64)
+    np.cumsum((table[:, 4] + CHUNK - 1) // CHUNK, out=first_chunk[1:])
+    bc1 = 1.0 - beta1**step if bias_correction else 1.0
+    bc2 = 1.0 - beta2**step if bias_correction else 1.0
+    f32 = np.float32
+    torch_threads = torch.get_num_threads()
+    numba.set_num_threads(max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS)))
+    _adam_runs_kernel(
+        table, first_chunk, f32(beta1), f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2), f32(eps),
+        f32(0.0 if adam_w_mode else weight_decay), f32(1.0 - lr * weight_decay if adam_w_mode else 1.0),
+        f32(lr / bc1), f32(1.0 / math.sqrt(bc2)),
+    )
+    torch.set_num_threads(torch_threads)  # (see adam_step)
+
+
+def supports_runs(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> bool:
+    """Whether `adam_step_runs` takes this run: fp32 throughout (16-bit gradients and the cast copy
+    take `adam_step`), contiguous, on the CPU, one size."""
+    n, f32 = params.numel(), torch.float32
+    return (params.dtype == f32 and grads.dtype == f32 and exp_avg.dtype == f32 and exp_avg_sq.dtype == f32
+            and params.is_cpu and grads.is_cpu and exp_avg.is_cpu and exp_avg_sq.is_cpu
+            and params.is_contiguous() and grads.is_contiguous() and exp_avg.is_contiguous()
+            and exp_avg_sq.is_contiguous() and grads.numel() == n and exp_avg.numel() == n and exp_avg_sq.numel() == n)
 
 
 def is_available() -> bool:

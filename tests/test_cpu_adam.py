@@ -134,6 +134,46 @@ def test_kernel_matches_torch_optim(n, hp, steps, seed):
     torch.testing.assert_close(v, opt.state[ref]["exp_avg_sq"], rtol=RTOL, atol=ATOL)
 
 
+@given(st.lists(size_st, min_size=1, max_size=5), hparams_st(), st.integers(1, 3), st.integers(0, 2**31 - 1))
+def test_one_pass_over_runs_gives_the_bits_of_one_call_per_run(sizes, hp, steps, seed):
+    """`adam_step_runs` (a parameter group's runs in one dispatch) against `adam_step` on each run,
+    the runs being views at odd offsets of shared buffers, as a group's runs of a flat buffer are."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(sizes) + len(sizes)
+    bases = [torch.randn(total, generator=gen) for _ in range(4)]
+    bases[3].abs_()
+    grads = [torch.randn(total, generator=gen) for _ in range(steps)]
+    cuts = [(sum(sizes[:i]) + i + 1, size) for i, size in enumerate(sizes)]  # a gap before each run
+
+    def views(buffers):
+        return [[b[a:a + n] for a, n in cuts] for b in buffers]
+    one, each = [b.clone() for b in bases], [b.clone() for b in bases]
+    for t, g in enumerate(grads, start=1):
+        p, _, m, v = views(one[:1] + [g] + one[2:])
+        cpu_adam.adam_step_runs(p, views([g])[0], m, v, step=t, **hp)
+        for run in zip(*views(each[:1] + [g] + each[2:])):
+            cpu_adam.adam_step(*run, step=t, **hp)
+    for a, b in zip(one, each):
+        assert torch.equal(a, b)  # gaps untouched too
+
+
+@pytest.mark.parametrize("runs, error, match", [
+    (([torch.zeros(4)], [], [torch.zeros(4)], [torch.zeros(4)]), ValueError, r"1 params, 0 grads"),
+    (([torch.zeros(4)], [torch.zeros(4, dtype=torch.float64)], [torch.zeros(4)], [torch.zeros(4)]), ValueError,
+     r"run 0 must be four contiguous fp32 CPU tensors of one size, got torch.float32 \[4\] on cpu, torch.float64"),
+    (([torch.zeros(4)] * 2, [torch.zeros(4), torch.zeros(8)[::2]], [torch.zeros(4)] * 2, [torch.zeros(4)] * 2),
+     ValueError, r"run 1 must be"),
+    (([torch.zeros(4)], [torch.zeros(5)], [torch.zeros(4)], [torch.zeros(4)]), ValueError, r"run 0 must be"),
+])
+def test_bad_runs_raise_clear_errors(runs, error, match):
+    with pytest.raises(error, match=match):
+        cpu_adam.adam_step_runs(*runs, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1,
+                                adam_w_mode=True)
+    with pytest.raises(ValueError, match=r"step=0 must be a positive integer"):
+        cpu_adam.adam_step_runs([], [], [], [], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=0,
+                                adam_w_mode=True)
+
+
 @given(size_st, hparams_st(), st.integers(1, 4), st.integers(0, 2**31 - 1), st.sampled_from(HALF))
 def test_half_gradients_give_the_bits_of_their_fp32_copies(n, hp, steps, seed, grad_dtype):
     params, grads = random_problem(n, steps, seed, grad_dtype)

@@ -147,15 +147,21 @@ def adam(
         kernel = None if isinstance(grads, LooseGrads) and backend == "auto" and _has_fused(p) else \
             numba_kernel(name, backend, _KERNELS, p)
         rest = []  # (p, g, m, v, cast) groups for the torch path
+        runs = []  # fp32 groups the kernel takes in one pass (a parameter group's runs)
+        hp = dict(lr=lr_t, beta1=b1_t, beta2=b2, eps=eps, weight_decay=weight_decay, step=state.count + 1,
+                  adam_w_mode=adam_w_mode, bias_correction=bias_correction)
+        many = len(p) > 1 and hasattr(kernel, "adam_step_runs")
         for group in zip(p, g, m, v, c):
-            if kernel is not None and (backend == "numba" or kernel.supports(*group)):
-                kernel.adam_step(
-                    *group[:4], lr=lr_t, beta1=b1_t, beta2=b2, eps=eps, weight_decay=weight_decay,
-                    step=state.count + 1, adam_w_mode=adam_w_mode, bias_correction=bias_correction,
-                    cast_out=group[4],
-                )
+            if many and group[4] is None and kernel.supports_runs(*group[:4]):
+                runs.append(group[:4])
+            elif kernel is not None and (backend == "numba" or kernel.supports(*group)):
+                kernel.adam_step(*group[:4], **hp, cast_out=group[4])
             else:
                 rest.append(group)
+        if len(runs) == 1:
+            kernel.adam_step(*runs[0], **hp)
+        elif runs:
+            kernel.adam_step_runs(*map(list, zip(*runs)), **hp, checked=True)
         if rest:
             _torch_adam(*map(list, zip(*rest)), state.count + 1, lr_t, b1_t, b2, eps, weight_decay,
                         adam_w_mode, bias_correction, bc1, bc2)
