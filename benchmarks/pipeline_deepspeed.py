@@ -29,7 +29,6 @@ import functools
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from torch import nn
 
 from fspeed.parallel.pipeline import _params_used
 from fspeed.pytree import tree_flatten_with_paths, tree_unflatten
+from fspeed.testing import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WORLD = 2
@@ -105,9 +105,7 @@ def measure_deepspeed_pipeline(*, n_layer: int, d_model: int, n_head: int, seq_l
     python = python or _default_python()
     if not _has_deepspeed(python):
         raise DeepSpeedUnavailable(f"deepspeed is not importable in {python}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="pipeline_deepspeed_") as tmp:
         result = Path(tmp) / "result.json"
         cmd = [python, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",

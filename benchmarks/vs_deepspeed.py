@@ -49,7 +49,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,6 +56,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from fspeed.testing import free_port
 from step_breakdown import Sections, wrap_fspeed_boundary, wrap_fspeed_zero3
 
 INSTALL = "DS_BUILD_OPS=0 pip install deepspeed==0.19.8   (or: pip install -e .[bench])"
@@ -95,16 +95,10 @@ def ds_config(stage: int, micro_batch: int, grad_accum: int) -> dict:
 # ----------------------------------------------------------------------------------- launcher
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_stage(stage: int, config_path: Path, result_path: Path, args: argparse.Namespace) -> dict:
     """Run one stage on `WORLD` gloo ranks with torchrun; returns rank 0's result."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__, "--worker",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", __file__, "--worker",
            "--stage", str(stage), "--ds_config", str(config_path), "--result", str(result_path),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--compare_at", str(args.compare_at),
            "--threads", str(args.threads), *(["--breakdown"] if args.breakdown else [])]

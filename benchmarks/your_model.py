@@ -38,7 +38,6 @@ import copy
 import itertools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -298,11 +297,11 @@ def worker(args) -> None:
 
 
 def launch(args) -> dict:
+    from fspeed.testing import free_port
+
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                f"--master_port={port}", __file__, "--worker", "--result", str(result), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--layers", str(args.layers), "--width", str(args.width),

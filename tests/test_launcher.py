@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from fspeed.launcher import (
 from fspeed.launcher.environment import REPORT_ENV
 from fspeed.launcher.run import _child_pids
 from fspeed.launcher import tether
+from fspeed.testing import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).resolve().parent / "_launch_worker.py")
@@ -426,12 +426,6 @@ def test_child_pids_sees_children():
 # real runs: torchrun agents, gloo workers
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(args: list[str], capfd, monkeypatch) -> tuple[int, str]:
     """Run the `fspeed` CLI in this process (torch is already imported here); agents and workers are real."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -470,7 +464,7 @@ def test_two_nodes_on_loopback_real_run(tmp_path, capfd, monkeypatch):
     hosts = tmp_path / "hosts"
     hosts.write_text("# two names for this machine: two nodes, two torchrun agents\nlocalhost slots=2\n"
                      "127.0.0.1 slots=2\n")
-    code, stderr = _launch(["--hostfile", str(hosts), "--master_port", str(_free_port()), "--append_local_rank",
+    code, stderr = _launch(["--hostfile", str(hosts), "--master_port", str(free_port()), "--append_local_rank",
                             WORKER, str(out)], capfd, monkeypatch)
     assert code == 0, stderr
     records = _records(out)

@@ -174,9 +174,9 @@ def test_a_run_that_ends_with_its_parameter_gather_unread_exits_cleanly(stage):
     import sys
     from pathlib import Path
 
-    from fspeed.testing.world import _free_port
+    from fspeed.testing import free_port
 
-    port = _free_port()
+    port = free_port()
     code = f"from tests.test_parallel_runtime import unread_gather_case as c; fs.init_distributed(); c({stage})"
     procs = [subprocess.Popen([sys.executable, "-c", "import fspeed as fs; " + code],
                               cwd=Path(__file__).resolve().parent.parent, stderr=subprocess.PIPE, text=True,

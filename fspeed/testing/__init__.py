@@ -9,7 +9,7 @@ hypothesis strategies over plans, meshes, precisions and accumulation.
 """
 
 from .equivalence import Trained, assert_trains_like_one_process, train_on_world
-from .world import GlooWorld, WorkerError
+from .world import GlooWorld, WorkerError, free_port
 
 STRATEGIES = ("accumulations", "meshes", "plans", "precisions")
 
@@ -22,5 +22,5 @@ def __getattr__(name: str):
         return getattr(strategies, name)
     raise AttributeError(f"module 'fspeed.testing' has no attribute {name!r}")
 
-__all__ = ["GlooWorld", "Trained", "WorkerError", "accumulations", "assert_trains_like_one_process", "meshes",
+__all__ = ["GlooWorld", "Trained", "WorkerError", "accumulations", "assert_trains_like_one_process", "free_port", "meshes",
            "plans", "precisions", "train_on_world"]

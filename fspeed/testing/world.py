@@ -34,7 +34,8 @@ class WorkerError(RuntimeError):
     """A function raised on a worker rank (the message holds the rank's traceback)."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a rendezvous (torchrun's --master_port, MASTER_PORT)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -83,7 +84,7 @@ class GlooWorld:
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(self.world_size)]
-        port = _free_port()
+        port = free_port()
         for r in range(self.world_size):  # a rank's file appears once it runs: no file, not started
             if os.path.exists(self._stack_file(r)):
                 os.remove(self._stack_file(r))
