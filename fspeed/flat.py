@@ -229,5 +229,11 @@ def segments(tree: PyTree) -> list[torch.Tensor]:
     return out
 
 
+def is_loose(grads: Any) -> bool:
+    """A `LooseGrads`, or a list of them (a parameter group's runs of one)."""
+    return isinstance(grads, LooseGrads) or (isinstance(grads, (list, tuple)) and bool(grads)
+                                             and all(isinstance(x, LooseGrads) for x in grads))
+
+
 def is_flat(x: Any) -> bool:
     return isinstance(x, Flat)

@@ -45,7 +45,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from ..flat import Flat, FlatLayout
+from ..flat import Flat, FlatLayout, LooseGrads
 from ..pytree import PyTree, tree_flatten, tree_flatten_with_paths, tree_leaves, tree_unflatten
 from .base import Capabilities, GradientTransformation, TransformInfo, optimizer_step, resolve
 
@@ -217,7 +217,8 @@ def param_groups(optimizer: GradientTransformation, groups: Sequence[Mapping[str
 
     caps = [t.capabilities for t in transforms]
     capabilities = Capabilities(elementwise=all(c.elementwise for c in caps),
-                                whole_tensors=any(c.whole_tensors for c in caps), cpu=all(c.cpu for c in caps))
+                                whole_tensors=any(c.whole_tensors for c in caps), cpu=all(c.cpu for c in caps),
+                                loose_grads=all(c.loose_grads for c in caps))
     info = TransformInfo("param_groups", dict(optimizer=optimizer, groups=tuple(dict(g) for g in groups),
                                               complete=complete),
                          factory=lambda optimizer, groups, complete: param_groups(optimizer, groups, complete=complete))
@@ -386,7 +387,12 @@ def _flats(tree: PyTree) -> Optional[list[Flat]]:
 
 
 def _parts(tree: PyTree, like: Optional[list] = None) -> list:
-    """The Flats of `tree` (checked against `like`'s layouts), or [its list of leaves]."""
+    """The Flats of `tree` (checked against `like`'s layouts), [a LooseGrads] (of `like`'s one
+    Flat's layout), or [its list of leaves]."""
+    if isinstance(tree, LooseGrads):
+        if like is None or len(like) != 1 or not isinstance(like[0], Flat) or like[0].layout != tree.layout:
+            raise ValueError("param_groups: loose gradients must have the layout of the one Flat of params")
+        return [tree]
     flats = _flats(tree)
     if flats is None:
         return [tree_flatten_with_paths(tree)[1]]
@@ -396,7 +402,9 @@ def _parts(tree: PyTree, like: Optional[list] = None) -> list:
 
 
 def _gather(parts: list, runs: Sequence[_Run]) -> list:
-    """The views of `runs`: one Flat per run in Flats, the runs' leaves of a plain tree."""
+    """The views of `runs`: one Flat (or LooseGrads) per run in Flats, the runs' leaves of a plain tree."""
+    if isinstance(parts[0], LooseGrads):
+        return [LooseGrads(parts[0].tensors[r.first:r.stop], r.layout) for r in runs]
     if isinstance(parts[0], Flat):
         return [Flat(parts[r.part].buffer[r.start:r.end], r.layout) for r in runs]
     return [leaf for r in runs for leaf in parts[0][r.first:r.stop]]
