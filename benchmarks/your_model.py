@@ -14,7 +14,8 @@ hits every engine alike:
 and, on one process first, fspeed without a plan against an eager loop with fused AdamW, with where
 fspeed's step time goes: `grad_and_value` of the loss (forward + backward through
 functional_call), the gradient delivery, the optimizer step; and fspeed with `fs.causal_lm_loss`
-(the output head fused with the loss; the eager loop keeps Hugging Face's own loss).
+(the output head fused with the loss; the eager loop keeps Hugging Face's own loss); and both with
+biases and norms exempt from weight decay (`adamw(mask=no_decay())` against two torch param groups).
 
     python benchmarks/your_model.py [--steps 12] [--warmup 2] [--layers 6] [--width 384] [--threads 1] [--system-malloc]
 
@@ -25,7 +26,8 @@ Then, on one process, the module's own loss against `fs.causal_lm_loss` (its out
 loss) at this vocabulary and at GPT-2's 50257: bytes kept for backward and step time.
 
 Last lines: hf_zero3_step_time_vs_fsdp2, hf_zero1_step_time_vs_ddp, hf_step_time_vs_deepspeed,
-hf_step_time_vs_eager, hf_dispatch_bound_step_time_vs_eager (a 12-layer GPT-2 of width 64 on one
+hf_step_time_vs_eager, hf_step_time_vs_eager_with_no_decay_groups (biases and norms exempt from
+weight decay on both sides), hf_dispatch_bound_step_time_vs_eager (a 12-layer GPT-2 of width 64 on one
 row of 128 tokens, where per-op Python dispatch is the step, as on a launch-bound GPU) (each
 fspeed's median step time over the other's; lower is better), then per vocabulary
 hf_fused_head_kept_bytes_over_own_loss_vocabV and hf_fused_head_step_time_over_own_loss_vocabV.
@@ -79,9 +81,11 @@ def batch_for(step: int, rows: int, rank: int = 0, vocab: int = VOCAB) -> dict:
 # ------------------------------------------------------------------------------ one process
 
 
-def one_process(args, loss_fn=lm_loss) -> dict:
+def one_process(args, loss_fn=lm_loss, no_decay: bool = False) -> dict:
     """fspeed (no plan) against an eager loop with fused AdamW, alternating; and fspeed's phases.
-    `loss_fn`: fspeed's (the eager loop always takes the module's own loss)."""
+    `loss_fn`: fspeed's (the eager loop always takes the module's own loss). `no_decay`: biases and
+    norms exempt from weight decay (0.1), as fine-tuning recipes do: `adamw(mask=fs.optim.no_decay())`
+    against torch's AdamW with the same two param groups."""
     import fspeed as fs
 
     torch.set_num_threads(args.threads)
@@ -89,9 +93,16 @@ def one_process(args, loss_fn=lm_loss) -> dict:
         fs.retain_freed_host_memory()  # for every engine of the process alike
     module = build_gpt2(args.layers, args.width)
     eager = copy.deepcopy(module)
-    opt = torch.optim.AdamW(eager.parameters(), lr=1e-4, fused=True)
+    if no_decay:
+        decays = fs.optim.no_decay()
+        named = list(eager.named_parameters())
+        opt = torch.optim.AdamW([{"params": [p for n, p in named if decays(n)], "weight_decay": 0.1},
+                                 {"params": [p for n, p in named if not decays(n)], "weight_decay": 0.0}],
+                                lr=1e-4, fused=True)
+    else:
+        opt = torch.optim.AdamW(eager.parameters(), lr=1e-4, fused=True)
     model = fs.functionalize(module, loss_fn)
-    fs_opt = fs.optim.adamw(1e-4)
+    fs_opt = fs.optim.adamw(1e-4, weight_decay=0.1, mask=fs.optim.no_decay()) if no_decay else fs.optim.adamw(1e-4)
     state = fs.init_train_state(model.init(), fs_opt, model=model)
     step = fs.make_train_step(model.loss, fs_opt)
     phases = {"grad_and_value (forward + backward + delivery)": [], "boundary (AdamW, write-back, any norm left)": []}
@@ -324,6 +335,7 @@ def main(args) -> None:
 
     single = one_process(args)
     single_fused = one_process(args, fs.causal_lm_loss)
+    single_groups = one_process(args, no_decay=True)
     fused = fused_head(args)
     launched = launch(args)
     ranks, paired = launched["times"], launched["paired"]
@@ -336,6 +348,8 @@ def main(args) -> None:
 
     print(f"  then, alternating again: fspeed with fs.causal_lm_loss (head fused) "
           f"{single_fused['times']['fspeed'] * ms:.1f} ms, eager {single_fused['times']['eager'] * ms:.1f} ms")
+    print(f"  and with biases and norms exempt from weight decay (fspeed: adamw(mask=no_decay()); eager: two param "
+          f"groups): fspeed {single_groups['times']['fspeed'] * ms:.1f} ms, eager {single_groups['times']['eager'] * ms:.1f} ms")
     for phase, t in single["phases"].items():
         print(f"    fspeed {phase:<48}{t * ms:>9.1f} ms")
     print(f"    eager forward + backward alone{'':<26}{single['eager_forward_backward'] * ms:>9.1f} ms")
@@ -360,6 +374,8 @@ def main(args) -> None:
     print(f"hf_step_time_vs_eager={single['paired']:.3f}  # {single['times']['fspeed'] / single['times']['eager']:.3f}")
     print(f"hf_step_time_vs_eager_with_causal_lm_loss={single_fused['paired']:.3f}  "
           f"# {single_fused['times']['fspeed'] / single_fused['times']['eager']:.3f}; the head fused, eager's not")
+    print(f"hf_step_time_vs_eager_with_no_decay_groups={single_groups['paired']:.3f}  "
+          f"# {single_groups['times']['fspeed'] / single_groups['times']['eager']:.3f}")
     print(f"hf_dispatch_bound_step_time_vs_eager={dispatch['fspeed'] / dispatch['eager']:.3f}")
     for vocab, rows in fused.items():
         (own_kept, own_t), (fused_kept, fused_t) = rows["own loss"], rows["causal_lm_loss"]
