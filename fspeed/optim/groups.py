@@ -25,9 +25,11 @@ Running on flat buffers: groups are decided by path on whatever Flat the optimiz
 parameters or a ZeRO rank's 1-D pieces of them (named by their parameter's path). Consecutive
 segments with the same settings form a run, a contiguous view of the buffers. The runs of one
 setting are updated together: one call of its transform on the list of their views (torch's fused
-kernels take the whole list in one launch, and so does fspeed's CPU Adam in fp32: one parallel pass
-over every run), with one state over that list. Padding pieces (paths ending in ".pad") and a buffer's tail past its layout
-belong to no run: they stay zero, get no weight decay, and are cast into `cast_to` as they are.
+kernels take the whole list in one launch, and so does fspeed's CPU Adam in fp32: one parallel
+pass over every run), with one state over that list; backward's own gradient tensors
+(`LooseGrads`) are handed on by runs in the same way. Padding pieces (paths ending in ".pad") and a
+buffer's tail past its layout belong to no run: they stay zero, get no weight decay, and are cast
+into `cast_to` as they are.
 Groups are as elementwise as the optimizer; a per-tensor optimizer (LAMB) still sees whole
 tensors where the layout holds them. Cost (`benchmarks/torch_optimizers.py`, 10M-parameter GPT,
 norms and biases exempt from decay: 42 runs in 2 settings): 1.14x the ungrouped step with fspeed's
@@ -45,7 +47,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from ..flat import Flat, FlatLayout, LooseGrads
+from ..flat import Flat, FlatLayout, LooseGrads, is_loose
 from ..pytree import PyTree, tree_flatten, tree_flatten_with_paths, tree_leaves, tree_unflatten
 from .base import Capabilities, GradientTransformation, TransformInfo, optimizer_step, resolve
 
@@ -387,12 +389,13 @@ def _flats(tree: PyTree) -> Optional[list[Flat]]:
 
 
 def _parts(tree: PyTree, like: Optional[list] = None) -> list:
-    """The Flats of `tree` (checked against `like`'s layouts), [a LooseGrads] (of `like`'s one
-    Flat's layout), or [its list of leaves]."""
-    if isinstance(tree, LooseGrads):
-        if like is None or len(like) != 1 or not isinstance(like[0], Flat) or like[0].layout != tree.layout:
-            raise ValueError("param_groups: loose gradients must have the layout of the one Flat of params")
-        return [tree]
+    """The Flats of `tree` (checked against `like`'s layouts), its LooseGrads (one or a list, of
+    `like`'s layouts), or [its list of leaves]."""
+    if is_loose(tree):  # one, or a list of them (an outer param_groups' runs)
+        loose = [tree] if isinstance(tree, LooseGrads) else list(tree)
+        if like is None or [x.layout for x in loose] != [getattr(f, "layout", None) for f in like]:
+            raise ValueError("param_groups: loose gradients must have the layouts of the Flats of params")
+        return loose
     flats = _flats(tree)
     if flats is None:
         return [tree_flatten_with_paths(tree)[1]]
@@ -404,7 +407,7 @@ def _parts(tree: PyTree, like: Optional[list] = None) -> list:
 def _gather(parts: list, runs: Sequence[_Run]) -> list:
     """The views of `runs`: one Flat (or LooseGrads) per run in Flats, the runs' leaves of a plain tree."""
     if isinstance(parts[0], LooseGrads):
-        return [LooseGrads(parts[0].tensors[r.first:r.stop], r.layout) for r in runs]
+        return [LooseGrads(parts[r.part].tensors[r.first:r.stop], r.layout) for r in runs]
     if isinstance(parts[0], Flat):
         return [Flat(parts[r.part].buffer[r.start:r.end], r.layout) for r in runs]
     return [leaf for r in runs for leaf in parts[0][r.first:r.stop]]

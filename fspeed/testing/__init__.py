@@ -22,5 +22,5 @@ def __getattr__(name: str):
         return getattr(strategies, name)
     raise AttributeError(f"module 'fspeed.testing' has no attribute {name!r}")
 
-__all__ = ["GlooWorld", "Trained", "WorkerError", "accumulations", "assert_trains_like_one_process", "free_port", "meshes",
-           "plans", "precisions", "train_on_world"]
+__all__ = ["GlooWorld", "Trained", "WorkerError", "accumulations", "assert_trains_like_one_process", "free_port",
+           "meshes", "plans", "precisions", "train_on_world"]
