@@ -169,30 +169,36 @@ def _store_half_impl(out, i, value, is_bf16):
 # --------------------------------------------------------------------------- the kernel
 
 
+@numba.njit(inline="always", cache=True)
+def _adam_chunk(pc, gc, mc, vc, oc, grad_is_bf16, out_is_bf16, scalars):
+    """The update of one chunk (the module docstring's formulas), inlined into both kernels;
+    `scalars` as `adam_scalars` makes them. Weight decay is branch-free: `l2_decay` is wd in L2
+    mode (else 0); `decoupled_keep` is 1 - lr*wd in AdamW mode (else 1). The chunk's arrays are
+    indexed from 0: the indices are provably non-negative, so no wraparound check per element and
+    LLVM vectorises the loop (absolute indices defeat it)."""
+    beta1, one_minus_beta1, beta2, one_minus_beta2, eps = scalars[:5]
+    l2_decay, decoupled_keep, step_size, inv_sqrt_bc2 = scalars[5:]
+    for i in range(pc.size):
+        param = pc[i]
+        grad = _load_f32(gc, i, grad_is_bf16) + l2_decay * param
+        mi = beta1 * mc[i] + one_minus_beta1 * grad
+        vi = beta2 * vc[i] + one_minus_beta2 * grad * grad
+        mc[i] = mi
+        vc[i] = vi
+        param = param * decoupled_keep - step_size * mi / (math.sqrt(vi) * inv_sqrt_bc2 + eps)
+        pc[i] = param
+        _store_half(oc, i, param, out_is_bf16)
+
+
 @numba.njit(parallel=True, fastmath=_FASTMATH, error_model="numpy", cache=True)
-def _adam_kernel(p, g, m, v, out, grad_is_bf16, out_is_bf16,
-                 beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-                 l2_decay, decoupled_keep, step_size, inv_sqrt_bc2):
-    """One Adam step over flat arrays (see the module docstring). Weight decay is branch-free:
-    `l2_decay` is wd in L2 mode (else 0); `decoupled_keep` is 1 - lr*wd in AdamW mode (else 1)."""
+def _adam_kernel(p, g, m, v, out, grad_is_bf16, out_is_bf16, scalars):
+    """One Adam step over flat arrays, chunk by chunk (`scalars`: `adam_scalars`)."""
     n = p.size
     for c in numba.prange((n + CHUNK - 1) // CHUNK):
         start = c * CHUNK
         stop = min(start + CHUNK, n)
-        # Chunk views indexed from 0: the indices are provably non-negative, so no wraparound
-        # check per element and LLVM vectorises the loop (absolute indices defeat it).
-        pc, gc, mc, vc = p[start:stop], g[start:stop], m[start:stop], v[start:stop]
-        oc = _chunk(out, start, stop)
-        for i in range(pc.size):
-            param = pc[i]
-            grad = _load_f32(gc, i, grad_is_bf16) + l2_decay * param
-            mi = beta1 * mc[i] + one_minus_beta1 * grad
-            vi = beta2 * vc[i] + one_minus_beta2 * grad * grad
-            mc[i] = mi
-            vc[i] = vi
-            param = param * decoupled_keep - step_size * mi / (math.sqrt(vi) * inv_sqrt_bc2 + eps)
-            pc[i] = param
-            _store_half(oc, i, param, out_is_bf16)
+        _adam_chunk(p[start:stop], g[start:stop], m[start:stop], v[start:stop], _chunk(out, start, stop),
+                    grad_is_bf16, out_is_bf16, scalars)
 
 
 @intrinsic
@@ -208,27 +214,19 @@ def _f32_at(typingctx, address):
 
 
 @numba.njit(parallel=True, fastmath=_FASTMATH, error_model="numpy", cache=True)
-def _adam_runs_kernel(table, first_chunk, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-                      l2_decay, decoupled_keep, step_size, inv_sqrt_bc2):
-    """`_adam_kernel` over many runs in one parallel pass: `table[r]` holds run r's addresses of p,
-    g, m, v (fp32) and its length; `first_chunk[r]` its first chunk in the pass (a prefix sum)."""
+def _adam_runs_kernel(table, first_chunk, scalars):
+    """`_adam_kernel` over many fp32 runs in one parallel pass: `table[r]` holds run r's addresses
+    of p, g, m, v and its length; `first_chunk[r]` its first chunk in the pass (a prefix sum)."""
     for c in numba.prange(first_chunk[-1]):
         r = np.searchsorted(first_chunk, c, side="right") - 1
         start = (c - first_chunk[r]) * CHUNK
         size = min(CHUNK, table[r, 4] - start)
         offset = start * 4
-        pc = numba.carray(_f32_at(table[r, 0] + offset), size)
-        gc = numba.carray(_f32_at(table[r, 1] + offset), size)
-        mc = numba.carray(_f32_at(table[r, 2] + offset), size)
-        vc = numba.carray(_f32_at(table[r, 3] + offset), size)
-        for i in range(size):
-            param = pc[i]
-            grad = gc[i] + l2_decay * param
-            mi = beta1 * mc[i] + one_minus_beta1 * grad
-            vi = beta2 * vc[i] + one_minus_beta2 * grad * grad
-            mc[i] = mi
-            vc[i] = vi
-            pc[i] = param * decoupled_keep - step_size * mi / (math.sqrt(vi) * inv_sqrt_bc2 + eps)
+        p = numba.carray(_f32_at(table[r, 0] + offset), size)
+        g = numba.carray(_f32_at(table[r, 1] + offset), size)
+        m = numba.carray(_f32_at(table[r, 2] + offset), size)
+        v = numba.carray(_f32_at(table[r, 3] + offset), size)
+        _adam_chunk(p, g, m, v, None, False, False, scalars)
 
 
 # --------------------------------------------------------------------------- torch entry point
@@ -258,23 +256,38 @@ def adam_step(
     differ (the buffers are used flat).
     """
     _check_buffers(params, grads, exp_avg, exp_avg_sq, cast_out)
+    scalars = adam_scalars("adam_step", lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction)
+    _on_torchs_threads(
+        _adam_kernel,
+        _as_numpy(params), _as_numpy(grads), _as_numpy(exp_avg), _as_numpy(exp_avg_sq),
+        None if cast_out is None else _as_numpy(cast_out),
+        grads.dtype == torch.bfloat16, cast_out is not None and cast_out.dtype == torch.bfloat16, scalars,
+    )
+
+
+def adam_scalars(name: str, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+             adam_w_mode: bool, bias_correction: bool) -> tuple:
+    """The Adam kernels' fp32 scalars in their order (`_adam_chunk`'s here, `adam_kernel`'s in
+    cuda_adam), the bias corrections and the two weight-decay modes folded in; `step` must be a
+    positive integer (`name` is the caller's, for the error)."""
     if not isinstance(step, int) or step < 1:
-        raise ValueError(f"adam_step: step={step!r} must be a positive integer (1 for the first update)")
+        raise ValueError(f"{name}: step={step!r} must be a positive integer (1 for the first update)")
     bc1 = 1.0 - beta1**step if bias_correction else 1.0
     bc2 = 1.0 - beta2**step if bias_correction else 1.0
     f32 = np.float32
+    return (f32(beta1), f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2), f32(eps),
+            f32(0.0 if adam_w_mode else weight_decay), f32(1.0 - lr * weight_decay if adam_w_mode else 1.0),
+            f32(lr / bc1), f32(1.0 / math.sqrt(bc2)))
+
+
+def _on_torchs_threads(kernel, *args) -> None:
+    """Run a parallel kernel on torch's thread count, and keep that count.
+
+    Starting Numba's OpenMP pool resets the process-wide OpenMP thread count, which torch's
+    intra-op pool shares: with several ranks per host that oversubscribed the cores (3.2x slower)."""
     torch_threads = torch.get_num_threads()
     numba.set_num_threads(max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS)))
-    _adam_kernel(
-        _as_numpy(params), _as_numpy(grads), _as_numpy(exp_avg), _as_numpy(exp_avg_sq),
-        None if cast_out is None else _as_numpy(cast_out),
-        grads.dtype == torch.bfloat16, cast_out is not None and cast_out.dtype == torch.bfloat16,
-        f32(beta1), f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2), f32(eps),
-        f32(0.0 if adam_w_mode else weight_decay), f32(1.0 - lr * weight_decay if adam_w_mode else 1.0),
-        f32(lr / bc1), f32(1.0 / math.sqrt(bc2)),
-    )
-    # Starting Numba's OpenMP pool resets the process-wide OpenMP thread count, which torch's
-    # intra-op pool shares: with several ranks per host that oversubscribed the cores (3.2x slower).
+    kernel(*args)
     torch.set_num_threads(torch_threads)
 
 
@@ -286,8 +299,7 @@ def adam_step_runs(params: list[torch.Tensor], grads: list[torch.Tensor], exp_av
     in one parallel pass: one dispatch instead of one per run (each about 20 us, which a group of
     many small runs such as biases and norms pays over and over). `checked`: the caller has
     checked every run with `supports_runs`."""
-    if not isinstance(step, int) or step < 1:
-        raise ValueError(f"adam_step_runs: step={step!r} must be a positive integer (1 for the first update)")
+    scalars = adam_scalars("adam_step_runs", lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction)
     if not (len(params) == len(grads) == len(exp_avg) == len(exp_avg_sq)):
         raise ValueError(f"adam_step_runs: {len(params)} params, {len(grads)} grads, {len(exp_avg)} exp_avg and "
                          f"{len(exp_avg_sq)} exp_avg_sq; one of each per run")
@@ -300,17 +312,7 @@ def adam_step_runs(params: list[torch.Tensor], grads: list[torch.Tensor], exp_av
         table[r] = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel())
     first_chunk = np.zeros(len(params) + 1, dtype=np.int64)
     np.cumsum((table[:, 4] + CHUNK - 1) // CHUNK, out=first_chunk[1:])
-    bc1 = 1.0 - beta1**step if bias_correction else 1.0
-    bc2 = 1.0 - beta2**step if bias_correction else 1.0
-    f32 = np.float32
-    torch_threads = torch.get_num_threads()
-    numba.set_num_threads(max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS)))
-    _adam_runs_kernel(
-        table, first_chunk, f32(beta1), f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2), f32(eps),
-        f32(0.0 if adam_w_mode else weight_decay), f32(1.0 - lr * weight_decay if adam_w_mode else 1.0),
-        f32(lr / bc1), f32(1.0 / math.sqrt(bc2)),
-    )
-    torch.set_num_threads(torch_threads)  # (see adam_step)
+    _on_torchs_threads(_adam_runs_kernel, table, first_chunk, scalars)
 
 
 def supports_runs(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> bool:

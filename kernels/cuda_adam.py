@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 from numba import cuda
 
 from . import cuda_interop
+from .cpu_adam import adam_scalars
 from .cuda_interop import CudaKernelsUnavailable, is_available, require  # noqa: F401 (the kernel protocol)
 
 THREADS = 256
@@ -80,23 +80,14 @@ def adam_step(
         "cuda adam_step", {"params": params, "grads": grads, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
         params.numel(),
     )
-    if not isinstance(step, int) or step < 1:
-        raise ValueError(f"cuda adam_step: step={step!r} must be a positive integer (1 for the first update)")
+    scalars = adam_scalars("cuda adam_step", lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction)
     if not isinstance(max_blocks, int) or max_blocks < 1:
         raise ValueError(f"cuda adam_step: max_blocks={max_blocks!r} must be a positive integer")
     n = params.numel()
     if n:
-        bc1 = 1.0 - beta1**step if bias_correction else 1.0
-        bc2 = 1.0 - beta2**step if bias_correction else 1.0
-        f32 = np.float32
         blocks = min(max_blocks, (n + THREADS - 1) // THREADS)
         arrays = [cuda_interop.device_array(t) for t in (params, grads, exp_avg, exp_avg_sq)]
-        adam_kernel[blocks, THREADS, cuda_interop.launch_stream(params)](
-            *arrays,
-            f32(beta1), f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2), f32(eps),
-            f32(0.0 if adam_w_mode else weight_decay), f32(1.0 - lr * weight_decay if adam_w_mode else 1.0),
-            f32(lr / bc1), f32(1.0 / math.sqrt(bc2)),
-        )
+        adam_kernel[blocks, THREADS, cuda_interop.launch_stream(params)](*arrays, *scalars)
     if cast_out is not None:
         cast_out.copy_(params)
 
