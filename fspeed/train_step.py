@@ -53,6 +53,7 @@ from .parallel.plan import Plan
 from .parallel.pipeline_runtime import PipelineExecutor
 from .parallel.runtime import ParallelRuntime, check_optimizer
 from .models.model import Model
+from .precision import Precision
 from .pytree import PyTree, tree_flatten_with_paths, tree_map, tree_unflatten
 from .rng import dropout_seed, layer_generator
 from .timers import StepTimers
@@ -196,12 +197,20 @@ def make_train_step(
         if key not in runtimes:
             runtimes.clear()
             runtimes[key] = ParallelRuntime(layout, step_mesh, state.precision, state.params,
-                                            loose_grads=rest.capabilities.loose_grads)
+                                            loose_grads=rest.capabilities.loose_grads,
+                                            norm_in_update=norm_in_update(state.precision))
             if pipe is not None:
                 executors.clear()
                 executors[key] = PipelineExecutor(layout, step_mesh, model.layers, state.precision.grad_accum_dtype)
         last[:] = [layout, state.precision, runtimes[key]]
         return runtimes[key]
+    def norm_in_update(precision: Precision) -> bool:
+        """Whether nothing reads the grad norm before the update (no overflow check, loss scale,
+        divergence guard or clipping), so the optimizer's own pass over the gradient may give it
+        (`Capabilities.sums_grad_squares`): one read of the gradient fewer."""
+        return (rest.capabilities.sums_grad_squares and clip_norm is None and on_nonfinite is None
+                and not precision.check_overflow and precision.loss_scale is None and pipe is None)
+
     # Module state (functionalize's BatchNorm statistics) must enter the transformed function as an
     # input to be updated in place under torch.func: the state's buffers, passed as an argument.
     takes_buffers = _accepts_keyword(loss_fn, "buffers")
@@ -311,9 +320,11 @@ def make_train_step(
         if timers is not None:
             timers.stop("bwd_allreduce")
             timers.start("step")
-        # the loss and the gradient norm reach the host together: one synchronization with the device
-        norm = runtime.grad_norm(grads)
-        local_loss, scaled_norm = torch.stack([torch.stack(step.losses).mean().to(norm), norm]).tolist()
+        if runtime.norm_in_update:  # the optimizer's pass gives the norm (below)
+            local_loss, scaled_norm = torch.stack(step.losses).mean().item(), 0.0
+        else:  # the loss and the gradient norm reach the host together: one synchronization with the device
+            norm = runtime.grad_norm(grads)
+            local_loss, scaled_norm = torch.stack([torch.stack(step.losses).mean().to(norm), norm]).tolist()
         mean_loss = runtime.mean_loss(local_loss)
         dynamic_scaler = precision.loss_scale is not None and precision.loss_scale.dynamic
         guarded = on_nonfinite is not None and not dynamic_scaler
@@ -365,6 +376,10 @@ def make_train_step(
         if clip_norm is not None:
             master, rest_state = optimizer_step(rest, grads, opt_state[1:], master, cast_to=cast_to, comm=comm)
             opt_state = (opt_state[0],) + tuple(rest_state)
+        elif runtime.norm_in_update:  # (no loss scale, one process: the norm is the gradient's own)
+            grad_sq: list = []
+            master, opt_state = optimizer_step(rest, grads, opt_state, master, cast_to=cast_to, grad_sq=grad_sq)
+            grad_norm = math.sqrt(math.fsum(grad_sq))
         else:
             master, opt_state = optimizer_step(rest, grads, opt_state, master, cast_to=cast_to, comm=comm)
         gather = runtime.write_back(master, fields["params"], cast_to)  # cast/upload; ZeRO-1/2 start an all-gather

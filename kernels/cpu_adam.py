@@ -190,15 +190,30 @@ def _adam_chunk(pc, gc, mc, vc, oc, grad_is_bf16, out_is_bf16, scalars):
         _store_half(oc, i, param, out_is_bf16)
 
 
+@numba.njit(fastmath={"reassoc", "nsz", "contract"}, error_model="numpy", cache=True)
+def _sum_squares(gc, is_bf16):
+    """The chunk's sum of squared gradients in fp32, read again while the chunk is in cache. Its own
+    function for `reassoc`: instruction flags survive LLVM's inlining, so this reduction vectorises
+    while the update's loop keeps its order-preserving flags. NaN and inf propagate (no `nnan`)."""
+    total = np.float32(0.0)
+    for i in range(gc.size):
+        x = _load_f32(gc, i, is_bf16)
+        total += x * x
+    return total
+
+
 @numba.njit(parallel=True, fastmath=_FASTMATH, error_model="numpy", cache=True)
-def _adam_kernel(p, g, m, v, out, grad_is_bf16, out_is_bf16, scalars):
-    """One Adam step over flat arrays, chunk by chunk (`scalars`: `adam_scalars`)."""
+def _adam_kernel(p, g, m, v, out, grad_is_bf16, out_is_bf16, scalars, squares):
+    """One Adam step over flat arrays, chunk by chunk (`scalars`: `adam_scalars`); when `squares`
+    is not empty, `squares[c]` receives chunk c's sum of squared gradients."""
     n = p.size
     for c in numba.prange((n + CHUNK - 1) // CHUNK):
         start = c * CHUNK
         stop = min(start + CHUNK, n)
         _adam_chunk(p[start:stop], g[start:stop], m[start:stop], v[start:stop], _chunk(out, start, stop),
                     grad_is_bf16, out_is_bf16, scalars)
+        if squares.size:
+            squares[c] = _sum_squares(g[start:stop], grad_is_bf16)
 
 
 @intrinsic
@@ -214,9 +229,10 @@ def _f32_at(typingctx, address):
 
 
 @numba.njit(parallel=True, fastmath=_FASTMATH, error_model="numpy", cache=True)
-def _adam_runs_kernel(table, first_chunk, scalars):
+def _adam_runs_kernel(table, first_chunk, scalars, squares):
     """`_adam_kernel` over many fp32 runs in one parallel pass: `table[r]` holds run r's addresses
-    of p, g, m, v and its length; `first_chunk[r]` its first chunk in the pass (a prefix sum)."""
+    of p, g, m, v and its length; `first_chunk[r]` its first chunk in the pass (a prefix sum);
+    `squares` as in `_adam_kernel`."""
     for c in numba.prange(first_chunk[-1]):
         r = np.searchsorted(first_chunk, c, side="right") - 1
         start = (c - first_chunk[r]) * CHUNK
@@ -227,6 +243,8 @@ def _adam_runs_kernel(table, first_chunk, scalars):
         m = numba.carray(_f32_at(table[r, 2] + offset), size)
         v = numba.carray(_f32_at(table[r, 3] + offset), size)
         _adam_chunk(p, g, m, v, None, False, False, scalars)
+        if squares.size:
+            squares[c] = _sum_squares(g, False)
 
 
 # --------------------------------------------------------------------------- torch entry point
@@ -247,22 +265,36 @@ def adam_step(
     adam_w_mode: bool,
     bias_correction: bool = True,
     cast_out: torch.Tensor | None = None,
+    grad_sq: list | None = None,
 ) -> None:
     """One in-place Adam (adam_w_mode=False) or AdamW step over contiguous CPU buffers.
 
     `params`, `exp_avg`, `exp_avg_sq`: fp32. `grads`: fp32, bf16 or fp16. `step` is the 1-based
     count of this update (bias correction uses beta^step). `cast_out` (bf16/fp16, optional)
     receives the updated params, cast. All must have the same number of elements; shapes may
-    differ (the buffers are used flat).
+    differ (the buffers are used flat). `grad_sq` (a list, optional) gets the sum of the squared
+    gradients appended, taken in the same pass (a grad norm with no read of the gradient of its own).
     """
     _check_buffers(params, grads, exp_avg, exp_avg_sq, cast_out)
     scalars = adam_scalars("adam_step", lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction)
+    squares = _squares_for((params.numel() + CHUNK - 1) // CHUNK, grad_sq)
     _on_torchs_threads(
         _adam_kernel,
         _as_numpy(params), _as_numpy(grads), _as_numpy(exp_avg), _as_numpy(exp_avg_sq),
         None if cast_out is None else _as_numpy(cast_out),
-        grads.dtype == torch.bfloat16, cast_out is not None and cast_out.dtype == torch.bfloat16, scalars,
+        grads.dtype == torch.bfloat16, cast_out is not None and cast_out.dtype == torch.bfloat16, scalars, squares,
     )
+    if grad_sq is not None:
+        grad_sq.append(float(squares.sum()))
+
+
+_NO_SQUARES = np.empty(0, dtype=np.float64)
+
+
+def _squares_for(chunks: int, grad_sq: list | None) -> np.ndarray:
+    """The per-chunk sums a kernel fills when the caller asks for `grad_sq` (summed in float64 in
+    chunk order: the same bits on any thread count), else an empty array (none taken)."""
+    return _NO_SQUARES if grad_sq is None else np.zeros(chunks, dtype=np.float64)
 
 
 def adam_scalars(name: str, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
@@ -294,11 +326,11 @@ def _on_torchs_threads(kernel, *args) -> None:
 def adam_step_runs(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[torch.Tensor],
                    exp_avg_sq: list[torch.Tensor], *, lr: float, beta1: float, beta2: float, eps: float,
                    weight_decay: float, step: int, adam_w_mode: bool, bias_correction: bool = True,
-                   checked: bool = False) -> None:
+                   checked: bool = False, grad_sq: list | None = None) -> None:
     """`adam_step` with the same settings over several fp32 buffers (the runs of a parameter group)
     in one parallel pass: one dispatch instead of one per run (each about 20 us, which a group of
     many small runs such as biases and norms pays over and over). `checked`: the caller has
-    checked every run with `supports_runs`."""
+    checked every run with `supports_runs`. `grad_sq` as in `adam_step` (one sum over all runs)."""
     scalars = adam_scalars("adam_step_runs", lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction)
     if not (len(params) == len(grads) == len(exp_avg) == len(exp_avg_sq)):
         raise ValueError(f"adam_step_runs: {len(params)} params, {len(grads)} grads, {len(exp_avg)} exp_avg and "
@@ -312,7 +344,10 @@ def adam_step_runs(params: list[torch.Tensor], grads: list[torch.Tensor], exp_av
         table[r] = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel())
     first_chunk = np.zeros(len(params) + 1, dtype=np.int64)
     np.cumsum((table[:, 4] + CHUNK - 1) // CHUNK, out=first_chunk[1:])
-    _on_torchs_threads(_adam_runs_kernel, table, first_chunk, scalars)
+    squares = _squares_for(first_chunk[-1], grad_sq)
+    _on_torchs_threads(_adam_runs_kernel, table, first_chunk, scalars, squares)
+    if grad_sq is not None:
+        grad_sq.append(float(squares.sum()))
 
 
 def supports_runs(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> bool:

@@ -381,3 +381,47 @@ def test_loose_gradients_train_as_the_flat_buffer_does(seed, width, grad_accum, 
     torch.testing.assert_close(runs["loose"][0], runs["flat"][0], rtol=1e-6, atol=1e-7)
     assert runs["loose"][1] == pytest.approx(runs["flat"][1], rel=1e-6)
     assert runs["loose"][2] == 0 and runs["flat"][2] > 0  # the loose path ran, and holds no buffer
+
+
+@given(seed=st.integers(0, 10_000), width=st.integers(2, 6), grad_accum=st.sampled_from([1, 2]),
+       loose=st.booleans(), backend=st.sampled_from(["auto", "torch"]), mask=st.booleans(),
+       precision=st.sampled_from(["fp32", "bf16 unchecked"]))
+def test_the_grad_norm_from_the_update_pass_is_the_norm_taken_before_it(seed, width, grad_accum, loose, backend,
+                                                                         mask, precision):
+    """Where nothing reads the grad norm before the update, AdamW's own pass over the gradient sums
+    its squares and the sink takes no norms: the same grad norm metric (and parameters) as a run
+    whose divergence guard reads the norm first, over loose and flat gradients, the CPU kernel and
+    torch's path, with parameter groups, in fp32 and in bf16 without the overflow check."""
+    module = _HandsOverOddGradients(width, seed)
+    model = fs.functionalize(module, lambda out, batch: out.square().mean())
+    batch = (torch.randn(4 * grad_accum, width, generator=torch.Generator().manual_seed(seed)),)
+    prec = fs.precision.fp32() if precision == "fp32" else fs.precision.bf16(check_grad_overflow=False)
+    runs = {}
+    for guard in (None, "skip"):
+        opt = adamw(1e-2, weight_decay=0.1, backend=backend, mask=(lambda path: path != "a") if mask else None)
+        state = fs.init_train_state(model.init(), opt, model=model, precision=prec)
+        step = fs.make_train_step(model.loss, opt, grad_accum=grad_accum, on_nonfinite=guard)
+        norms = []
+        with pytest.MonkeyPatch.context() as patch:
+            if loose:
+                patch.setattr("fspeed.parallel.runtime.LOOSE_MIN_MEAN_NUMEL", 0)  # these tensors are tiny
+            for _ in range(3):
+                state, m = step(state, batch)
+                norms.append(m["grad_norm"])
+        assert step.runtime_for(state).norm_in_update == (guard is None)
+        runs[guard] = (state.params.buffer.clone(), norms)
+    torch.testing.assert_close(runs[None][0], runs["skip"][0], rtol=0, atol=0)
+    assert runs[None][1] == pytest.approx(runs["skip"][1], rel=1e-5)
+    assert all(n > 0 for n in runs[None][1])
+
+
+def test_the_update_pass_gives_no_norm_where_one_is_needed_before_it():
+    """Clipping, a loss scale or the overflow check read the norm before the update: the optimizer's
+    pass is not asked for it."""
+    module = _HandsOverOddGradients(3, 0)
+    model = fs.functionalize(module, lambda out, batch: out.square().mean())
+    for opt, prec in [(chain(clip_by_global_norm(1.0), adamw(1e-2)), fs.precision.fp32()), (adamw(1e-2), fs.precision.bf16()),
+                      (adamw(1e-2), fs.precision.fp16()), (sgd(1e-2), fs.precision.fp32())]:
+        state = fs.init_train_state(model.init(), opt, model=model, precision=prec)
+        step = fs.make_train_step(model.loss, opt)
+        assert not step.runtime_for(state).norm_in_update, (opt, prec.name)

@@ -137,7 +137,7 @@ def adam(
             updates = tree_map(direction, mu, nu, params)
         return updates, AdamState(state.count + 1, resolve(lr, state.count + 1), mu, nu)
 
-    def apply(grads, state: AdamState, params, *, cast_to=None):
+    def apply(grads, state: AdamState, params, *, cast_to=None, grad_sq=None):
         lr_t, b1_t, bc1, bc2 = hparams(state.count)
         loose = is_loose(grads)
         if loose:  # backward's own tensors: the buffers' per-parameter views match them
@@ -155,18 +155,25 @@ def adam(
         hp = dict(lr=lr_t, beta1=b1_t, beta2=b2, eps=eps, weight_decay=weight_decay, step=state.count + 1,
                   adam_w_mode=adam_w_mode, bias_correction=bias_correction)
         many = len(p) > 1 and hasattr(kernel, "adam_step_runs")
+        # grad_sq: the CPU kernels sum the squared gradients in their own pass; elsewhere a norm first
+        sums = grad_sq is not None and hasattr(kernel, "adam_step_runs")
+        squared = dict(grad_sq=grad_sq) if sums else {}
         for group in zip(p, g, m, v, c):
             if many and group[4] is None and kernel.supports_runs(*group[:4]):
                 runs.append(group[:4])
             elif kernel is not None and (backend == "numba" or kernel.supports(*group)):
-                kernel.adam_step(*group[:4], **hp, cast_out=group[4])
+                kernel.adam_step(*group[:4], **hp, cast_out=group[4], **squared)
+                if grad_sq is not None and not sums:
+                    grad_sq.append(float(group[1].double().square().sum()))
             else:
                 rest.append(group)
         if len(runs) == 1:
-            kernel.adam_step(*runs[0], **hp)
+            kernel.adam_step(*runs[0], **hp, **squared)
         elif runs:
-            kernel.adam_step_runs(*map(list, zip(*runs)), **hp, checked=True)
+            kernel.adam_step_runs(*map(list, zip(*runs)), **hp, checked=True, **squared)
         if rest:
+            if grad_sq is not None:
+                grad_sq.extend(float(n.double().square()) for n in torch._foreach_norm([r[1] for r in rest]))
             _torch_adam(*map(list, zip(*rest)), state.count + 1, lr_t, b1_t, b2, eps, weight_decay,
                         adam_w_mode, bias_correction, bc1, bc2)
         return params, AdamState(state.count + 1, resolve(lr, state.count + 1), state.mu, state.nu)
@@ -177,7 +184,8 @@ def adam(
              backend=backend),
         factory=functools.partial(adam, adam_w_mode=adam_w_mode),
     )
-    return GradientTransformation(init, update, apply, info, capabilities=ELEMENTWISE._replace(loose_grads=True))
+    return GradientTransformation(init, update, apply, info,
+                                  capabilities=ELEMENTWISE._replace(loose_grads=True, sums_grad_squares=True))
 
 
 def adamw(

@@ -84,6 +84,10 @@ class Capabilities(NamedTuple):
     loose_grads    its fused `apply` also takes a `LooseGrads` (one gradient tensor per parameter,
                    as backward made them, with params and state as Flats): one process in fp32 then
                    skips the copy of the whole gradient into a buffer
+    sums_grad_squares  its fused `apply` also takes `grad_sq`, a list it appends the sums of the
+                   squared gradient elements it read to (each element once): where nothing needs
+                   the grad norm before the update, train_step takes the metric from the update's
+                   own pass over the gradient instead of a pass of its own
     """
 
     elementwise: bool = False
@@ -92,6 +96,7 @@ class Capabilities(NamedTuple):
     cpu: bool = False
     clip_norm: Optional[float] = None
     loose_grads: bool = False
+    sums_grad_squares: bool = False
 
 
 ELEMENTWISE = Capabilities(elementwise=True, cpu=True)
@@ -209,14 +214,21 @@ def needs_full_allreduce(opt: GradientTransformation, state: OptState) -> bool:
 
 def optimizer_step(
     opt: GradientTransformation, grads: Updates, state: OptState, params: Params, *, cast_to: Params = None,
-    comm: Any = None,
+    comm: Any = None, grad_sq: Optional[list] = None,
 ) -> tuple[Params, OptState]:
     """One optimizer step that may update `params` and `state` in place (donates all arguments).
 
     With `cast_to`, the updated params are also written, cast, into it: by the transform's `apply`
     (fused) when it takes `cast_to`, otherwise here, after the update. `comm` (the data axis) is
-    passed to optimizers that communicate themselves (`gradient_allreduce` set).
+    passed to optimizers that communicate themselves (`gradient_allreduce` set). `grad_sq` (a
+    list), for a transform that declares `sums_grad_squares`: it appends the sums of the squared
+    gradients it read.
     """
+    if grad_sq is not None:
+        if not opt.capabilities.sums_grad_squares:
+            raise ValueError(f"optimizer_step: grad_sq= needs a transform that sums the squared gradients in its "
+                             f"pass (Capabilities.sums_grad_squares); {opt.info.name if opt.info else opt!r} does not")
+        return opt.apply(grads, state, params, cast_to=cast_to, grad_sq=grad_sq)
     if opt.gradient_allreduce is not None:
         return opt.apply(grads, state, params, cast_to=cast_to, comm=comm)
     if opt.apply is not None:

@@ -199,7 +199,7 @@ def param_groups(optimizer: GradientTransformation, groups: Sequence[Mapping[str
             inner.append(s)
         return _assemble(g, outs, plan), _next(state, inner)
 
-    def apply(grads, state: ParamGroupsState, params, *, cast_to=None):
+    def apply(grads, state: ParamGroupsState, params, *, cast_to=None, grad_sq=None):
         plan = plan_for(params)
         _check_state(state, plan)
         p = _parts(params)
@@ -208,7 +208,7 @@ def param_groups(optimizer: GradientTransformation, groups: Sequence[Mapping[str
         inner = []
         for (k, runs), s in zip(plan.groups, state.groups):
             _, s = optimizer_step(transforms[k], _gather(g, runs), s, _gather(p, runs),
-                                  cast_to=_gather(c, runs) if c is not None else None)
+                                  cast_to=_gather(c, runs) if c is not None else None, grad_sq=grad_sq)
             inner.append(s)
         if c is not None:
             _copy_padding(c, p, plan.padding)
@@ -220,7 +220,8 @@ def param_groups(optimizer: GradientTransformation, groups: Sequence[Mapping[str
     caps = [t.capabilities for t in transforms]
     capabilities = Capabilities(elementwise=all(c.elementwise for c in caps),
                                 whole_tensors=any(c.whole_tensors for c in caps), cpu=all(c.cpu for c in caps),
-                                loose_grads=all(c.loose_grads for c in caps))
+                                loose_grads=all(c.loose_grads for c in caps),
+                                sums_grad_squares=all(c.sums_grad_squares for c in caps))
     info = TransformInfo("param_groups", dict(optimizer=optimizer, groups=tuple(dict(g) for g in groups),
                                               complete=complete),
                          factory=lambda optimizer, groups, complete: param_groups(optimizer, groups, complete=complete))

@@ -231,11 +231,14 @@ class AccumulatedGrads(GradSink):
     `loose` (stage 0 on one data rank, for an optimizer that takes `LooseGrads`): no buffer; the
     gradient tensors backward made are kept as they are (later micro-batches add into them), and
     `finish` hands them over. A tensor that is not the sink's alone (a view into a larger one, the
-    same tensor delivered for two parameters, another dtype) is copied instead."""
+    same tensor delivered for two parameters, another dtype) is copied instead. It takes each
+    parameter's gradient norm as the last micro-batch completes it (in cache), unless `take_norms`
+    is off (the optimizer's pass gives the norm)."""
 
     def __init__(self, layout: Layout, comm: AxisComm, dtype: torch.dtype, device: torch.device,
-                 loose: bool = False):
+                 loose: bool = False, take_norms: bool = True):
         super().__init__(layout, comm, dtype, device)
+        self.take_norms = take_norms
         self.stage1 = layout.stage == 1
         n, local = comm.size, layout.local
         self.loose = loose and not self.stage1 and n == 1
@@ -298,7 +301,7 @@ class AccumulatedGrads(GradSink):
             else:  # a part of a larger tensor (or expanded), kept already, or not the sink's dtype
                 self.kept[i] = torch.empty(g.numel(), dtype=self.dtype, device=self.device).copy_(g.reshape(-1))
             done.append(i)
-        if self.last and done:  # final: the unit's norms now, while its gradient is in cache
+        if self.last and done and self.take_norms:  # final: the unit's norms now, while its gradient is in cache
             for i, norm in zip(done, torch._foreach_norm([self.kept[i] for i in done])):
                 self.norms[i] = norm
 
@@ -314,11 +317,13 @@ class AccumulatedGrads(GradSink):
             local = self.layout.local
             tensors = [t if t is not None else torch.zeros(n, dtype=self.dtype, device=self.device)
                        for t, n in zip(self.kept, local.sizes)]  # unused parameters: zero gradients
-            late = [i for i, n in enumerate(self.norms) if n is None and self.kept[i] is not None]
-            for i, norm in zip(late, torch._foreach_norm([tensors[i] for i in late]) if late else ()):
-                self.norms[i] = norm  # delivered on an earlier micro-batch only (a layer dropped on the last)
-            norms = [n if n is not None else torch.zeros((), dtype=self.dtype, device=self.device)
-                     for n in self.norms]
+            norms = None
+            if self.take_norms:
+                late = [i for i, n in enumerate(self.norms) if n is None and self.kept[i] is not None]
+                for i, norm in zip(late, torch._foreach_norm([tensors[i] for i in late]) if late else ()):
+                    self.norms[i] = norm  # delivered on an earlier micro-batch only (a layer dropped on the last)
+                norms = [n if n is not None else torch.zeros((), dtype=self.dtype, device=self.device)
+                         for n in self.norms]
             self._forget_kept()
             return LooseGrads(tensors, local, norms)
         if self.reduce and self.comm.size > 1:

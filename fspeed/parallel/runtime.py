@@ -165,13 +165,16 @@ class ParallelRuntime:
     """The per-step work of a layout on a mesh (module docstring); built once per layout."""
 
     def __init__(self, layout: Layout, mesh, precision: Precision, params: Flat, train: bool = True,
-                 loose_grads: bool = False):
+                 loose_grads: bool = False, norm_in_update: bool = False):
         self.layout = layout
         self.mesh = mesh
         self.data: AxisComm = mesh.comm("data")
         self.model: AxisComm = mesh.comm("model")
         self.pipe: AxisComm = mesh.comm("pipe")
         self.n = layout.data_size
+        # the grad norm from the optimizer's own pass (nothing needed it before the update): on one
+        # process, where that pass sees every element once; the sink then takes no norms
+        self.norm_in_update = norm_in_update and self.n == 1 and self.model.size == 1 and self.pipe.size == 1
         self.rank = self.data.rank
         self.offload = offloads_optimizer(layout)
         self.offload_params = offloads_params(layout)
@@ -190,7 +193,8 @@ class ParallelRuntime:
             loose = loose_grads and layout.pipeline is None and not self.offload and \
                 params.dtype == precision.grad_accum_dtype and params.device.type == "cpu" and \
                 local.numel >= LOOSE_MIN_MEAN_NUMEL * len(local.paths)
-            self.sink = AccumulatedGrads(layout, self.data, precision.grad_accum_dtype, params.device, loose=loose)
+            self.sink = AccumulatedGrads(layout, self.data, precision.grad_accum_dtype, params.device, loose=loose,
+                                         take_norms=not self.norm_in_update)
         elif train:
             self.sink = sink_cls(layout, self.data, precision.grad_accum_dtype, params.device)
         self.param_dtype = params.dtype
