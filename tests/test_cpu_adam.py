@@ -157,6 +157,48 @@ def test_one_pass_over_runs_gives_the_bits_of_one_call_per_run(sizes, hp, steps,
         assert torch.equal(a, b)  # gaps untouched too
 
 
+@given(st.lists(size_st, min_size=1, max_size=4), hparams_st(), st.integers(0, 2**31 - 1),
+       st.sampled_from([torch.float32, *HALF]), st.sampled_from([None, *HALF]), st.booleans())
+def test_grad_sq_is_the_sum_of_squared_gradients_and_changes_no_bits(sizes, hp, seed, grad_dtype, cast_dtype,
+                                                                     runs):
+    """`grad_sq` (the grad norm taken in the update's own pass): the float64 sum of the squared
+    gradients within fp32 summation error, one sum per call, for the flat kernel (fp32 and 16-bit
+    gradients, with a cast copy) and the runs kernel; the update's bits are those of a call without."""
+    runs = runs and grad_dtype == torch.float32 and cast_dtype is None
+    gen = torch.Generator().manual_seed(seed)
+    problems = [random_problem(n, 1, seed + k, grad_dtype) for k, n in enumerate(sizes)]
+    params, grads = [p for p, _ in problems], [g[0] for _, g in problems]
+    if not runs:
+        params, grads = [torch.cat(params)], [torch.cat(grads)]
+    moments = [torch.randn(x.shape, generator=gen) for x in params], [torch.rand(x.shape, generator=gen) for x in params]
+    results = []
+    for grad_sq in (None, []):
+        p = [x.clone() for x in params]
+        m, v = ([x.clone() for x in xs] for xs in moments)
+        out = [torch.empty(x.shape, dtype=cast_dtype) if cast_dtype else None for x in p]
+        if runs:
+            cpu_adam.adam_step_runs(p, grads, m, v, step=2, grad_sq=grad_sq, **hp)
+        else:
+            cpu_adam.adam_step(p[0], grads[0], m[0], v[0], step=2, cast_out=out[0], grad_sq=grad_sq, **hp)
+        results.append((p, m, v, out, grad_sq))
+    for a, b in zip(results[0][:3], results[1][:3]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    if cast_dtype is not None:
+        assert torch.equal(results[0][3][0].view(torch.int16), results[1][3][0].view(torch.int16))
+    expected = sum(float(g.double().square().sum()) for g in grads)
+    assert len(results[1][4]) == 1 and results[1][4][0] == pytest.approx(expected, rel=1e-5, abs=1e-30)
+
+
+def test_grad_sq_propagates_inf_and_nan():
+    for bad, expected in ((float("inf"), math.inf), (float("nan"), None)):
+        g = torch.ones(40000)
+        g[33333] = bad
+        grad_sq: list = []
+        cpu_adam.adam_step(torch.zeros(40000), g, torch.zeros(40000), torch.zeros(40000), lr=1e-3, beta1=0.9,
+                           beta2=0.999, eps=1e-8, weight_decay=0.0, step=1, adam_w_mode=True, grad_sq=grad_sq)
+        assert grad_sq[0] == expected if expected is not None else math.isnan(grad_sq[0])
+
+
 @pytest.mark.parametrize("runs, error, match", [
     (([torch.zeros(4)], [], [torch.zeros(4)], [torch.zeros(4)]), ValueError, r"1 params, 0 grads"),
     (([torch.zeros(4)], [torch.zeros(4, dtype=torch.float64)], [torch.zeros(4)], [torch.zeros(4)]), ValueError,
