@@ -25,7 +25,10 @@ during backward (overlapped with it when `overlap_comm` is on). At the boundary,
    reading `state.params` in between waits for all of it.
 
 Metrics: loss (mean over micro-batches), lr (used by this step), grad_norm (unscaled, before
-clipping), loss_scale (that produced the gradients), skipped.
+clipping), loss_scale (that produced the gradients), skipped. Where nothing reads the norm before
+the update (no overflow check, loss scale, divergence guard or clipping: fp32 by default), an
+optimizer that sums the squared gradients in its own pass (AdamW's CPU kernels) gives it, and no
+pass of its own reads the gradient (on one process, and on data ranks up to ZeRO-2).
 
 Divergence guard (`on_nonfinite`): where no dynamic loss scaler handles inf/NaN (fp32, bf16, fp16
 with a static scale), a step whose loss or gradient norm is not finite either raises
@@ -376,10 +379,10 @@ def make_train_step(
         if clip_norm is not None:
             master, rest_state = optimizer_step(rest, grads, opt_state[1:], master, cast_to=cast_to, comm=comm)
             opt_state = (opt_state[0],) + tuple(rest_state)
-        elif runtime.norm_in_update:  # (no loss scale, one process: the norm is the gradient's own)
+        elif runtime.norm_in_update:  # (no loss scale: the norm is the reduced gradient's own)
             grad_sq: list = []
             master, opt_state = optimizer_step(rest, grads, opt_state, master, cast_to=cast_to, grad_sq=grad_sq)
-            grad_norm = math.sqrt(math.fsum(grad_sq))
+            grad_norm = runtime.norm_from_update(grad_sq)
         else:
             master, opt_state = optimizer_step(rest, grads, opt_state, master, cast_to=cast_to, comm=comm)
         gather = runtime.write_back(master, fields["params"], cast_to)  # cast/upload; ZeRO-1/2 start an all-gather

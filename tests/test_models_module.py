@@ -27,10 +27,16 @@ def train_fspeed(module, loss_fn, batches, grad_accum, precision=None, seed=0, l
 
 
 def assert_params_close(state, module, rtol=1e-5, atol=1e-6, skip=()):
+    """Every parameter but GPT-2's attention key bias (the middle third of `c_attn.bias`): its true
+    gradient is zero (softmax ignores a shift), so Adam turns its rounding noise, which differs with
+    the thread count and the CPU's vector width, into steps of lr's size."""
     for name, p in module.named_parameters():
         if any(s in name for s in skip):
             continue
-        torch.testing.assert_close(state.master_params[name], p.detach(), rtol=rtol, atol=atol, msg=name)
+        mine, want = state.master_params[name], p.detach()
+        if name.endswith("attn.c_attn.bias"):
+            mine, want = (torch.cat([t[: t.numel() // 3], t[2 * t.numel() // 3:]]) for t in (mine, want))
+        torch.testing.assert_close(mine, want, rtol=rtol, atol=atol, msg=name)
 
 
 def test_units_are_the_repeated_blocks_or_patterns():

@@ -78,6 +78,34 @@ def test_property_any_layout_matches_one_process(world2, seed, stage, grad_accum
     assert_matches_one_process(results, seed, 2, grad_accum, micro, dp=2 // tp, dims=dims)
 
 
+def norm_in_update_case(stage):
+    """AdamW without clipping on 2 data ranks: the grad norm from the optimizer's pass (each rank's
+    partition, summed over ranks; or the whole all-reduced gradient) and from a guard that reads it
+    first; whether each run took it from the update."""
+    cfg, model, params = gpt_setup(4)
+    mesh = fs.Mesh(data=-1)
+    runs = []
+    for guard in (None, "skip"):
+        opt, plan = fs.optim.adamw(3e-3, weight_decay=0.1), zero(stage, reduce_bucket_size=300)
+        state = fs.init_train_state(params, opt, plan=plan, mesh=mesh, logical_axes=model.logical_axes)
+        step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh, grad_accum=2, on_nonfinite=guard)
+        norms = []
+        for i in range(3):
+            batch = global_batch(cfg, 8, 4, i)
+            state, metrics = step(state, {k: v[4 * mesh.rank:4 * mesh.rank + 4] for k, v in batch.items()})
+            norms.append(metrics["grad_norm"])
+        runs.append((step.runtime_for(state).norm_in_update, norms, fs.parallel.gather_params(state, mesh)))
+    return runs
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_grad_norm_from_the_update_pass_on_2_ranks(world2, stage):
+    for (fused, norms, params), (guarded, ref_norms, ref_params) in world2.run(norm_in_update_case, stage):
+        assert fused == (stage <= 2) and not guarded  # ZeRO-3 keeps small parameters whole on every rank
+        assert norms == pytest.approx(ref_norms, rel=1e-6)
+        assert torch.equal(fs.Flat.from_tree(params).buffer, fs.Flat.from_tree(ref_params).buffer)
+
+
 def dying_rank_case():
     """Rank 1 exits in the middle of a step; rank 0 must fail with a clear error instead of hanging."""
     import os

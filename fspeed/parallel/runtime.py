@@ -172,9 +172,11 @@ class ParallelRuntime:
         self.model: AxisComm = mesh.comm("model")
         self.pipe: AxisComm = mesh.comm("pipe")
         self.n = layout.data_size
-        # the grad norm from the optimizer's own pass (nothing needed it before the update): on one
-        # process, where that pass sees every element once; the sink then takes no norms
-        self.norm_in_update = norm_in_update and self.n == 1 and self.model.size == 1 and self.pipe.size == 1
+        # the grad norm from the optimizer's own pass (nothing needed it before the update), where the
+        # passes of the data ranks see each element once in all (a partition each: ZeRO-1/2) or each
+        # the whole gradient (stage 0, one rank); the sink then takes no norms
+        self.norm_in_update = norm_in_update and self.model.size == 1 and self.pipe.size == 1 and \
+            (self.n == 1 or layout.stage <= 2)
         self.rank = self.data.rank
         self.offload = offloads_optimizer(layout)
         self.offload_params = offloads_params(layout)
@@ -310,6 +312,14 @@ class ParallelRuntime:
         if self.pipe.size > 1:  # every stage's parameters (a tied copy counted on its first stage only)
             total = self.pipe.all_reduce_(total.reshape(1).to(device)).to(grads.device)[0]
         return total.sqrt()
+
+    def norm_from_update(self, grad_sq: list) -> float:
+        """The global grad norm from the sums of squares the optimizer's pass gave (`norm_in_update`):
+        ZeRO-1/2's partitions summed over the data ranks, the whole gradient's as it is."""
+        total = math.fsum(grad_sq)
+        if self.n > 1 and self.layout.stage >= 1:
+            total = self.data.all_reduce_scalar(total, "sum")
+        return math.sqrt(total)
 
     def _pieces(self, grads: Flat | LooseGrads, per_param: Optional[list] = None) -> NormPieces:
         """The gradient's per-parameter tensors (or `per_param`'s entries), grouped as `_classify` says."""
