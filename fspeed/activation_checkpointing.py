@@ -381,10 +381,10 @@ class RematOps:
         return axis is not None and axis in getattr(self.inner, "tensor_axes", ())
 
     def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor, rng: BlockRngs = None, *,
-             first: int = 0) -> torch.Tensor:
+             first: int = 0, after: Any = None) -> torch.Tensor:
         for i, (block, rng_i) in enumerate(zip(blocks, block_generators(rng, len(blocks)))):
-            after = blocks[i + 1] if i + 1 < len(blocks) else None
-            hint = getattr(getattr(after, "unit", None), "index", None)
+            nxt = blocks[i + 1] if i + 1 < len(blocks) else after
+            hint = getattr(getattr(nxt, "unit", None), "index", None)
             index = first + i  # the block's index in the model
             remat = self.remat if self.remat.chosen(index) else None
             x = self.inner.call(block, fn, x, rng_i, _hint=hint, _remat=remat, _label=f"blocks.{index}")

@@ -219,6 +219,34 @@ def test_pld_under_zero3_and_tensor_slicing_equals_one_process(world2, stage, te
         assert losses == pytest.approx(ref_losses, rel=1e-5)
 
 
+def _pld_gathers(patterns):
+    """ZeRO-3 on the tiny GPT, one step per block pattern (kept or not) after a step keeping all: the
+    all-gathers each step issued (prefetches included, used or not)."""
+    model = _gpt()
+    mesh = fs.parallel.Mesh(data=-1)
+    plan, opt = fs.parallel.zero(3, param_persistence_threshold=0), fs.optim.sgd(0.1)
+    state = fs.init_train_state(model.init(torch.Generator().manual_seed(0)), opt, plan=plan, mesh=mesh, model=model)
+    step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)
+    counts = []
+    for t, pattern in enumerate([[True] * 4] + patterns):
+        x = torch.randint(0, 24, (2, 9), generator=torch.Generator().manual_seed(t))
+        log = step.runtime_for(state).data.log
+        log.enabled = True  # every collective's event, not only byte counts
+        log.reset()
+        state, _ = step(state, {"inputs": x[:, :-1], "targets": x[:, 1:], "layer_drop": _drop_with(pattern)})
+        counts.append(sum(1 for e in log.events if e.op == "all_gather"))
+    return counts
+
+
+def test_pld_under_zero3_prefetches_the_next_kept_block(world2):
+    """Each kept block names the next kept one as its successor, so ZeRO-3 prefetches that (not the
+    block after it in the model, dropped or not): a step gathers each unit it runs once forward and
+    once backward, two gathers fewer per dropped block, and nothing else."""
+    patterns = [[True, False, True, False], [False, True, False, True], [True, False, False, True]]
+    for full, *dropped in world2.run(_pld_gathers, patterns):
+        assert dropped == [full - 2 * pattern.count(False) for pattern in patterns]
+
+
 class DroppingStack(torch.nn.Module):
     """A user's module using the documented hook: its forward takes `layer_drop`."""
 

@@ -169,12 +169,14 @@ def gpt(cfg: GPTConfig) -> Model:
         x = _dropout(x, cfg.dropout, rngs[0])
         block = functools.partial(_block, n_head=cfg.n_head, dropout=cfg.dropout, ops=ops, attend=attend)
         scales = kept_blocks(layer_drop, cfg.n_layer, training=rng is not None)
+        tail = params["ln_f"] if cfg.tie_embeddings else params["head"]  # what runs after the blocks
         if all(scale == 1.0 for scale in scales):
-            x = ops.scan(block, params["blocks"], x, rngs[1:])
+            x = ops.scan(block, params["blocks"], x, rngs[1:], after=tail)
         else:  # progressive layer dropping: dropped blocks are not run; kept ones rescale their branches
-            for j, (p, scale, rng_i) in enumerate(zip(params["blocks"], scales, rngs[1:])):
-                if scale is not None:
-                    x = ops.scan(functools.partial(block, scale=scale), [p], x, rng_i, first=j)
+            kept = [j for j, scale in enumerate(scales) if scale is not None]
+            for j, nxt in zip(kept, kept[1:] + [None]):  # each names its successor (ZeRO-3 prefetches it)
+                x = ops.scan(functools.partial(block, scale=scales[j]), [params["blocks"][j]], x, rngs[1 + j],
+                             first=j, after=params["blocks"][nxt] if nxt is not None else tail)
         return x, wte if cfg.tie_embeddings else ops.param(params["head"])
 
     def apply(params: dict, inputs: torch.Tensor, *, rng: Optional[torch.Generator] = None,

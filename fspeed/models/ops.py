@@ -93,11 +93,12 @@ class DenseOps:
         return fn(self.param(p), *args, **kwargs)
 
     def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor, rng: BlockRngs = None, *,
-             first: int = 0) -> torch.Tensor:
+             first: int = 0, after: Any = None) -> torch.Tensor:
         """x = fn(blocks[i], x, rng_i) for each block in order (the unit of ZeRO-3 gathering); rng_i is
         `rng`, or `rng[i]` when `rng` is a sequence (`block_generators`). `first`: the index of
         `blocks[0]` among the model's blocks, when a model scans them in several calls (what remat's
-        `every` counts and its labels name)."""
+        `every` counts and its labels name); `after`: then the block that runs next (ZeRO-3
+        prefetches it while the last of these runs)."""
         for block, rng_i in zip(blocks, block_generators(rng, len(blocks))):
             x = fn(block, x, rng_i)
         return x

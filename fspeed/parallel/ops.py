@@ -339,10 +339,10 @@ class UnitOps(DenseOps):
         return call.result(outputs)
 
     def scan(self, fn: BlockFn, blocks: Sequence[Any], x: torch.Tensor, rng: BlockRngs = None, *,
-             first: int = 0) -> torch.Tensor:
+             first: int = 0, after: Any = None) -> torch.Tensor:
         for i, (block, rng_i) in enumerate(zip(blocks, block_generators(rng, len(blocks)))):
-            after = blocks[i + 1] if i + 1 < len(blocks) else None
-            hint = after.unit.index if isinstance(after, UnitParams) else None
+            nxt = blocks[i + 1] if i + 1 < len(blocks) else after
+            hint = nxt.unit.index if isinstance(nxt, UnitParams) else None
             x = self.call(block, fn, x, rng_i, _hint=hint)
         return x
 

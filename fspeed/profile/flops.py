@@ -143,7 +143,7 @@ class _ScopedOps(DenseOps):
         with self.scopes.scope(self._prefix(p)):
             return super().call(p, fn, *args, **kwargs)
 
-    def scan(self, fn, blocks, x, rng=None, *, first=0):
+    def scan(self, fn, blocks, x, rng=None, *, first=0, after=None):
         for block, rng_i in zip(blocks, block_generators(rng, len(blocks))):
             with self.scopes.scope(self._prefix(block)):
                 x = fn(block, x, rng_i)
