@@ -207,6 +207,7 @@ def make_train_step(
                 executors[key] = PipelineExecutor(layout, step_mesh, model.layers, state.precision.grad_accum_dtype)
         last[:] = [layout, state.precision, runtimes[key]]
         return runtimes[key]
+
     def norm_in_update(precision: Precision) -> bool:
         """Whether nothing reads the grad norm before the update (no overflow check, loss scale,
         divergence guard or clipping), so the optimizer's own pass over the gradient may give it

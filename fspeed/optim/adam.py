@@ -155,7 +155,8 @@ def adam(
         hp = dict(lr=lr_t, beta1=b1_t, beta2=b2, eps=eps, weight_decay=weight_decay, step=state.count + 1,
                   adam_w_mode=adam_w_mode, bias_correction=bias_correction)
         many = len(p) > 1 and hasattr(kernel, "adam_step_runs")
-        # grad_sq: the CPU kernels sum the squared gradients in their own pass; elsewhere a norm first
+        # grad_sq: the CPU kernels (those with a runs pass) sum the squared gradients in the update's
+        # own pass; the other paths take the sum separately
         sums = grad_sq is not None and hasattr(kernel, "adam_step_runs")
         squared = dict(grad_sq=grad_sq) if sums else {}
         for group in zip(p, g, m, v, c):

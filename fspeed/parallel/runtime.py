@@ -172,9 +172,10 @@ class ParallelRuntime:
         self.model: AxisComm = mesh.comm("model")
         self.pipe: AxisComm = mesh.comm("pipe")
         self.n = layout.data_size
-        # the grad norm from the optimizer's own pass (nothing needed it before the update), where the
-        # passes of the data ranks see each element once in all (a partition each: ZeRO-1/2) or each
-        # the whole gradient (stage 0, one rank); the sink then takes no norms
+        # the grad norm from the optimizer's own pass (nothing needed it before the update) where that
+        # pass sees the whole gradient (one rank; stage 0's all-reduced one) or a ZeRO-1/2 partition
+        # (summed over the ranks); not ZeRO-3 on several ranks, whose small persistent parameters are
+        # whole on every rank. The sink then takes no norms
         self.norm_in_update = norm_in_update and self.model.size == 1 and self.pipe.size == 1 and \
             (self.n == 1 or layout.stage <= 2)
         self.rank = self.data.rank
