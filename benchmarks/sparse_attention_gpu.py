@@ -103,7 +103,8 @@ def check_correctness(device: str, backends: list[str]) -> list[str]:
 
 def check_optimizers(device: str) -> list[str]:
     """Adam(W) and LAMB with backend="numba" (the CUDA kernels on CUDA tensors) against backend="torch",
-    three steps on a flat buffer with a tail, writing a bf16 compute copy."""
+    three steps on a flat buffer with a tail, writing a bf16 compute copy; AdamW's `grad_sq` (the grad
+    norm train_step takes from the update where nothing reads it first) on both backends."""
     from fspeed import Flat
     from fspeed.optim import adam, lamb, optimizer_step
 
@@ -133,6 +134,15 @@ def check_optimizers(device: str) -> list[str]:
         print(f"{name:6s} numba kernel vs torch: relative error {err:.1e}, bf16 copy exact: {exact_cast}")
         if not err <= 1e-5 or not exact_cast:
             failures.append(f"{name} backend=numba: error {err:.1e} (tolerance 1e-5), bf16 copy exact: {exact_cast}")
+    for backend in ("numba", "torch"):
+        grad_sq: list = []
+        opt = adam(1e-2, weight_decay=0.1, adam_w_mode=True, backend=backend)
+        optimizer_step(opt, grads[0], opt.init(params), params.clone(), grad_sq=grad_sq)
+        want = float(grads[0].buffer.double().square().sum())
+        err = abs(sum(grad_sq) / want - 1)
+        print(f"adamw backend={backend} grad_sq: relative error {err:.1e} against the float64 sum of squares")
+        if not err <= 1e-5:
+            failures.append(f"adamw backend={backend} grad_sq: relative error {err:.1e} (tolerance 1e-5)")
     return failures
 
 

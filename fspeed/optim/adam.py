@@ -159,22 +159,23 @@ def adam(
         # own pass; the other paths take the sum separately
         sums = grad_sq is not None and hasattr(kernel, "adam_step_runs")
         squared = dict(grad_sq=grad_sq) if sums else {}
+        unsummed = []  # gradients whose squares no kernel sums (the CUDA kernel, torch's path)
         for group in zip(p, g, m, v, c):
             if many and group[4] is None and kernel.supports_runs(*group[:4]):
                 runs.append(group[:4])
             elif kernel is not None and (backend == "numba" or kernel.supports(*group)):
                 kernel.adam_step(*group[:4], **hp, cast_out=group[4], **squared)
-                if grad_sq is not None and not sums:
-                    grad_sq.append(float(group[1].double().square().sum()))
+                unsummed += [] if sums else [group[1]]
             else:
                 rest.append(group)
+                unsummed.append(group[1])
+        if grad_sq is not None and unsummed:  # read before torch's path below (which may cast them)
+            grad_sq.extend(float(n.double().square()) for n in torch._foreach_norm(unsummed))
         if len(runs) == 1:
             kernel.adam_step(*runs[0], **hp, **squared)
         elif runs:
             kernel.adam_step_runs(*map(list, zip(*runs)), **hp, checked=True, **squared)
         if rest:
-            if grad_sq is not None:
-                grad_sq.extend(float(n.double().square()) for n in torch._foreach_norm([r[1] for r in rest]))
             _torch_adam(*map(list, zip(*rest)), state.count + 1, lr_t, b1_t, b2, eps, weight_decay,
                         adam_w_mode, bias_correction, bc1, bc2)
         return params, AdamState(state.count + 1, resolve(lr, state.count + 1), state.mu, state.nu)
