@@ -416,12 +416,13 @@ def test_the_grad_norm_from_the_update_pass_is_the_norm_taken_before_it(seed, wi
 
 
 def test_the_update_pass_gives_no_norm_where_one_is_needed_before_it():
-    """Clipping, a loss scale or the overflow check read the norm before the update: the optimizer's
-    pass is not asked for it."""
+    """Clipping, a loss scale or the overflow check read the norm before the update, and sgd's pass
+    sums no squares: the optimizer's pass is not asked for the norm."""
     module = _HandsOverOddGradients(3, 0)
     model = fs.functionalize(module, lambda out, batch: out.square().mean())
-    for opt, prec in [(chain(clip_by_global_norm(1.0), adamw(1e-2)), fs.precision.fp32()), (adamw(1e-2), fs.precision.bf16()),
-                      (adamw(1e-2), fs.precision.fp16()), (sgd(1e-2), fs.precision.fp32())]:
+    fp32, bf16, fp16 = fs.precision.fp32(), fs.precision.bf16(), fs.precision.fp16()
+    for opt, prec in [(chain(clip_by_global_norm(1.0), adamw(1e-2)), fp32), (adamw(1e-2), bf16), (adamw(1e-2), fp16),
+                      (sgd(1e-2), fp32)]:
         state = fs.init_train_state(model.init(), opt, model=model, precision=prec)
         step = fs.make_train_step(model.loss, opt)
         assert not step.runtime_for(state).norm_in_update, (opt, prec.name)
