@@ -298,7 +298,7 @@ def _squares_for(chunks: int, grad_sq: list | None) -> np.ndarray:
 
 
 def adam_scalars(name: str, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-             adam_w_mode: bool, bias_correction: bool) -> tuple:
+                 adam_w_mode: bool, bias_correction: bool) -> tuple:
     """The Adam kernels' fp32 scalars in their order (`_adam_chunk`'s here, `adam_kernel`'s in
     cuda_adam), the bias corrections and the two weight-decay modes folded in; `step` must be a
     positive integer (`name` is the caller's, for the error)."""

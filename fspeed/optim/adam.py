@@ -154,10 +154,11 @@ def adam(
         runs = []  # fp32 groups the kernel takes in one pass (a group's runs, loose gradients)
         hp = dict(lr=lr_t, beta1=b1_t, beta2=b2, eps=eps, weight_decay=weight_decay, step=state.count + 1,
                   adam_w_mode=adam_w_mode, bias_correction=bias_correction)
-        many = len(p) > 1 and hasattr(kernel, "adam_step_runs")
-        # grad_sq: the CPU kernels (those with a runs pass) sum the squared gradients in the update's
-        # own pass; the other paths take the sum separately
-        sums = grad_sq is not None and hasattr(kernel, "adam_step_runs")
+        cpu_kernel = hasattr(kernel, "adam_step_runs")  # (the CUDA kernel has no runs pass)
+        many = len(p) > 1 and cpu_kernel
+        # grad_sq: the CPU kernels sum the squared gradients in the update's own pass; the other
+        # paths take the sum separately
+        sums = grad_sq is not None and cpu_kernel
         squared = dict(grad_sq=grad_sq) if sums else {}
         unsummed = []  # gradients whose squares no kernel sums (the CUDA kernel, torch's path)
         for group in zip(p, g, m, v, c):
@@ -165,7 +166,8 @@ def adam(
                 runs.append(group[:4])
             elif kernel is not None and (backend == "numba" or kernel.supports(*group)):
                 kernel.adam_step(*group[:4], **hp, cast_out=group[4], **squared)
-                unsummed += [] if sums else [group[1]]
+                if not sums:
+                    unsummed.append(group[1])
             else:
                 rest.append(group)
                 unsummed.append(group[1])
