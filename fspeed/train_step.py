@@ -213,7 +213,7 @@ def make_train_step(
         divergence guard or clipping), so the optimizer's own pass over the gradient may give it
         (`Capabilities.sums_grad_squares`): one read of the gradient fewer."""
         return (rest.capabilities.sums_grad_squares and clip_norm is None and on_nonfinite is None
-                and not precision.check_overflow and precision.loss_scale is None and pipe is None)
+                and not precision.check_overflow and precision.loss_scale is None)
 
     # Module state (functionalize's BatchNorm statistics) must enter the transformed function as an
     # input to be updated in place under torch.func: the state's buffers, passed as an argument.
@@ -285,7 +285,8 @@ def make_train_step(
         if timers is not None:
             timers.start("fwd")  # forward and backward interleave: the schedule's time is fwd_ms
         micro_batches = [on_device(mb, step.anchor.device) for mb in micro_batches]
-        losses, grads = executor.step(state.params, micro_batches, multiplier, layer_rng)
+        losses, grads = executor.step(state.params, micro_batches, multiplier, layer_rng,
+                                      into=runtime.summed_grad_buffer())
         if timers is not None:
             timers.stop("fwd")
         runtime.deliver_summed(grads, step.allreduce)
@@ -382,8 +383,9 @@ def make_train_step(
             opt_state = (opt_state[0],) + tuple(rest_state)
         elif runtime.norm_in_update:  # (no loss scale: the norm is the reduced gradient's own)
             grad_sq: list = []
+            copies_sq = runtime.tied_copies_sq(grads)
             master, opt_state = optimizer_step(rest, grads, opt_state, master, cast_to=cast_to, grad_sq=grad_sq)
-            grad_norm = runtime.norm_from_update(grad_sq)
+            grad_norm = runtime.norm_from_update(grad_sq, copies_sq)
         else:
             master, opt_state = optimizer_step(rest, grads, opt_state, master, cast_to=cast_to, comm=comm)
         gather = runtime.write_back(master, fields["params"], cast_to)  # cast/upload; ZeRO-1/2 start an all-gather

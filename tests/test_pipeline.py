@@ -529,3 +529,33 @@ def test_zero_bubble_weight_pass_in_bf16_equals_1f1b_bit_for_bit(build):
     got, deferred = grads("zero_bubble")
     assert deferred > 0
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _norm_in_update(data: int, stage: int):
+    """A tied GPT on pipe=2 (x data): AdamW without clipping, the grad norm from the optimizer's own
+    pass and from a guard that reads it before the update; whether each took it from the update."""
+    mesh = fs.Mesh(data=data, pipe=2)
+    model = fs.models.gpt(fs.models.GPTConfig(vocab_size=64, seq_len=8, n_layer=3, n_head=2, d_model=16))
+    params = model.init(torch.Generator().manual_seed(0))
+    runs = []
+    for guard in (None, "skip"):
+        opt, plan = fs.optim.adamw(3e-3, weight_decay=0.1), fs.zero(stage) | fs.pipeline(4, schedule="1f1b")
+        state = fs.init_train_state(params, opt, plan=plan, mesh=mesh, model=model)
+        step = fs.make_train_step(model, opt, plan=plan, mesh=mesh, on_nonfinite=guard)
+        norms = []
+        for i in range(3):
+            tokens = torch.randint(0, 64, (8, 9), generator=torch.Generator().manual_seed(10 + i))
+            rows = slice(8 // data * mesh.coords["data"], 8 // data * (mesh.coords["data"] + 1))
+            state, metrics = step(state, {"inputs": tokens[rows, :-1], "targets": tokens[rows, 1:]})
+            norms.append(metrics["grad_norm"])
+        runs.append((step.runtime_for(state).norm_in_update, norms, fs.parallel.gather_params(state, mesh)))
+    return runs
+
+
+@pytest.mark.parametrize("data,stage", [(1, 0), (2, 0), (2, 1)])
+def test_a_pipelines_grad_norm_from_the_update_pass_counts_a_tied_copy_once(request, data, stage):
+    world = request.getfixturevalue("world4" if data == 2 else "world2")
+    for (fused, norms, params), (guarded, ref_norms, ref_params) in world.run(_norm_in_update, data, stage):
+        assert fused == (stage == 0) and not guarded  # ZeRO-1 on 2 data ranks sees a partition: read first
+        assert norms == pytest.approx(ref_norms, rel=1e-6)  # fp32 norms per tensor against fp64 sums
+        assert torch.equal(fs.Flat.from_tree(params).buffer, fs.Flat.from_tree(ref_params).buffer)

@@ -287,6 +287,21 @@ class AccumulatedGrads(GradSink):
         if self.last and self.reduce and self.comm.size > 1:
             self.buckets.arrived(params)
 
+    def buffer_for_summed(self) -> Optional[torch.Tensor]:
+        """The accumulator's local-order part, for a gradient summed outside the sink (a pipeline
+        stage's) to be written straight into (then `deliver_in_place`); None for the loose sink."""
+        return None if self.loose else self.acc[:self.layout.local.numel]
+
+    def deliver_in_place(self, reduce: bool) -> None:
+        """The step's gradient, summed in `buffer_for_summed()` already, as its one micro-batch:
+        every unit delivered (last unit first, as backward would) and reduced where it lies, no copy."""
+        self.begin_step(reduce, 1)
+        self.begin_micro(0)
+        for unit in reversed(self.layout.units):
+            self._first_delivery(unit.index)
+            if self.reduce and self.comm.size > 1:
+                self.buckets.arrived(self.order(unit.index))
+
     def _keep(self, params: Sequence[int], grads: Sequence[Optional[torch.Tensor]]) -> None:
         done = []
         for i, g in zip(params, grads):

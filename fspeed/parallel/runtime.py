@@ -175,9 +175,10 @@ class ParallelRuntime:
         # the grad norm from the optimizer's own pass (nothing needed it before the update) where that
         # pass sees the whole gradient (one rank; stage 0's all-reduced one) or a ZeRO-1/2 partition
         # (summed over the ranks); not ZeRO-3 on several ranks, whose small persistent parameters are
-        # whole on every rank. The sink then takes no norms
-        self.norm_in_update = norm_in_update and self.model.size == 1 and self.pipe.size == 1 and \
-            (self.n == 1 or layout.stage <= 2)
+        # whole on every rank; under a pipeline, where the pass sees the stage's whole gradient (its
+        # tied copies are then left out by `tied_copies_sq`). The sink then takes no norms
+        self.norm_in_update = norm_in_update and self.model.size == 1 and \
+            (self.n == 1 or layout.stage <= 2 and (self.pipe.size == 1 or layout.stage == 0))
         self.rank = self.data.rank
         self.offload = offloads_optimizer(layout)
         self.offload_params = offloads_params(layout)
@@ -255,9 +256,18 @@ class ParallelRuntime:
         self.close_ops()
         self.sink.end_micro()
 
+    def summed_grad_buffer(self) -> Optional[torch.Tensor]:
+        """Where a gradient summed outside the sink (a pipeline stage's) may be summed directly:
+        the sink's own accumulator (stages 0 and 1), so `deliver_summed` copies nothing; else None."""
+        return self.sink.buffer_for_summed() if isinstance(self.sink, AccumulatedGrads) else None
+
     def deliver_summed(self, grads: Flat, reduce: bool) -> None:
         """A gradient summed outside the sink (a pipeline stage's, over its micro-batches), handed to
         the sink as the step's one micro-batch (reduced over `data` by the ZeRO stage)."""
+        own = self.summed_grad_buffer()
+        if own is not None and own.data_ptr() == grads.buffer.data_ptr() and own.numel() == grads.buffer.numel():
+            self.sink.deliver_in_place(reduce)
+            return
         self.sink.begin_step(reduce, 1)
         self.sink.begin_micro(0)
         segments = grads.layout.segments(grads.buffer)
@@ -314,13 +324,26 @@ class ParallelRuntime:
             total = self.pipe.all_reduce_(total.reshape(1).to(device)).to(grads.device)[0]
         return total.sqrt()
 
-    def norm_from_update(self, grad_sq: list) -> float:
+    def norm_from_update(self, grad_sq: list, tied_copies_sq: float = 0.0) -> float:
         """The global grad norm from the sums of squares the optimizer's pass gave (`norm_in_update`):
-        ZeRO-1/2's partitions summed over the data ranks, the whole gradient's as it is."""
+        ZeRO-1/2's partitions summed over the data ranks, the whole gradient's as it is; under a
+        pipeline, summed over the stages less the tied copies another stage counts (`tied_copies_sq`)."""
         total = math.fsum(grad_sq)
         if self.n > 1 and self.layout.stage >= 1:
             total = self.data.all_reduce_scalar(total, "sum")
-        return math.sqrt(total)
+        if self.pipe.size > 1:
+            total = self.pipe.all_reduce_scalar(total - tied_copies_sq, "sum")
+        return math.sqrt(max(total, 0.0))
+
+    def tied_copies_sq(self, grads: Flat | LooseGrads) -> float:
+        """The sum of the squares of this stage's gradient of parameters whose first stage is another
+        (a tied embedding's later copy): `grad_norm` counts each once. Read before the update."""
+        plan = self.layout.pipeline
+        copies = {p for p, stages in plan.tied if stages[0] != plan.stage} if plan is not None else set()
+        if not copies:
+            return 0.0
+        parts = [t for path, t in zip(grads.layout.paths, grads.segments()) if path in copies]
+        return math.fsum(float(n.double().square()) for n in foreach_norm(parts)) if parts else 0.0
 
     def _pieces(self, grads: Flat | LooseGrads, per_param: Optional[list] = None) -> NormPieces:
         """The gradient's per-parameter tensors (or `per_param`'s entries), grouped as `_classify` says."""
