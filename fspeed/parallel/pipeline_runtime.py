@@ -130,49 +130,14 @@ class _DeferWeightGrads(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _Sums:
-    """A stage's per-parameter gradient sums over a step's micro-batches, in views of one buffer
-    (`acc_of`: parameter id -> its view): a parameter's first gradient is copied in and later ones
-    added (no zeroing pass over the buffer first, as autograd's accumulation takes the first one)."""
-
-    def __init__(self, acc_of: dict[int, torch.Tensor]):
-        self.acc_of = acc_of
-        self.touched: set[int] = set()
-
-    @torch.no_grad()
-    def add(self, keys: Sequence[int], grads: Sequence[Optional[torch.Tensor]]) -> None:
-        """Each parameter's gradient of one backward (None: it got none), one launch per kind."""
-        first, later = ([], []), ([], [])
-        for key, g in zip(keys, grads):
-            if g is not None:
-                pair = later if key in self.touched else first
-                pair[0].append(self.acc_of[key])
-                pair[1].append(g)
-                self.touched.add(key)
-        if first[0]:
-            torch._foreach_copy_(*first)
-        if later[0]:
-            torch._foreach_add_(*later)
-
-    @torch.no_grad()
-    def add_product(self, key: int, shape: torch.Size, a: torch.Tensor, b: torch.Tensor) -> None:
-        """A weight gradient aᵀ b, over all leading dims, into the parameter's sum in one GEMM."""
-        a, b = a.reshape(-1, a.shape[-1]).t(), b.reshape(-1, b.shape[-1])
-        acc_w = self.acc_of[key].view(shape)
-        if a.dtype != acc_w.dtype:  # 16-bit activations: dW in their dtype, as backward makes it, then summed
-            self.add([key], [(a @ b).view(self.acc_of[key].shape)])
-        elif key in self.touched:
-            acc_w.addmm_(a, b)
-        else:
-            torch.mm(a, b, out=acc_w)
-            self.touched.add(key)
-
-    @torch.no_grad()
-    def zero_untouched(self, keys: Sequence[int]) -> None:
-        """Zeros for the parameters no micro-batch gave a gradient this step."""
-        untouched = [self.acc_of[k] for k in keys if k not in self.touched]
-        if untouched:
-            torch._foreach_zero_(untouched)
+def _add_weight_grad(acc_w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc_w += aᵀ b over all leading dims (a linear's dYᵀ X, an addmm's Xᵀ dY): one GEMM that
+    accumulates into the sum."""
+    a, b = a.reshape(-1, a.shape[-1]).t(), b.reshape(-1, b.shape[-1])
+    if a.dtype == acc_w.dtype:
+        acc_w.addmm_(a, b)
+    else:  # 16-bit activations: dW in their dtype, as backward makes it, added to the fp32 sum
+        acc_w.add_(a @ b)
 
 
 class PipelineExecutor:
@@ -217,8 +182,7 @@ class PipelineExecutor:
         the stage's summed parameter gradients in the layout's local order, `grad_dtype`).
         `layer_rng(m, i)`: a generator of its own (or None) for layer i on micro-batch m (a
         checkpointed group keeps each layer's to replay it). `into`: the buffer to sum them in (the
-        gradient sink's own, `ParallelRuntime.summed_grad_buffer`); its parameter segments are
-        overwritten, whatever they held, and nothing else in it is written."""
+        gradient sink's own, `ParallelRuntime.summed_grad_buffer`), zeroed first."""
         if len(micro_batches) != self.micro_batches:
             raise ValueError(f"the pipeline runs {self.micro_batches} micro-batches per step, got {len(micro_batches)}")
         local = self.layout.local
@@ -230,10 +194,18 @@ class PipelineExecutor:
         elif into.numel() != local.numel or into.dtype != self.grad_dtype or into.device != params.device:
             raise ValueError(f"the pipeline sums its gradient in a buffer of {local.numel} {self.grad_dtype} on "
                              f"{params.device}; got {into.numel()} {into.dtype} on {into.device}")
+        else:
+            into.zero_()
         acc = into
         acc_views = local.segments(acc)
         acc_of = {id(leaf): view.view(leaf.shape) for leaf, view in zip(leaves, acc_views)}
-        summed = _Sums(acc_of)  # the first gradient of a parameter in a step is copied in, later ones added
+        # where the dtypes allow, each parameter's .grad is its view of the buffer: backward adds every
+        # gradient into it as it makes it (autograd's own accumulation, while the gradient is in cache)
+        in_place = all(leaf.dtype == acc.dtype for leaf in leaves if leaf.requires_grad)
+        if in_place:
+            for leaf in leaves:
+                if leaf.requires_grad:
+                    leaf.grad = acc_of[id(leaf)]
         chunk_leaves = [self._leaves_of_chunk(leaves, c) for c in range(self.plan.virtual_stages)]
         signature = tuple((tuple(t.shape), t.dtype) for t in tree_flatten_with_paths(micro_batches[0])[1]
                           if isinstance(t, torch.Tensor))
@@ -286,13 +258,21 @@ class PipelineExecutor:
                 start = time.perf_counter()
                 xs = [t for t in _parts(x) if t.is_floating_point() and t.requires_grad] if k > 0 else []
                 inputs = xs + chunk_leaves[c]
-                grads = torch.autograd.grad(outputs, inputs, grad_y, allow_unused=True) if outputs else \
-                    (None,) * len(inputs)
+                if in_place:  # the parameters' gradients go into their .grad views, x's into x.grad
+                    if outputs and inputs:
+                        torch.autograd.backward(outputs, grad_y, inputs=inputs)
+                    grads_x = [t.grad for t in xs]
+                else:
+                    grads = torch.autograd.grad(outputs, inputs, grad_y, allow_unused=True) if outputs else \
+                        (None,) * len(inputs)
+                    grads_x, grads = grads[:len(xs)], grads[len(xs):]
+                    with torch.no_grad():
+                        for leaf, g in zip(chunk_leaves[c], grads):
+                            if g is not None:
+                                acc_of[id(leaf)].add_(g)
                 if k > 0:  # a gradient for each floating part of x (zeros where x did not reach y)
-                    gx = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, xs)]
+                    gx = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads_x, xs)]
                     sends += self._send("grad", m, k - 1, gx, signature, mailbox)
-                    grads = grads[len(xs):]
-                summed.add([id(leaf) for leaf in chunk_leaves[c]], grads)
                 if not split:
                     deferred.pop((m, c))
             else:  # "W": the deferred weight gradients
@@ -300,14 +280,14 @@ class PipelineExecutor:
                 start = time.perf_counter()
                 store = deferred.pop((m, c))
                 self.deferred_linears += len(store)
-                for key, shape, a, b in store:  # dW += aᵀ b (a linear's dYᵀ X, an addmm's Xᵀ dY)
-                    summed.add_product(key, shape, a, b)
+                with torch.no_grad():
+                    for key, shape, a, b in store:
+                        _add_weight_grad(acc_of[key].view(shape), a, b)
                 store.clear()  # the graph's nodes still hold the list; its tensors go now
             if self.timeline is not None:
                 self.timeline.append((action, start, time.perf_counter()))
         for pending in sends:
             pending.wait()
-        summed.zero_untouched([id(leaf) for leaf in leaves if leaf.requires_grad])
         self._sum_tied(acc, acc_views)
         return losses, Flat(acc, local)
 
