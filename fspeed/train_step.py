@@ -236,15 +236,16 @@ def make_train_step(
         """Forward and backward of one micro-batch (plain autograd, module docstring); the
         gradients reach the runtime's sink, the anchor's own is not needed."""
         anchor = anchor.detach().requires_grad_()
+        runtime = args[-1]
         if timers is None:
             scaled, loss = micro_loss(anchor, *args)
-            torch.autograd.backward(scaled, inputs=[anchor])
+            torch.autograd.backward(scaled, inputs=runtime.backward_inputs(anchor))
             return loss
         timers.start("fwd")
         scaled, loss = micro_loss(anchor, *args)
         timers.stop("fwd")
         timers.start("bwd_inner")
-        torch.autograd.backward(scaled, inputs=[anchor])
+        torch.autograd.backward(scaled, inputs=runtime.backward_inputs(anchor))
         timers.stop("bwd_inner")
         return loss
 

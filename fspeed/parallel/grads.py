@@ -11,7 +11,9 @@ backward when the identity is applied where the layer is used (`fspeed.parallel.
     stage 0   copy/add into the full accumulation buffer; on the last micro-batch, all-reduce
               each bucket (`reduce_bucket_size`, parameter-aligned ranges of the buffer) as soon
               as every gradient in it has arrived; one CPU process (nothing to reduce) whose
-              optimizer takes them keeps backward's own tensors instead (`LooseGrads`: no copy)
+              optimizer takes them keeps backward's own tensors instead (`LooseGrads`: no copy):
+              there the parameters are plain autograd leaves and backward fills their `.grad`
+              as an eager loop's does (no delivery identity per unit)
     stage 1   the same buffer; its buckets are cut at partition boundaries and reduced onto the
               rank that owns them (DeepSpeed's reduce_scatter=true); the partition is a view
     stage 2   no full buffer: gradients are copied into a bucket as they arrive (DeepSpeed's IPG
@@ -29,6 +31,7 @@ same order on every rank because the engine delivers units in the same order (sa
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from typing import Any, Optional, Sequence
 
@@ -82,6 +85,7 @@ class GradSink:
         self.bucket = layout.zero.reduce_bucket_size
         self.reduce, self.micro, self.last = True, 0, True
         self.delivered: set[int] = set()
+        self.loose = False  # whether the parameters are autograd leaves whose .grad the sink reads (`hold_leaves`)
 
     def order(self, unit: int) -> tuple[int, ...]:
         """The parameters (indices into layout.params) `deliver(unit, ...)` takes, in order."""
@@ -229,11 +233,11 @@ class AccumulatedGrads(GradSink):
     reduced onto their owner (stage 1) on the last micro-batch, as gradients complete them.
 
     `loose` (stage 0 on one data rank, for an optimizer that takes `LooseGrads`): no buffer; the
-    gradient tensors backward made are kept as they are (later micro-batches add into them), and
-    `finish` hands them over. A tensor that is not the sink's alone (a view into a larger one, the
-    same tensor delivered for two parameters, another dtype) is copied instead. It takes each
-    parameter's gradient norm as the last micro-batch completes it (in cache), unless `take_norms`
-    is off (the optimizer's pass gives the norm)."""
+    parameters are autograd leaves (`hold_leaves`, views of the parameter buffer) and backward
+    accumulates into their `.grad` as in an eager loop (the first gradient kept as backward made
+    it, later micro-batches added in place, a tensor that is not its own copied, all by autograd);
+    `finish` hands those tensors over. A hook takes each parameter's gradient norm as the last
+    micro-batch completes it (in cache), unless `take_norms` is off (the optimizer's pass gives it)."""
 
     def __init__(self, layout: Layout, comm: AxisComm, dtype: torch.dtype, device: torch.device,
                  loose: bool = False, take_norms: bool = True):
@@ -242,7 +246,8 @@ class AccumulatedGrads(GradSink):
         self.stage1 = layout.stage == 1
         n, local = comm.size, layout.local
         self.loose = loose and not self.stage1 and n == 1
-        self._forget_kept()
+        self.leaves: list[Optional[torch.Tensor]] = [None] * len(local.paths)
+        self.norms: list[Optional[torch.Tensor]] = [None] * len(local.paths)  # of the final gradients
         self.part = layout.partition_numel if self.stage1 else local.numel
         self.acc = None if self.loose else \
             torch.zeros(n * self.part if self.stage1 else local.numel, dtype=dtype, device=device)
@@ -256,24 +261,42 @@ class AccumulatedGrads(GradSink):
         piece = self.acc[lo:hi]
         return self.comm.start_reduce(piece, owner) if owner >= 0 else self.comm.start_all_reduce(piece)
 
+    def hold_leaves(self, leaves: dict[int, torch.Tensor]) -> None:
+        """The loose sink's parameters (index in layout.params -> autograd leaf), whose `.grad`
+        backward fills; with `take_norms`, each gets a hook taking its norm on the last micro-batch."""
+        self.leaves = [leaves.get(i) for i in range(len(self.leaves))]
+        self.differentiated = [leaf for leaf in self.leaves if leaf is not None and leaf.requires_grad]
+        if self.take_norms:
+            for i, leaf in leaves.items():
+                if leaf.requires_grad:
+                    leaf.register_post_accumulate_grad_hook(functools.partial(self._take_norm, i))
+
+    def _take_norm(self, i: int, leaf: torch.Tensor) -> None:
+        if self.last:  # the gradient is final, and in cache
+            self.norms[i] = torch.linalg.vector_norm(leaf.grad)
+
     def begin_step(self, reduce: bool, micro_batches: int) -> None:
         super().begin_step(reduce, micro_batches)
         self.buckets.reset()
-        if self.loose:  # (a step that failed part-way left its tensors)
-            self._forget_kept()
+        if self.loose:  # (a step that failed part-way left its gradients)
+            self._forget_grads()
 
-    def _forget_kept(self) -> None:
-        n = len(self.layout.local.paths)
-        self.kept: list[Optional[torch.Tensor]] = [None] * n
-        self.norms: list[Optional[torch.Tensor]] = [None] * n  # of the final gradients
-        self.kept_ptrs: set[int] = set()  # data pointers of the tensors kept
+    def _forget_grads(self) -> None:
+        for leaf in self.leaves:
+            if leaf is not None:
+                leaf.grad = None
+        self.norms = [None] * len(self.norms)
+
+    def end_micro(self) -> None:
+        if not self.loose:  # (the loose sink's gradients are in the leaves: nothing is delivered)
+            super().end_micro()
 
     def _deliver(self, unit: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        if self.loose:
+            raise RuntimeError("the loose gradient sink's parameters are autograd leaves (hold_leaves): backward fills "
+                               "their .grad; nothing is delivered to it")
         self._first_delivery(unit)
         params = self.order(unit)
-        if self.loose:
-            self._keep(params, grads)
-            return
         first = self.micro == 0
         segs, flat = [], []
         for i, g in zip(params, grads):
@@ -302,44 +325,20 @@ class AccumulatedGrads(GradSink):
             if self.reduce and self.comm.size > 1:
                 self.buckets.arrived(self.order(unit.index))
 
-    def _keep(self, params: Sequence[int], grads: Sequence[Optional[torch.Tensor]]) -> None:
-        done = []
-        for i, g in zip(params, grads):
-            if g is None:
-                continue
-            held = self.kept[i]
-            if held is not None:  # a later micro-batch (the kept tensor is the sink's own)
-                held.add_(g.reshape(-1))
-            elif self._owns(g):
-                self.kept[i] = g.view(-1)
-                self.kept_ptrs.add(g.data_ptr())
-            else:  # a part of a larger tensor (or expanded), kept already, or not the sink's dtype
-                self.kept[i] = torch.empty(g.numel(), dtype=self.dtype, device=self.device).copy_(g.reshape(-1))
-            done.append(i)
-        if self.last and done and self.take_norms:  # final: the unit's norms now, while its gradient is in cache
-            for i, norm in zip(done, torch._foreach_norm([self.kept[i] for i in done])):
-                self.norms[i] = norm
-
-    def _owns(self, g: torch.Tensor) -> bool:
-        """Whether the sink may keep `g` and add into it: all of its storage, dense, not kept already
-        (an add's backward hands its two inputs one tensor)."""
-        return g.dtype == self.dtype and g.device == self.device and g.is_contiguous() and \
-            g.storage_offset() == 0 and g.untyped_storage().nbytes() == g.numel() * g.element_size() and \
-            g.data_ptr() not in self.kept_ptrs
-
     def finish(self) -> Flat | LooseGrads:
         if self.loose:
             local = self.layout.local
-            tensors = [t if t is not None else torch.zeros(n, dtype=self.dtype, device=self.device)
-                       for t, n in zip(self.kept, local.sizes)]  # unused parameters: zero gradients
+            grads = [leaf.grad if leaf is not None else None for leaf in self.leaves]
+            tensors = [g.reshape(-1) if g is not None else torch.zeros(n, dtype=self.dtype, device=self.device)
+                       for g, n in zip(grads, local.sizes)]  # unused parameters: zero gradients
             norms = None
             if self.take_norms:
-                late = [i for i, n in enumerate(self.norms) if n is None and self.kept[i] is not None]
+                late = [i for i, n in enumerate(self.norms) if n is None and grads[i] is not None]
                 for i, norm in zip(late, torch._foreach_norm([tensors[i] for i in late]) if late else ()):
-                    self.norms[i] = norm  # delivered on an earlier micro-batch only (a layer dropped on the last)
+                    self.norms[i] = norm  # a gradient from an earlier micro-batch only (a layer dropped on the last)
                 norms = [n if n is not None else torch.zeros((), dtype=self.dtype, device=self.device)
                          for n in self.norms]
-            self._forget_kept()
+            self._forget_grads()
             return LooseGrads(tensors, local, norms)
         if self.reduce and self.comm.size > 1:
             self.buckets.flush()

@@ -303,6 +303,8 @@ class UnitOps(DenseOps):
                 tensors = _assemble(unit, full, [self.to_device(t) for t in p.resident])
             elif p.shard is not None:
                 tensors = list(apply_function(_GatheredParams, self.anchor, p.shard, self, unit, *p.resident))
+            elif self.sink.loose:  # autograd leaves: backward fills their .grad, which the sink reads
+                tensors = list(p.resident)
             else:
                 tensors = [self.to_device(t) for t in deliver_on_backward(self.anchor, self.sink, unit.index, p.resident)]
             self._taken[unit.index] = tensors

@@ -39,7 +39,7 @@ from .offload import (
     HostDeviceCopies, check_optimizer_for_offload, compute_device, copy_to, host_buffer, offloads_optimizer,
     offloads_params, to_host,
 )
-from .ops import UnitOps, UnitTrace, eager_params, model_view, unit_params
+from .ops import UnitOps, UnitParams, UnitTrace, eager_params, model_view, unit_params
 from .specs import shard
 from ..torch_internals import foreach_norm
 
@@ -234,11 +234,28 @@ class ParallelRuntime:
         buffer = params.buffer  # updated in place from step to step: its views stay valid, so build them once
         key = (params.layout, buffer.untyped_storage().data_ptr(), buffer.storage_offset(), buffer.shape, buffer.dtype)
         if self._units_for[0] != key:
-            self._units_for = (key, unit_params(self.layout, params))
+            units = unit_params(self.layout, params)
+            self._units_for = (key, self._as_leaves(units) if self.sink is not None and self.sink.loose else units)
         units = self._units_for[1]
         self._unit_ops.bind(units)
         tree = model_view(self.layout, units) if parallel_aware else None
         return tree if tree is not None else eager_params(self._unit_ops, units)
+
+    def _as_leaves(self, units: list[UnitParams]) -> list[UnitParams]:
+        """The loose sink's units: each parameter an autograd leaf viewing the buffer, whose `.grad`
+        backward fills (as an eager loop's) and the sink reads (`AccumulatedGrads.hold_leaves`)."""
+        out, leaves = [], {}
+        for u in units:
+            resident = [t.detach().requires_grad_(t.is_floating_point()) for t in u.resident]
+            leaves.update(zip(u.unit.resident_params, resident))
+            out.append(UnitParams(u.unit, u.shard, resident))
+        self.sink.hold_leaves(leaves)
+        return out
+
+    def backward_inputs(self, anchor: torch.Tensor) -> list[torch.Tensor]:
+        """What a micro-batch's backward differentiates: the anchor every unit's delivery hangs
+        on, or the loose sink's parameter leaves."""
+        return self.sink.differentiated if self.sink is not None and self.sink.loose else [anchor]
 
     def close_ops(self) -> None:
         """The end of a forward (and backward): prefetches nobody took are waited for."""
