@@ -372,11 +372,9 @@ def test_loose_gradients_train_as_the_flat_buffer_does(seed, width, grad_accum, 
         state = fs.init_train_state(model.init(), opt, model=model)
         step = fs.make_train_step(model.loss, opt, grad_accum=grad_accum)
         metrics = []
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("fspeed.parallel.runtime.LOOSE_MIN_MEAN_NUMEL", 0)  # these tensors are tiny
-            for _ in range(3):
-                state, m = step(state, batch)
-                metrics += [m["loss"], m["grad_norm"]]
+        for _ in range(3):
+            state, m = step(state, batch)
+            metrics += [m["loss"], m["grad_norm"]]
         runs[name] = (state.params.buffer.clone(), metrics, step.persistent_grad_bytes())
     torch.testing.assert_close(runs["loose"][0], runs["flat"][0], rtol=1e-6, atol=1e-7)
     assert runs["loose"][1] == pytest.approx(runs["flat"][1], rel=1e-6)
@@ -399,15 +397,15 @@ def test_the_grad_norm_from_the_update_pass_is_the_norm_taken_before_it(seed, wi
     runs = {}
     for guard in (None, "skip"):
         opt = adamw(1e-2, weight_decay=0.1, backend=backend, mask=(lambda path: path != "a") if mask else None)
+        if not loose:  # the same transform taking only the flat buffer
+            opt = opt._replace(capabilities=opt.capabilities._replace(loose_grads=False))
         state = fs.init_train_state(model.init(), opt, model=model, precision=prec)
         step = fs.make_train_step(model.loss, opt, grad_accum=grad_accum, on_nonfinite=guard)
         norms = []
-        with pytest.MonkeyPatch.context() as patch:
-            if loose:
-                patch.setattr("fspeed.parallel.runtime.LOOSE_MIN_MEAN_NUMEL", 0)  # these tensors are tiny
-            for _ in range(3):
-                state, m = step(state, batch)
-                norms.append(m["grad_norm"])
+        for _ in range(3):
+            state, m = step(state, batch)
+            norms.append(m["grad_norm"])
+        assert step.runtime_for(state).sink.loose == (loose and precision == "fp32")
         assert step.runtime_for(state).norm_in_update == (guard is None)
         runs[guard] = (state.params.buffer.clone(), norms)
     torch.testing.assert_close(runs[None][0], runs["skip"][0], rtol=0, atol=0)
