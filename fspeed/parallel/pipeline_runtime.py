@@ -182,7 +182,7 @@ class PipelineExecutor:
         the stage's summed parameter gradients in the layout's local order, `grad_dtype`).
         `layer_rng(m, i)`: a generator of its own (or None) for layer i on micro-batch m (a
         checkpointed group keeps each layer's to replay it). `into`: the buffer to sum them in (the
-        gradient sink's own, `ParallelRuntime.summed_grad_buffer`), zeroed first."""
+        gradient sink's own, `ParallelRuntime.summed_grad_buffer`), zeroed before the first backward."""
         if len(micro_batches) != self.micro_batches:
             raise ValueError(f"the pipeline runs {self.micro_batches} micro-batches per step, got {len(micro_batches)}")
         local = self.layout.local
@@ -190,13 +190,11 @@ class PipelineExecutor:
         leaves = [t.detach().requires_grad_(t.is_floating_point()) for _, t in params.items()]
         tree = tree_unflatten(local.treedef, leaves)
         if into is None:
-            into = torch.zeros(local.numel, dtype=self.grad_dtype, device=params.device)
+            into = torch.empty(local.numel, dtype=self.grad_dtype, device=params.device)
         elif into.numel() != local.numel or into.dtype != self.grad_dtype or into.device != params.device:
             raise ValueError(f"the pipeline sums its gradient in a buffer of {local.numel} {self.grad_dtype} on "
                              f"{params.device}; got {into.numel()} {into.dtype} on {into.device}")
-        else:
-            into.zero_()
-        acc = into
+        acc, zeroed = into, False
         acc_views = local.segments(acc)
         acc_of = {id(leaf): view.view(leaf.shape) for leaf, view in zip(leaves, acc_views)}
         # where the dtypes allow, each parameter's .grad is its view of the buffer: backward adds every
@@ -220,6 +218,11 @@ class PipelineExecutor:
         for i, action in enumerate(actions):
             m, c = action.micro, action.chunk
             k = self.plan.piece(self.stage, c)
+            if not zeroed and (action.kind == "B" or k > 0):
+                # the sums start from zero before the first backward: zeroed here, where the stage
+                # would otherwise wait for its first transfer (not on the step's critical path)
+                acc.zero_()
+                zeroed = True
             if action.kind == "F":
                 x = self.layers.inputs(micro_batches[m]) if k == 0 else \
                     self._receive("act", m, k, signature, mailbox, None)
