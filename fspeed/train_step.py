@@ -232,11 +232,12 @@ def make_train_step(
             raise ValueError(f"loss_fn must return a scalar, got shape {list(loss.shape)}")
         return loss.float() * multiplier, loss.detach().float()
 
-    def grad_and_loss(anchor: torch.Tensor, *args) -> torch.Tensor:
+    def grad_and_loss(anchor: torch.Tensor, params: Flat, micro_batch: PyTree, rng: torch.Generator,
+                      multiplier: float, buffers, runtime: ParallelRuntime) -> torch.Tensor:
         """Forward and backward of one micro-batch (plain autograd, module docstring); the
         gradients reach the runtime's sink, the anchor's own is not needed."""
         anchor = anchor.detach().requires_grad_()
-        runtime = args[-1]
+        args = (params, micro_batch, rng, multiplier, buffers, runtime)
         if timers is None:
             scaled, loss = micro_loss(anchor, *args)
             torch.autograd.backward(scaled, inputs=runtime.backward_inputs(anchor))
