@@ -28,7 +28,8 @@ Metrics: loss (mean over micro-batches), lr (used by this step), grad_norm (unsc
 clipping), loss_scale (that produced the gradients), skipped. Where nothing reads the norm before
 the update (no overflow check, loss scale, divergence guard or clipping: fp32 by default), an
 optimizer that sums the squared gradients in its own pass (AdamW's CPU kernels) gives it, and no
-pass of its own reads the gradient (on one process, and on data ranks up to ZeRO-2).
+pass of its own reads the gradient (on one process, on data ranks up to ZeRO-2, and on pipeline
+stages that hold their whole gradient: ZeRO-0, or one data rank).
 
 Divergence guard (`on_nonfinite`): where no dynamic loss scaler handles inf/NaN (fp32, bf16, fp16
 with a static scale), a step whose loss or gradient norm is not finite either raises

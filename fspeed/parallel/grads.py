@@ -247,6 +247,7 @@ class AccumulatedGrads(GradSink):
         n, local = comm.size, layout.local
         self.loose = loose and not self.stage1 and n == 1
         self.leaves: list[Optional[torch.Tensor]] = [None] * len(local.paths)
+        self.differentiated: list[torch.Tensor] = []  # the leaves that take a gradient (`hold_leaves`)
         self.norms: list[Optional[torch.Tensor]] = [None] * len(local.paths)  # of the final gradients
         self.part = layout.partition_numel if self.stage1 else local.numel
         self.acc = None if self.loose else \

@@ -146,8 +146,6 @@ def build_param_state(leaves: list[torch.Tensor], layout: Layout, precision: Pre
     return compute, part, part
 
 
-
-
 class NormPieces(NamedTuple):
     """Views of the optimizer's gradient buffer grouped by how their squares must be summed."""
 
@@ -350,12 +348,17 @@ class ParallelRuntime:
     def tied_copies_sq(self, grads: Flat | LooseGrads) -> float:
         """The sum of the squares of this stage's gradient of parameters whose first stage is another
         (a tied embedding's later copy): `grad_norm` counts each once. Read before the update."""
-        plan = self.layout.pipeline
-        copies = {p for p, stages in plan.tied if stages[0] != plan.stage} if plan is not None else set()
+        copies = self._tied_copies()
         if not copies:
             return 0.0
         parts = [t for path, t in zip(grads.layout.paths, grads.segments()) if path in copies]
         return math.fsum(float(n.double().square()) for n in foreach_norm(parts)) if parts else 0.0
+
+    def _tied_copies(self) -> set[str]:
+        """Paths of the parameters this pipeline stage holds whose first stage is another (a tied
+        embedding's later copy): the grad norm counts each on its first stage only."""
+        plan = self.layout.pipeline
+        return {p for p, stages in plan.tied if stages[0] != plan.stage} if plan is not None else set()
 
     def _pieces(self, grads: Flat | LooseGrads, per_param: Optional[list] = None) -> NormPieces:
         """The gradient's per-parameter tensors (or `per_param`'s entries), grouped as `_classify` says."""
@@ -378,8 +381,7 @@ class ParallelRuntime:
         info = layout.info
         sharded = {layout.params[i].path for u in layout.units for i in u.sharded_params}
         partitioned_stage = layout.stage in (1, 2) and self.n > 1
-        plan = layout.pipeline
-        copies = {p for p, stages in plan.tied if stages[0] != plan.stage} if plan is not None else set()
+        copies = self._tied_copies()
         for i, (path, size) in enumerate(zip(grads_layout.paths, grads_layout.sizes)):
             if path not in info or not size or path in copies:
                 continue  # padding, or a tied parameter's copy (its first stage counts it)
