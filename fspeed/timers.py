@@ -97,7 +97,9 @@ class StepTimers:
 
 
 def _gather_wait(comm_log) -> float:
-    return comm_log.blocked_by_op.get("all_gather", 0.0) if comm_log is not None else 0.0
+    if comm_log is None:
+        return 0.0  # (stages 1-2 gather the parameters as broadcasts from each part's owner)
+    return comm_log.blocked_by_op.get("all_gather", 0.0) + comm_log.blocked_by_op.get("broadcast", 0.0)
 
 
 def breakdown_line(metrics: Mapping[str, float]) -> str:

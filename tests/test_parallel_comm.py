@@ -104,6 +104,32 @@ def test_an_all_gather_in_flight_completes_by_range(world2):
         assert out == expected and done
 
 
+def gather_by_broadcast_case():
+    """The in-place gather ZeRO-1/2 start after the optimizer: broadcasts of pieces from their
+    owners in a given order; waiting for a range completes the pieces that write it and no other."""
+    mesh = fs.Mesh(data=-1, log=fs.CommLog())
+    comm, rank = mesh.comm("data"), mesh.rank
+    out = torch.full((20,), -1.0)
+    out[10 * rank:10 * rank + 10] = torch.arange(10.0) + 100 * rank  # each rank's own part, in place
+    pieces = [(10, 14), (0, 4), (14, 18), (4, 8), (18, 20), (8, 10)]  # in the order they will be read
+    gather = comm.start_gather_by_broadcast(out, pieces)
+    gather.wait_range(3, 5)
+    first = [c is None for c in gather.chunks]
+    gather.wait_range(12, 13)
+    second = [c is None for c in gather.chunks]
+    gather.wait()
+    return first, second, out.tolist(), gather.done, [e.op for e in mesh.log.events]
+
+
+def test_a_gather_by_broadcast_completes_by_range(world2):
+    expected = [float(x) for x in range(10)] + [100.0 + x for x in range(10)]
+    for first, second, out, done, ops in world2.run(gather_by_broadcast_case):
+        assert first == [False, True, False, True, False, False]
+        assert second == [True, True, False, True, False, False]
+        assert out == expected and done
+        assert ops == ["broadcast"] * 6
+
+
 def meshes_case():
     """Build meshes again and again (as a loop of runs or engines does): the descriptors a rank holds
     stay as they were after the first, and the meshes share their groups."""

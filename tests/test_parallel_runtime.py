@@ -242,3 +242,53 @@ def test_a_state_read_waits_for_the_parameter_gather_in_flight(world2, stage):
         assert started and settled
         gathered = torch.cat(masters)
         assert torch.equal(full[: gathered.numel()], gathered)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 40), st.integers(1, 25), st.data())
+def test_the_parameter_gather_pieces_come_in_the_forwards_order(parts, part, bucket, data):
+    """ZeRO-1/2's gather pieces cover the buffer once, each within one rank's part and at most a
+    bucket long, and the pieces a unit needs come before those of every unit the forward takes later."""
+    from fspeed.parallel.runtime import gather_pieces
+
+    end = parts * part
+    cuts = sorted(data.draw(st.sets(st.integers(1, end - 1), max_size=8)) if end > 1 else [])
+    bounds = [0, *cuts, data.draw(st.integers(max(cuts, default=0) + 1, end))]
+    ranges = dict(enumerate(zip(bounds, bounds[1:])))  # units over the start of the buffer; the padding after
+    order = data.draw(st.permutations(list(ranges)))[:data.draw(st.integers(0, len(ranges)))]
+    pieces = gather_pieces(parts, part, bucket, ranges, order)
+    covered = sorted(pieces)
+    assert covered[0][0] == 0 and covered[-1][1] == end
+    assert all(b == c for (_, b), (c, _) in zip(covered, covered[1:]))
+    assert all(0 < b - a <= bucket and a // part == (b - 1) // part for a, b in pieces)
+
+    def first_use(a, b):
+        return min((order.index(u) if u in order else len(order) for u, (lo, hi) in ranges.items() if lo < b and a < hi),
+                   default=len(order) + 1)
+
+    keys = [first_use(a, b) for a, b in pieces]
+    assert keys == sorted(keys)
+
+
+def forward_first_gather_case():
+    """A Hugging Face GPT-2 under ZeRO-1: its flat buffer sorts `transformer.wte` after the blocks, but the
+    gather after the step sends the embedding first, which is what the next forward takes first."""
+    from tests.hf_models import hf_gpt2, lm_batch, lm_loss, split
+
+    mesh = fs.Mesh(data=-1)
+    model = fs.functionalize(hf_gpt2(0, layers=3), lm_loss)
+    opt, plan = fs.optim.adamw(1e-3), zero(1, allgather_bucket_size=1000)
+    state = fs.init_train_state(model.init(), opt, plan=plan, mesh=mesh, model=model)
+    step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)
+    state, _ = step(state, split(lm_batch(4, 0), 2, mesh.rank))
+    gather = object.__getattribute__(state, "_in_flight")
+    first = gather.chunks[0][0][0]
+    offsets = dict(zip(state.layout.local.paths, state.layout.local.offsets))
+    wte, last_block = offsets["transformer.wte.weight"], offsets["transformer.h.2.ln_1.weight"]
+    return first, wte, last_block
+
+
+def test_the_zero1_gather_sends_what_the_forward_takes_first(world2):
+    for (a, _), wte, last_block in world2.run(forward_first_gather_case):
+        assert wte > last_block  # the buffer's order is not the forward's
+        assert a == wte

@@ -291,23 +291,51 @@ class AxisComm:
                              f"output {out.numel()}, axis size {self.size}")
         if self.size == 1:
             out.copy_(part)
-            return GatherInFlight(out, 1, part.numel(), [])
+            return GatherInFlight(out, [])
         self._check("all_gather", part, out)
         chunks = list(_chunks(part.numel(), bucket_elems))
+        P = part.numel()
         if len(chunks) == 1:
             pending = self._start("all_gather", _nbytes(part),
                                   lambda: dist.all_gather_single(out, part, group=self.group, async_op=True))
-            return GatherInFlight(out, self.size, part.numel(), [(0, part.numel(), None, pending)])
+            return GatherInFlight(out, [(((0, out.numel()),), pending, None)])
         staged = []
         for lo, hi in chunks:
             buf = torch.empty(self.size * (hi - lo), dtype=out.dtype, device=out.device)
             piece = part[lo:hi].contiguous()
-            staged.append((lo, hi, buf, self._start(
-                "all_gather", _nbytes(piece),
-                lambda buf=buf, piece=piece: dist.all_gather_single(buf, piece, group=self.group, async_op=True),
-                keep=piece)))
-        return GatherInFlight(out, self.size, part.numel(), staged)
+            pending = self._start("all_gather", _nbytes(piece),
+                                  lambda buf=buf, piece=piece: dist.all_gather_single(buf, piece, group=self.group,
+                                                                                      async_op=True), keep=piece)
+            # .data: a plain memory write, no version bump of views taken meanwhile
+            land = lambda buf=buf, lo=lo, hi=hi: out.data.view(self.size, -1)[:, lo:hi].copy_(buf.view(self.size, -1))
+            staged.append((tuple((r * P + lo, r * P + hi) for r in range(self.size)), pending, land))
+        return GatherInFlight(out, staged)
 
+    def start_gather_by_broadcast(self, out: torch.Tensor, pieces: Sequence[tuple[int, int]]) -> "GatherInFlight":
+        """All-gather `out` ([size * P]) in place, rank r's part `out[r*P:(r+1)*P]` being already
+        there on rank r: one broadcast per piece `(a, b)` of `out` (each within one rank's part),
+        from that part's owner, in the order given; not waited for (`GatherInFlight`). The caller
+        orders the pieces as it will read them (ZeRO-1/2: the forward's order), where an
+        all-gather's first bucket carries a slice of every rank's part; on gloo broadcasts also move
+        the data faster (2 ranks, 13.8M fp32 elements in 2M buckets, compute running: the first
+        3.2M land after 8 ms against 23, all of it after 34 against 49)."""
+        if out.numel() % self.size:
+            raise ValueError(f"gather on {self.name!r}: {out.numel()} elements do not split into {self.size} parts")
+        part = out.numel() // self.size
+        for a, b in pieces:
+            if not (0 <= a < b <= out.numel() and a // part == (b - 1) // part):
+                raise ValueError(f"gather on {self.name!r}: piece [{a}, {b}) is not within one rank's part "
+                                 f"(parts of {part} elements)")
+        if self.size == 1:
+            return GatherInFlight(out, [])
+        self._check("broadcast", out)
+        chunks = []
+        for a, b in pieces:
+            piece, src = out[a:b], self.ranks[a // part]
+            chunks.append((((a, b),), self._start(
+                "broadcast", _nbytes(piece),
+                lambda piece=piece, src=src: dist.broadcast(piece, src=src, group=self.group, async_op=True)), None))
+        return GatherInFlight(out, chunks)
 
     def all_to_all(self, send: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Equal-split all-to-all: chunk i of `send` ([size * C]) goes to rank i; chunk j of `out`
@@ -381,14 +409,16 @@ class AxisComm:
 
 
 class GatherInFlight:
-    """An all-gather into `out` in flight, bucket by bucket (`AxisComm.start_all_gather`): ZeRO-1/2
-    start the gather of the updated parameters at the end of a step and the next forward waits for
-    each unit's buckets as it reaches the unit. `wait_range(a, b)` completes the buckets that write
-    any of `out[a:b]`; `wait()` completes them all."""
+    """A gather into `out` in flight, bucket by bucket (`AxisComm.start_all_gather`,
+    `start_gather_by_broadcast`): ZeRO-1/2 start the gather of the updated parameters at the end of a
+    step and the next forward waits for each unit's buckets as it reaches the unit.
+    `wait_range(a, b)` completes the buckets that write any of `out[a:b]`; `wait()` completes them all."""
 
-    def __init__(self, out: torch.Tensor, size: int, part_numel: int, chunks: list):
-        self.out, self.size, self.part = out, size, part_numel
-        self.chunks = chunks  # (lo, hi, staging buffer or None, Pending), None once done
+    def __init__(self, out: torch.Tensor, chunks: list):
+        self.out = out
+        # per bucket: (the ranges of `out` it writes, its Pending, what lands it from a staging
+        # buffer or None), None once done
+        self.chunks = chunks
         if chunks:
             for landed in [g for g in _UNWAITED if g.landed]:  # what a dropped state left: finish it
                 landed.wait()
@@ -401,12 +431,11 @@ class GatherInFlight:
     @property
     def landed(self) -> bool:
         """Every bucket has arrived (waiting would not block)."""
-        return all(c is None or c[3].landed for c in self.chunks)
+        return all(c is None or c[1].landed for c in self.chunks)
 
     def wait_range(self, start: int, stop: int) -> None:
         for k, chunk in enumerate(self.chunks):
-            if chunk is not None and any(r * self.part + chunk[0] < stop and start < r * self.part + chunk[1]
-                                         for r in range(self.size)):
+            if chunk is not None and any(a < stop and start < b for a, b in chunk[0]):
                 self._finish(k)
 
     def wait(self) -> None:
@@ -417,10 +446,10 @@ class GatherInFlight:
         chunk = self.chunks[k]
         if chunk is None:
             return
-        lo, hi, buf, pending = chunk
+        _, pending, land = chunk
         pending.wait()
-        if buf is not None:  # .data: a plain memory write, no version bump of views taken meanwhile
-            self.out.data.view(self.size, -1)[:, lo:hi].copy_(buf.view(self.size, -1))
+        if land is not None:
+            land()
         self.chunks[k] = None
         if self.done:
             _UNWAITED.discard(self)

@@ -264,6 +264,11 @@ class UnitOps(DenseOps):
         # range; a unit waits for its buckets when the forward first takes it
         self.param_gather: Optional[tuple[Any, dict[int, tuple[int, int]]]] = None
 
+    @property
+    def taken_order(self) -> list[int]:
+        """The units in the order this micro-batch took them (ZeRO-1/2 gather in that order)."""
+        return list(self._taken)
+
     def bind(self, units: Sequence[UnitParams]) -> None:
         """The units of this micro-batch's parameters (for prefetching by index)."""
         self.units = {u.unit.index: u for u in units}

@@ -25,7 +25,7 @@ computes.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -203,6 +203,8 @@ class ParallelRuntime:
         self._trace = UnitTrace()  # the order units ran in, for ZeRO-3's prefetch
         self._unit_ops: Optional[UnitOps] = None
         self.param_gather: Optional[GatherInFlight] = None  # ZeRO-1/2's, started by write_back
+        self._forward_order: list[int] = []  # the units in the order the first step's forward took them
+        self._gather_pieces: Optional[list[tuple[int, int]]] = None  # set by the first write_back
         offsets, sizes = layout.local.offsets, layout.local.sizes
         self._unit_ranges = {u.index: (min(offsets[i] for i in u.params), max(offsets[i] + sizes[i] for i in u.params))
                              for u in layout.units if u.params and not u.sharded}
@@ -253,6 +255,8 @@ class ParallelRuntime:
     def close_ops(self) -> None:
         """The end of a forward (and backward): prefetches nobody took are waited for."""
         if self._unit_ops is not None:
+            if self._gather_pieces is None and self._unit_ops.taken_order:
+                self._forward_order = self._unit_ops.taken_order
             self._unit_ops.close()
             self._unit_ops = None
 
@@ -444,19 +448,32 @@ class ParallelRuntime:
         if self.layout.stage in (1, 2):
             p = self.layout.partition_numel
             own = params.buffer[self.rank * p:(self.rank + 1) * p]
-            if self.offload:  # up into this rank's own slice, then an in-place all-gather (as DeepSpeed)
+            if self.offload:
                 self._copies.upload(own, source)
-                self.data.all_gather(own, params.buffer[: self.n * p], self.layout.zero.allgather_bucket_size)
-                return None
-            if source.data_ptr() != own.data_ptr():
+            elif source.data_ptr() != own.data_ptr():
                 own.copy_(source)
-            self.param_gather = self.data.start_all_gather(own, params.buffer[: self.n * p],
-                                                           self.layout.zero.allgather_bucket_size)
-            return self.param_gather
+            gather = self.data.start_gather_by_broadcast(params.buffer[: self.n * p], self._pieces_in_forward_order())
+            if self.offload:  # (as DeepSpeed: up into this rank's own slice, then gathered, waited)
+                gather.wait()
+                return None
+            self.param_gather = gather
+            return gather
         elif self.offload:
             self._copies.upload(params.buffer, source)
         elif source.data_ptr() != params.buffer.data_ptr():
             params.buffer.copy_(source)
+
+    def _pieces_in_forward_order(self) -> list[tuple[int, int]]:
+        """`gather_pieces` for the order the first step's forward took the units on data rank 0, set
+        then for the run: every rank must issue the same broadcasts in the same order, and a forward
+        whose order depends on the data (layers dropped by rank) could differ between ranks."""
+        if self._gather_pieces is None:
+            order = torch.full((len(self.layout.units),), -1, dtype=torch.int64)
+            order[:len(self._forward_order)] = torch.tensor(self._forward_order, dtype=torch.int64)
+            self.data.broadcast_(order, 0)
+            self._gather_pieces = gather_pieces(self.n, self.layout.partition_numel, self.layout.zero.allgather_bucket_size,
+                                                self._unit_ranges, [u for u in order.tolist() if u >= 0])
+        return self._gather_pieces
 
     def mean_over_data(self, value: float) -> float:
         return self.data.all_reduce_scalar(value) / self.n if self.n > 1 else value
@@ -476,6 +493,36 @@ class ParallelRuntime:
         if self.n > 1:
             for t in tensor_leaves(buffers):
                 self.data.broadcast_(t, 0)
+
+
+def gather_pieces(parts: int, part: int, bucket: int, unit_ranges: Mapping[int, tuple[int, int]],
+                  order: Sequence[int]) -> list[tuple[int, int]]:
+    """ZeRO-1/2's parameter gather: the pieces of the [parts * part] buffer, each within one rank's
+    part and of at most `bucket` elements, in the order a forward that takes the units in `order`
+    needs them (by the first unit overlapping a piece, then by offset; what no unit overlaps comes
+    last). The buffer's order is the parameter tree's, not the forward's: a flat dict of module
+    paths sorts `transformer.wte` after `transformer.h.5`."""
+    end = parts * part
+    points = sorted({0, end} | {r * part for r in range(parts)} |
+                    {x for lo, hi in unit_ranges.values() for x in (lo, hi) if 0 < x < end})
+    rank = {u: k for k, u in enumerate(order)}
+    keyed = []
+    for a, b in zip(points, points[1:]):
+        first = min((rank.get(u, len(order)) for u, (lo, hi) in unit_ranges.items() if lo < b and a < hi),
+                    default=len(order) + 1)
+        keyed.append((first, a, b))
+    pieces: list[tuple[int, int]] = []
+    for _, a, b in sorted(keyed):
+        while a < b:
+            last = pieces[-1] if pieces else None
+            if last is not None and last[1] == a and a % part and last[1] - last[0] < bucket:
+                take = min(b - a, bucket - (last[1] - last[0]))
+                pieces[-1] = (last[0], a + take)
+            else:
+                take = min(b - a, bucket)
+                pieces.append((a, a + take))
+            a += take
+    return pieces
 
 
 def local_image(master: Flat, params: Flat) -> Optional[Flat]:
