@@ -65,17 +65,20 @@ def comm_pending_case():
     comm, rank = mesh.comm("data"), mesh.rank
     summed, owned = torch.full((4,), float(rank + 1)), torch.full((6,), float(rank + 1))
     full, out = torch.arange(8.0) * (rank + 1), torch.empty(4)
-    pending = [comm.start_all_reduce(summed), comm.start_reduce(owned, owner=1), comm.start_reduce_scatter(full, out)]
+    onto_0 = torch.arange(5.0) * (rank + 1)  # (gloo, 2 ranks: a send and an add on the owner)
+    pending = [comm.start_all_reduce(summed), comm.start_reduce(owned, owner=1), comm.start_reduce_scatter(full, out),
+               comm.start_reduce(onto_0, owner=0)]
     time.sleep(0.05)
     for p in pending:
         p.wait()
-    return summed.tolist(), owned.tolist() if rank == 1 else None, out.tolist(), mesh.log.events
+    return (summed.tolist(), owned.tolist() if rank == 1 else onto_0.tolist(), out.tolist(),
+            [e for e in mesh.log.events if e.nbytes != 20])
 
 
 def test_asynchronous_collectives_on_2_ranks(world2):
     for rank, (summed, owned, out, events) in enumerate(world2.run(comm_pending_case)):
         assert summed == [3.0] * 4
-        assert rank == 0 or owned == [3.0] * 6  # reduced onto its owner
+        assert owned == ([3.0] * 6 if rank == 1 else [0.0, 3.0, 6.0, 9.0, 12.0])  # reduced onto its owner
         assert out == [3.0 * x for x in range(4 * rank, 4 * rank + 4)]
         assert [e.op for e in events] == ["all_reduce", "reduce", "reduce_scatter"]
         assert all(e.waited - e.issued >= 0.05 > e.blocked for e in events)  # they ran while this rank slept
