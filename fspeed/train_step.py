@@ -20,7 +20,8 @@ during backward (overlapped with it when `overlap_comm` is on). At the boundary,
 4. the optimizer updates the fp32 masters in place and, when the compute copy is the masters'
    local image, writes it, cast, in the same pass (`cast_to`: the CPU Adam kernel fuses both and
    reads bf16/fp16 accumulated gradients as they are, with no fp32 copy); ZeRO-1/2 instead cast
-   the updated partition and start its all-gather (in `allgather_bucket_size` buckets), which the
+   the updated partition and start its gather (broadcasts of `allgather_bucket_size` pieces in the
+   forward's order, started piece by piece as an elementwise optimizer updates them), which the
    next forward waits for unit by unit, so it overlaps compute (Megatron's overlap_param_gather);
    reading `state.params` in between waits for all of it.
 
@@ -380,19 +381,31 @@ def make_train_step(
         master = fields["master"] if fields["master"] is not None else fields["params"]
         cast_to = runtime.cast_target(master, fields["params"])  # never a device tensor for a CPU (offload) update
         opt_state = fields["opt_state"]
-        comm = runtime.data if runtime.n > 1 else None  # for optimizers that communicate themselves
-        if clip_norm is not None:
-            master, rest_state = optimizer_step(rest, grads, opt_state[1:], master, cast_to=cast_to, comm=comm)
-            opt_state = (opt_state[0],) + tuple(rest_state)
-        elif runtime.norm_in_update:  # (no loss scale: the norm is the reduced gradient's own)
-            grad_sq: list = []
-            copies_sq = runtime.tied_copies_sq(grads)
-            master, opt_state = optimizer_step(rest, grads, opt_state, master, cast_to=cast_to, grad_sq=grad_sq)
-            grad_norm = runtime.norm_from_update(grad_sq, copies_sq)
+        head, opt_state = (opt_state[:1], opt_state[1:]) if clip_norm is not None else ((), opt_state)
+        # with the norm from the update pass (no loss scale: the norm is the reduced gradient's own) the
+        # optimizer appends the sums of squares to grad_sq; else optimizers that communicate get the data axis
+        grad_sq = [] if clip_norm is None and runtime.norm_in_update else None
+        copies_sq = runtime.tied_copies_sq(grads) if grad_sq is not None else 0.0
+        kwargs = dict(grad_sq=grad_sq) if grad_sq is not None else dict(comm=runtime.data if runtime.n > 1 else None)
+
+        def update(g, s, m, c):
+            return optimizer_step(rest, g, s, m, cast_to=c, **kwargs)
+
+        norms: list = []
+
+        def take_norm() -> None:  # (a collective: before what a gather leaves queued behind it)
+            if grad_sq is not None:
+                norms.append(runtime.norm_from_update(grad_sq, copies_sq))
+
+        if runtime.updates_by_piece(rest, grads, opt_state, master):  # ZeRO-1/2: the gather starts as pieces are updated
+            master, opt_state, gather = runtime.update_and_gather(update, grads, opt_state, master, fields["params"],
+                                                                  cast_to, then=take_norm)
         else:
-            master, opt_state = optimizer_step(rest, grads, opt_state, master, cast_to=cast_to, comm=comm)
-        gather = runtime.write_back(master, fields["params"], cast_to)  # cast/upload; ZeRO-1/2 start an all-gather
-        fields["opt_state"] = opt_state
+            master, opt_state = update(grads, opt_state, master, cast_to)
+            take_norm()
+            gather = runtime.write_back(master, fields["params"], cast_to)  # cast/upload; ZeRO-1/2 start an all-gather
+        grad_norm = norms[0] if norms else grad_norm
+        fields["opt_state"] = head + tuple(opt_state) if clip_norm is not None else opt_state
         metrics["grad_norm"] = grad_norm
         return (_next_state(state, fields, new_scaler, samples, skipped=0).with_params_in_flight(gather),
                 timed(metrics))

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import fspeed as fs
 from fspeed.parallel import zero
+from fspeed.pytree import tree_flatten_with_paths
 from fspeed.testing import GlooWorld, WorkerError
 from tests.parallel_cases import assert_matches_one_process, distributed_case, global_batch, gpt_setup, train
 
@@ -249,7 +250,7 @@ def test_a_state_read_waits_for_the_parameter_gather_in_flight(world2, stage):
 def test_the_parameter_gather_pieces_come_in_the_forwards_order(parts, part, bucket, data):
     """ZeRO-1/2's gather pieces cover the buffer once, each within one rank's part and at most a
     bucket long, and the pieces a unit needs come before those of every unit the forward takes later."""
-    from fspeed.parallel.runtime import gather_pieces
+    from fspeed.parallel.param_gather import gather_pieces
 
     end = parts * part
     cuts = sorted(data.draw(st.sets(st.integers(1, end - 1), max_size=8)) if end > 1 else [])
@@ -281,8 +282,7 @@ def forward_first_gather_case():
     state = fs.init_train_state(model.init(), opt, plan=plan, mesh=mesh, model=model)
     step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)
     state, _ = step(state, split(lm_batch(4, 0), 2, mesh.rank))
-    gather = object.__getattribute__(state, "_in_flight")
-    first = gather.chunks[0][0][0]
+    first = step.runtime_for(state).gather.pieces[0]
     offsets = dict(zip(state.layout.local.paths, state.layout.local.offsets))
     wte, last_block = offsets["transformer.wte.weight"], offsets["transformer.h.2.ln_1.weight"]
     return first, wte, last_block
@@ -292,3 +292,48 @@ def test_the_zero1_gather_sends_what_the_forward_takes_first(world2):
     for (a, _), wte, last_block in world2.run(forward_first_gather_case):
         assert wte > last_block  # the buffer's order is not the forward's
         assert a == wte
+
+
+def update_by_piece_case(stage, precision, by_piece):
+    """A Hugging Face GPT-2 under ZeRO-1/2: the update run piece by piece with the parameter gather
+    (`update_and_gather`), or whole (then `write_back`): the parameters after 3 steps and how often
+    the piecewise path ran."""
+    from fspeed.parallel.runtime import ParallelRuntime
+    from tests.hf_models import hf_gpt2, lm_batch, lm_loss, split
+
+    calls, real = [0], (ParallelRuntime.update_and_gather, ParallelRuntime.updates_by_piece)
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return real[0](self, *args, **kwargs)
+
+    ParallelRuntime.update_and_gather = counted
+    ParallelRuntime.updates_by_piece = real[1] if by_piece else (lambda *args: False)
+    try:
+        mesh = fs.Mesh(data=-1)
+        model = fs.functionalize(hf_gpt2(0, layers=3), lm_loss)
+        opt, plan = fs.optim.adamw(1e-3, weight_decay=0.1), zero(stage, allgather_bucket_size=5000)
+        state = fs.init_train_state(model.init(), opt, plan=plan, mesh=mesh, model=model,
+                                    precision=getattr(fs.precision, precision)())
+        step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)
+        for i in range(3):
+            state, metrics = step(state, split(lm_batch(4, i), 2, mesh.rank))
+        return calls[0], fs.gather_params(state, mesh), metrics["grad_norm"]
+    finally:
+        ParallelRuntime.update_and_gather, ParallelRuntime.updates_by_piece = real
+
+
+@pytest.mark.parametrize("stage, precision", [(1, "fp32"), (2, "bf16"), (1, "fp16")])
+def test_an_update_piece_by_piece_with_the_gather_equals_the_whole_update(world2, stage, precision):
+    """The optimizer's update split into the gather's pieces (their broadcasts started as they are
+    updated) leaves exactly the parameters of the whole update; the grad norm from the update pass
+    sums the same squares in another order."""
+    by_piece, whole = world2.run(update_by_piece_case, stage, precision, True), \
+        world2.run(update_by_piece_case, stage, precision, False)
+    for (calls, params, norm), (no_calls, expected, expected_norm) in zip(by_piece, whole):
+        assert calls == 3 and no_calls == 0
+        paths, leaves, _ = tree_flatten_with_paths(params)
+        assert paths == tree_flatten_with_paths(expected)[0]
+        for path, value, reference in zip(paths, leaves, tree_flatten_with_paths(expected)[1]):
+            assert torch.equal(value, reference), path
+        assert norm == pytest.approx(expected_norm, rel=1e-6)

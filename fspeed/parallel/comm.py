@@ -318,10 +318,13 @@ class AxisComm:
             staged.append((tuple((r * P + lo, r * P + hi) for r in range(self.size)), pending, land))
         return GatherInFlight(out, staged)
 
-    def start_gather_by_broadcast(self, out: torch.Tensor, pieces: Sequence[tuple[int, int]]) -> "GatherInFlight":
+    def start_gather_by_broadcast(self, out: torch.Tensor, pieces: Sequence[tuple[int, int]],
+                                  prepare: Optional[Callable[[int, int], None]] = None) -> "GatherInFlight":
         """All-gather `out` ([size * P]) in place, rank r's part `out[r*P:(r+1)*P]` being already
         there on rank r: one broadcast per piece `(a, b)` of `out` (each within one rank's part),
-        from that part's owner, in the order given; not waited for (`GatherInFlight`). The caller
+        from that part's owner, in the order given; not waited for (`GatherInFlight`).
+        `prepare(a, b)` runs before each piece's broadcast is issued (ZeRO-1/2 update their own
+        pieces there, so the first pieces travel while the rest is updated). The caller
         orders the pieces as it will read them (ZeRO-1/2: the forward's order), where an
         all-gather's first bucket carries a slice of every rank's part; on gloo broadcasts also move
         the data faster (2 ranks, 13.8M fp32 elements in 2M buckets, compute running: the first
@@ -334,10 +337,14 @@ class AxisComm:
                 raise ValueError(f"gather on {self.name!r}: piece [{a}, {b}) is not within one rank's part "
                                  f"(parts of {part} elements)")
         if self.size == 1:
+            for a, b in pieces if prepare is not None else ():
+                prepare(a, b)
             return GatherInFlight(out, [])
         self._check("broadcast", out)
         chunks = []
         for a, b in pieces:
+            if prepare is not None:
+                prepare(a, b)
             piece, src = out[a:b], self.ranks[a // part]
             chunks.append((((a, b),), self._start(
                 "broadcast", _nbytes(piece),
@@ -464,6 +471,16 @@ class GatherInFlight:
     def landed(self) -> bool:
         """Every bucket has arrived (waiting would not block)."""
         return all(c is None or c[1].landed for c in self.chunks)
+
+    def extend(self, other: "GatherInFlight") -> None:
+        """Take over the buckets of `other` (a gather into the same buffer), waited with these."""
+        if other.out.data_ptr() != self.out.data_ptr():
+            raise ValueError("GatherInFlight.extend: the gathers write different buffers")
+        self.chunks += other.chunks
+        other.chunks = []
+        _UNWAITED.discard(other)
+        if self.chunks and not self.done:
+            _UNWAITED.add(self)
 
     def wait_range(self, start: int, stop: int) -> None:
         for k, chunk in enumerate(self.chunks):

@@ -298,10 +298,16 @@ def _storage(infos: Sequence[ParamInfo], units: Sequence[UnitInfo], rank: int) -
     return labelled_layout(paths, shapes), tuple(starts)
 
 
+def slice_layout(flat: FlatLayout, lo: int, hi: int) -> FlatLayout:
+    """The 1-D pieces of `flat`'s tensors within elements [lo, hi) of its buffer (a range of a
+    ZeRO partition: what an elementwise optimizer updates piece by piece)."""
+    return labelled_layout(*_slice_pieces(flat.paths, flat.offsets, flat.sizes, lo, hi, "zero.pad"))
+
+
 def labelled_layout(paths: Sequence[str], shapes: Sequence[tuple[int, ...]]) -> FlatLayout:
     """A flat layout of tensors with the given paths and shapes, in that order (a list tree)."""
     treedef = FlatLayout.of_tree([torch.empty(0, device="meta") for _ in paths]).treedef
     return FlatLayout(treedef, tuple(paths), tuple(tuple(s) for s in shapes))
 
 
-__all__ = ["Layout", "ParamInfo", "UnitInfo", "default_unit", "labelled_layout", "resolve", "resolve_flat", "subtree"]
+__all__ = ["Layout", "ParamInfo", "UnitInfo", "default_unit", "labelled_layout", "resolve", "resolve_flat", "slice_layout", "subtree"]

@@ -14,7 +14,8 @@ A step, as train_step drives it (`ParallelRuntime`):
     per micro-batch: ops(anchor), view(params, ops), grad_and_value, end_micro()
     finish() -> gradient the optimizer consumes (reduced during backward; offload: on the host;
                 one CPU process in fp32: backward's own tensors, `LooseGrads`)
-    grad_norm, cast_target, write_back (all-gather for stages 1-2), mean_over_data
+    grad_norm, cast_target, write_back (the gather for stages 1-2; `update_and_gather` runs the update
+    with it piece by piece), mean_over_data
 
 With ZeRO-Offload (`zero.offload_optimizer`, `zero.offload_param`) masters and optimizer state live
 on CPU, the reduced gradient goes down and the updated parameters come up (`offload.py`).
@@ -25,7 +26,7 @@ computes.
 from __future__ import annotations
 
 import math
-from typing import Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -40,6 +41,7 @@ from .offload import (
     offloads_params, to_host,
 )
 from .ops import UnitOps, UnitParams, UnitTrace, eager_params, model_view, unit_params
+from .param_gather import ParamGather
 from .specs import shard
 from ..torch_internals import foreach_norm
 
@@ -203,11 +205,10 @@ class ParallelRuntime:
         self._trace = UnitTrace()  # the order units ran in, for ZeRO-3's prefetch
         self._unit_ops: Optional[UnitOps] = None
         self.param_gather: Optional[GatherInFlight] = None  # ZeRO-1/2's, started by write_back
-        self._forward_order: list[int] = []  # the units in the order the first step's forward took them
-        self._gather_pieces: Optional[list[tuple[int, int]]] = None  # set by the first write_back
         offsets, sizes = layout.local.offsets, layout.local.sizes
         self._unit_ranges = {u.index: (min(offsets[i] for i in u.params), max(offsets[i] + sizes[i] for i in u.params))
                              for u in layout.units if u.params and not u.sharded}
+        self.gather = ParamGather(layout, self.data, self._unit_ranges)  # ZeRO-1/2's
 
     # -- forward and backward --------------------------------------------------------------
 
@@ -255,8 +256,7 @@ class ParallelRuntime:
     def close_ops(self) -> None:
         """The end of a forward (and backward): prefetches nobody took are waited for."""
         if self._unit_ops is not None:
-            if self._gather_pieces is None and self._unit_ops.taken_order:
-                self._forward_order = self._unit_ops.taken_order
+            self.gather.saw_forward(self._unit_ops.taken_order)
             self._unit_ops.close()
             self._unit_ops = None
 
@@ -431,7 +431,8 @@ class ParallelRuntime:
     def write_back(self, master: Flat, params: Flat, cast: Optional[Flat] = None) -> Optional[GatherInFlight]:
         """Make the compute parameters match the updated masters (cast; all-gather for stages 1-2).
 
-        ZeRO-1/2's all-gather is started, not waited for: it returns in flight (also kept as
+        ZeRO-1/2's gather (`gather_pieces`: broadcasts in the forward's order) is started, not
+        waited for: it returns in flight (also kept as
         `param_gather`), the next forward waits for each unit's buckets as it reaches the unit
         (overlapping the gather with compute, as Megatron's overlap_param_gather), and any other
         reader of the parameters waits for all of it (`TrainState.params`).
@@ -452,7 +453,7 @@ class ParallelRuntime:
                 self._copies.upload(own, source)
             elif source.data_ptr() != own.data_ptr():
                 own.copy_(source)
-            gather = self.data.start_gather_by_broadcast(params.buffer[: self.n * p], self._pieces_in_forward_order())
+            gather = self.gather.start(params.buffer[: self.n * p])
             if self.offload:  # (as DeepSpeed: up into this rank's own slice, then gathered, waited)
                 gather.wait()
                 return None
@@ -463,17 +464,20 @@ class ParallelRuntime:
         elif source.data_ptr() != params.buffer.data_ptr():
             params.buffer.copy_(source)
 
-    def _pieces_in_forward_order(self) -> list[tuple[int, int]]:
-        """`gather_pieces` for the order the first step's forward took the units on data rank 0, set
-        then for the run: every rank must issue the same broadcasts in the same order, and a forward
-        whose order depends on the data (layers dropped by rank) could differ between ranks."""
-        if self._gather_pieces is None:
-            order = torch.full((len(self.layout.units),), -1, dtype=torch.int64)
-            order[:len(self._forward_order)] = torch.tensor(self._forward_order, dtype=torch.int64)
-            self.data.broadcast_(order, 0)
-            self._gather_pieces = gather_pieces(self.n, self.layout.partition_numel, self.layout.zero.allgather_bucket_size,
-                                                self._unit_ranges, [u for u in order.tolist() if u >= 0])
-        return self._gather_pieces
+    def updates_by_piece(self, opt: Any, grads: Flat | LooseGrads, opt_state: Any, master: Flat) -> bool:
+        """Whether the update may run piece by piece with the parameter gather (`update_and_gather`):
+        ZeRO-1/2 with nothing offloaded, and what `ParamGather.updates_by_piece` asks of the optimizer."""
+        return self.layout.stage in (1, 2) and not self.offload and not self.offload_params and \
+            self.gather.updates_by_piece(opt, grads, opt_state, master)
+
+    def update_and_gather(self, update: Callable, grads: Flat, opt_state: Any, master: Flat, params: Flat,
+                          cast: Optional[Flat], then: Callable[[], None]) -> tuple[Flat, Any, GatherInFlight]:
+        """The update and `write_back` in one (`ParamGather.update_and_gather`): the gather of the
+        updated pieces starts while the rest is updated. Returns masters, state, the gather in flight."""
+        full = params.buffer[: self.n * self.layout.partition_numel]
+        master, state, self.param_gather = self.gather.update_and_gather(update, grads, opt_state, master, full, cast,
+                                                                         then)
+        return master, state, self.param_gather
 
     def mean_over_data(self, value: float) -> float:
         return self.data.all_reduce_scalar(value) / self.n if self.n > 1 else value
@@ -493,36 +497,6 @@ class ParallelRuntime:
         if self.n > 1:
             for t in tensor_leaves(buffers):
                 self.data.broadcast_(t, 0)
-
-
-def gather_pieces(parts: int, part: int, bucket: int, unit_ranges: Mapping[int, tuple[int, int]],
-                  order: Sequence[int]) -> list[tuple[int, int]]:
-    """ZeRO-1/2's parameter gather: the pieces of the [parts * part] buffer, each within one rank's
-    part and of at most `bucket` elements, in the order a forward that takes the units in `order`
-    needs them (by the first unit overlapping a piece, then by offset; what no unit overlaps comes
-    last). The buffer's order is the parameter tree's, not the forward's: a flat dict of module
-    paths sorts `transformer.wte` after `transformer.h.5`."""
-    end = parts * part
-    points = sorted({0, end} | {r * part for r in range(parts)} |
-                    {x for lo, hi in unit_ranges.values() for x in (lo, hi) if 0 < x < end})
-    rank = {u: k for k, u in enumerate(order)}
-    keyed = []
-    for a, b in zip(points, points[1:]):
-        first = min((rank.get(u, len(order)) for u, (lo, hi) in unit_ranges.items() if lo < b and a < hi),
-                    default=len(order) + 1)
-        keyed.append((first, a, b))
-    pieces: list[tuple[int, int]] = []
-    for _, a, b in sorted(keyed):
-        while a < b:
-            last = pieces[-1] if pieces else None
-            if last is not None and last[1] == a and a % part and last[1] - last[0] < bucket:
-                take = min(b - a, bucket - (last[1] - last[0]))
-                pieces[-1] = (last[0], a + take)
-            else:
-                take = min(b - a, bucket)
-                pieces.append((a, a + take))
-            a += take
-    return pieces
 
 
 def local_image(master: Flat, params: Flat) -> Optional[Flat]:
