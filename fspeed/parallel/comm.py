@@ -300,8 +300,7 @@ class AxisComm:
             out.copy_(part)
             return GatherInFlight(out, [])
         self._check("all_gather", part, out)
-        chunks = list(_chunks(part.numel(), bucket_elems))
-        P = part.numel()
+        chunks, n = list(_chunks(part.numel(), bucket_elems)), part.numel()
         if len(chunks) == 1:
             pending = self._start("all_gather", _nbytes(part),
                                   lambda: dist.all_gather_single(out, part, group=self.group, async_op=True))
@@ -315,7 +314,7 @@ class AxisComm:
                                                                                       async_op=True), keep=piece)
             # .data: a plain memory write, no version bump of views taken meanwhile
             land = lambda buf=buf, lo=lo, hi=hi: out.data.view(self.size, -1)[:, lo:hi].copy_(buf.view(self.size, -1))
-            staged.append((tuple((r * P + lo, r * P + hi) for r in range(self.size)), pending, land))
+            staged.append((tuple((r * n + lo, r * n + hi) for r in range(self.size)), pending, land))
         return GatherInFlight(out, staged)
 
     def start_gather_by_broadcast(self, out: torch.Tensor, pieces: Sequence[tuple[int, int]],
