@@ -294,7 +294,13 @@ def test_the_zero1_gather_sends_what_the_forward_takes_first(world2):
         assert a == wte
 
 
-def update_by_piece_case(stage, precision, by_piece):
+def _piece_optimizer(name):
+    return {"adamw": lambda: fs.optim.adamw(1e-3, weight_decay=0.1),
+            "torch_adamw": lambda: fs.optim.from_torch(torch.optim.AdamW, lr=1e-3, weight_decay=0.1),
+            "torch_sgd": lambda: fs.optim.from_torch(torch.optim.SGD, lr=1e-2, momentum=0.9)}[name]()
+
+
+def update_by_piece_case(stage, precision, by_piece, optimizer="adamw"):
     """A Hugging Face GPT-2 under ZeRO-1/2: the update run piece by piece with the parameter gather
     (`update_and_gather`), or whole (then `write_back`): the parameters after 3 steps and how often
     the piecewise path ran."""
@@ -312,7 +318,7 @@ def update_by_piece_case(stage, precision, by_piece):
     try:
         mesh = fs.Mesh(data=-1)
         model = fs.functionalize(hf_gpt2(0, layers=3), lm_loss)
-        opt, plan = fs.optim.adamw(1e-3, weight_decay=0.1), zero(stage, allgather_bucket_size=5000)
+        opt, plan = _piece_optimizer(optimizer), zero(stage, allgather_bucket_size=5000)
         state = fs.init_train_state(model.init(), opt, plan=plan, mesh=mesh, model=model,
                                     precision=getattr(fs.precision, precision)())
         step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)
@@ -321,6 +327,19 @@ def update_by_piece_case(stage, precision, by_piece):
         return calls[0], fs.gather_params(state, mesh), metrics["grad_norm"]
     finally:
         ParallelRuntime.update_and_gather, ParallelRuntime.updates_by_piece = real
+
+
+@pytest.mark.parametrize("optimizer, pieces", [("torch_sgd", True), ("torch_adamw", False)])
+def test_a_torch_optimizer_updates_by_piece_only_without_state_per_parameter(world2, optimizer, pieces):
+    """`from_torch` SGD keeps per-element momentum only: it runs piece by piece. Torch's AdamW keeps a
+    0-d `step` per parameter, which a piece of the partition cannot slice: it keeps the whole update.
+    Either way the parameters are those of the whole update."""
+    by_piece = world2.run(update_by_piece_case, 1, "fp32", True, optimizer)
+    whole = world2.run(update_by_piece_case, 1, "fp32", False, optimizer)
+    for (calls, params, _), (_, expected, _) in zip(by_piece, whole):
+        assert calls == (3 if pieces else 0)
+        for value, reference in zip(tree_flatten_with_paths(params)[1], tree_flatten_with_paths(expected)[1]):
+            assert torch.equal(value, reference)
 
 
 @pytest.mark.parametrize("stage, precision", [(1, "fp32"), (2, "bf16"), (1, "fp16")])

@@ -99,14 +99,15 @@ class ParamGather:
     def updates_by_piece(self, opt: Any, grads: Flat | LooseGrads, opt_state: Any, master: Flat) -> bool:
         """Whether `update_and_gather` may run this update: over several data ranks, an elementwise
         optimizer that updates in place (`apply`) and communicates nothing, whose state holds only
-        Flats of the partition and scalars (not parameter groups' per-group runs)."""
+        Flats of the partition and Python scalars: not parameter groups' per-group runs, nor tensors
+        kept per parameter (a torch optimizer's `step` counts), which a piece cannot slice."""
         caps, part = opt.capabilities, self.layout.partition
         if self.data.size == 1 or not caps.elementwise or caps.communicates or opt.apply is None or \
                 opt.gradient_allreduce is not None:
             return False
         if not isinstance(grads, Flat) or grads.layout != part or master.layout != part:
             return False
-        return all(x.layout == part if isinstance(x, Flat) else not isinstance(x, torch.Tensor) or x.numel() == 1
+        return all(x.layout == part if isinstance(x, Flat) else not isinstance(x, torch.Tensor)
                    for x in tree_leaves(opt_state, is_leaf=_is_flat))
 
     def update_and_gather(self, update: Callable, grads: Flat, opt_state: Any, master: Flat, full: torch.Tensor,
