@@ -97,8 +97,10 @@ class StepTimers:
 
 
 def _gather_wait(comm_log) -> float:
+    """Seconds blocked so far in parameter gathers: ZeRO-3's all-gathers, and the broadcasts from
+    each piece's owner that ZeRO-1/2 gather with."""
     if comm_log is None:
-        return 0.0  # (stages 1-2 gather the parameters as broadcasts from each part's owner)
+        return 0.0
     return comm_log.blocked_by_op.get("all_gather", 0.0) + comm_log.blocked_by_op.get("broadcast", 0.0)
 
 

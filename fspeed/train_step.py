@@ -261,9 +261,9 @@ def make_train_step(
     def begin(state: TrainState) -> _Step:
         """A step's start: its runtime, whether its gradient is all-reduced, the shared buffers."""
         runtime = runtime_for(state)
-        if timers is not None:
-            timers.begin_step(runtime.data.log)
         runtime.broadcast_buffers(state.buffers)  # every data rank starts from rank 0's, as DDP does
+        if timers is not None:  # (after that broadcast: `allgather_ms` counts the parameter gather's only)
+            timers.begin_step(runtime.data.log)
         # optimizers that communicate themselves (1-bit family) may take the local gradient instead
         allreduce = needs_full_allreduce(rest, state.opt_state[1:] if clip_norm is not None else state.opt_state)
         runtime.begin_step(allreduce, grad_accum)
@@ -403,7 +403,7 @@ def make_train_step(
         else:
             master, opt_state = update(grads, opt_state, master, cast_to)
             take_norm()
-            gather = runtime.write_back(master, fields["params"], cast_to)  # cast/upload; ZeRO-1/2 start an all-gather
+            gather = runtime.write_back(master, fields["params"], cast_to)  # cast/upload; ZeRO-1/2 start their gather
         grad_norm = norms[0] if norms else grad_norm
         fields["opt_state"] = head + tuple(opt_state) if clip_norm is not None else opt_state
         metrics["grad_norm"] = grad_norm
