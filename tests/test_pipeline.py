@@ -3,6 +3,7 @@ one-process reference (hypothesis), PP x DP x ZeRO, PP x TP, fp16 overflow on on
 parameters, in-flight micro-batches, evaluation, checkpoints, a Hugging Face model as layers."""
 
 import math
+import time
 
 import optree
 import pytest
@@ -375,6 +376,56 @@ def _in_flight(schedule: str, micro: int):
     finally:
         pipeline_runtime.PipelineExecutor.step = original
     return mesh.coordinate("pipe"), seen[0].peak_in_flight
+
+
+def _reductions_during_the_schedule(stage: int, schedule: str, overlap: bool = True):
+    """(this rank's stage, the data-axis reductions issued before its schedule ended, all of them,
+    the elements whose reduction was issued then) in a step of PP2 x DP2."""
+    from fspeed.parallel import pipeline_runtime
+
+    model = gpt(4)
+    mesh = fs.Mesh(data=2, pipe=2, log=fs.CommLog())
+    plan = fs.zero(stage, reduce_bucket_size=4096, overlap_comm=overlap) | fs.pipeline(4, schedule)
+    opt = fs.optim.sgd(1e-2)
+    state = fs.init_train_state(model.init(torch.Generator().manual_seed(0)), opt, plan=plan, mesh=mesh, model=model)
+    step = fs.make_train_step(model, opt, plan=plan, mesh=mesh)
+    state, _ = step(state, batch(8, 0))
+    original, ended = pipeline_runtime.PipelineExecutor.step, []
+
+    def watched(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        ended.append(time.perf_counter())
+        return out
+    pipeline_runtime.PipelineExecutor.step = watched
+    mesh.log.reset()
+    try:
+        state, _ = step(state, batch(8, 1))
+        reductions = [e for e in mesh.log.events if e.axis == "data" and e.op in ("all_reduce", "reduce")]
+        early = [e for e in reductions if e.issued < ended[0]]
+        state, _ = step(state, batch(8, 2))
+    finally:
+        pipeline_runtime.PipelineExecutor.step = original
+    return (mesh.coordinate("pipe"), len(early), len(reductions), sum(e.nbytes for e in early) // 4,
+            state.params.buffer.clone())
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_the_data_reduction_starts_during_the_last_backward(world4, stage, schedule):
+    """PP2 x DP2, ZeRO 0 and 1 with overlap_comm: the buckets of the parameters whose sums are final
+    are reduced over `data` while the schedule goes on (the first stage's during its last backward
+    or weight pass), not all after it; the tied embedding's waits for the other stage's sum.
+    Without overlap_comm all go after the schedule. (Equality with one process: the property test
+    above.)"""
+    overlapped = world4.run(_reductions_during_the_schedule, stage, schedule)
+    for pipe_rank, early, total, elements, _ in overlapped:
+        assert total > 1 and 0 < early < total, (pipe_rank, early, total)
+        # at least the stage's last block (d_model 32: 12 * 32 * 32 weights) went before the schedule ended
+        assert elements >= 12 * 32 * 32, (pipe_rank, elements)
+    after = world4.run(_reductions_during_the_schedule, stage, schedule, False)
+    for (pipe_rank, early, total, _, params), (*_, want) in zip(after, overlapped):
+        assert total > 1 and early == 0, (pipe_rank, early, total)
+        torch.testing.assert_close(params, want, rtol=0, atol=0)  # the same sums, reduced earlier
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

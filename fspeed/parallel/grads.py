@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -257,6 +257,7 @@ class AccumulatedGrads(GradSink):
         ranges, members = _aligned_ranges(local.offsets, local.sizes, self.bucket, cuts)
         owned = [(a, b, a // self.part if self.stage1 else -1) for a, b in ranges]
         self.buckets = _InPlaceBuckets(owned, members, self._launch, self.overlap)
+        self.summing, self.final = False, set()  # a summed step begun (`begin_summed`); its final parameters
 
     def _launch(self, lo: int, hi: int, owner: int) -> Pending:
         piece = self.acc[lo:hi]
@@ -316,15 +317,34 @@ class AccumulatedGrads(GradSink):
         stage's) to be written straight into (then `deliver_in_place`); None for the loose sink."""
         return None if self.loose else self.acc[:self.layout.local.numel]
 
-    def deliver_in_place(self, reduce: bool) -> None:
-        """The step's gradient, summed in `buffer_for_summed()` already, as its one micro-batch:
-        every unit delivered (last unit first, as backward would) and reduced where it lies, no copy."""
+    def begin_summed(self, reduce: bool) -> Optional[Callable[[Sequence[int]], None]]:
+        """Begin a step whose gradient is summed in `buffer_for_summed()` (a pipeline stage's, over
+        its micro-batches). Returns `final(params)`, for the summing to call as parameters' sums
+        become final: their buckets are reduced while the rest is still being summed. None when
+        nothing is reduced (one data rank, or a step that keeps the local gradient) or without
+        `overlap_comm` (DeepSpeed's reduction after backward: a reduction waited for as it starts
+        would hold up what the stage runs next)."""
         self.begin_step(reduce, 1)
         self.begin_micro(0)
+        self.summing, self.final = True, set()
+        return self._final if self.reduce and self.comm.size > 1 and self.overlap else None
+
+    def _final(self, params: Sequence[int]) -> None:
+        new = [p for p in params if p not in self.final]
+        self.final.update(new)
+        self.buckets.arrived(new)
+
+    def deliver_in_place(self, reduce: bool) -> None:
+        """The step's gradient, summed in `buffer_for_summed()` already, as its one micro-batch:
+        every unit delivered (last unit first, as backward would) and reduced where it lies, no copy;
+        the buckets `begin_summed`'s `final` launched already are not launched again."""
+        if not self.summing:
+            self.begin_summed(reduce)
+        self.summing = False
         for unit in reversed(self.layout.units):
             self._first_delivery(unit.index)
             if self.reduce and self.comm.size > 1:
-                self.buckets.arrived(self.order(unit.index))
+                self._final(self.order(unit.index))
 
     def finish(self) -> Flat | LooseGrads:
         if self.loose:

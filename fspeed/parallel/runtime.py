@@ -26,7 +26,7 @@ computes.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -274,6 +274,12 @@ class ParallelRuntime:
         """Where a gradient summed outside the sink (a pipeline stage's) may be summed directly:
         the sink's own accumulator (stages 0 and 1), so `deliver_summed` copies nothing; else None."""
         return self.sink.buffer_for_summed() if isinstance(self.sink, AccumulatedGrads) else None
+
+    def begin_summed(self, reduce: bool) -> Optional[Callable[[Sequence[int]], None]]:
+        """Before a gradient is summed in `summed_grad_buffer()`: `final(params)` (local parameter
+        indices), which starts the reduction of those parameters' sums as soon as they are final
+        (`AccumulatedGrads.begin_summed`); None when there is no such buffer or nothing to reduce."""
+        return self.sink.begin_summed(reduce) if self.summed_grad_buffer() is not None else None
 
     def deliver_summed(self, grads: Flat, reduce: bool) -> None:
         """A gradient summed outside the sink (a pipeline stage's, over its micro-batches), handed to
