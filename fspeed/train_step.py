@@ -290,7 +290,7 @@ def make_train_step(
             timers.start("fwd")  # forward and backward interleave: the schedule's time is fwd_ms
         micro_batches = [on_device(mb, step.anchor.device) for mb in micro_batches]
         into = runtime.summed_grad_buffer()
-        final = runtime.begin_summed(step.allreduce) if into is not None else None  # reduced as they complete
+        final = runtime.begin_summed(step.allreduce)  # with overlap_comm: each sum reduced as it completes
         losses, grads = executor.step(state.params, micro_batches, multiplier, layer_rng, into=into, final=final)
         if timers is not None:
             timers.stop("fwd")
