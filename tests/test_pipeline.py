@@ -210,9 +210,9 @@ CASES = st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
 @settings(max_examples=8, deadline=None)
 @given(schedule=CASES, partition=st.sampled_from(["uniform", "parameters", "type:block", "explicit"]),
        pipe=st.sampled_from([2, 4]), n_layer=st.integers(2, 4), micro=st.integers(1, 4), stage=st.sampled_from([0, 1, 2]),
-       seed=st.integers(0, 3), interval=st.sampled_from([0, 0, 1, 2]))
+       seed=st.integers(0, 3), interval=st.sampled_from([0, 0, 1, 2]), overlap=st.booleans())
 def test_every_schedule_and_partition_trains_like_one_process(world4, schedule, partition, pipe, n_layer, micro,
-                                                              stage, seed, interval):
+                                                              stage, seed, interval, overlap):
     virtual = 2 if schedule == "interleaved_1f1b" else 1
     pieces = pipe * virtual
     layers = n_layer + 2
@@ -223,7 +223,9 @@ def test_every_schedule_and_partition_trains_like_one_process(world4, schedule, 
     if partition == "explicit":
         partition = tuple(uniform_bounds(layers, pieces)[k + 1] - uniform_bounds(layers, pieces)[k]
                           for k in range(pieces))
-    plan = fs.zero(stage) | fs.pipeline(micro, schedule, partition, virtual, activation_checkpoint_interval=interval)
+    # overlap: small buckets, reduced over data as the stage's sums in them become final
+    zero = fs.zero(stage, overlap_comm=True, reduce_bucket_size=1000) if overlap else fs.zero(stage)
+    plan = zero | fs.pipeline(micro, schedule, partition, virtual, activation_checkpoint_interval=interval)
     assert_trains_like_one_process(BUILDERS[n_layer], plan,
                                    make_batch=batch, world_size=4, pipe=pipe, world=world4, steps=2, seed=seed,
                                    optimizer=sgd)
@@ -385,7 +387,9 @@ def _reductions_during_the_schedule(stage: int, schedule: str, overlap: bool = T
 
     model = gpt(4)
     mesh = fs.Mesh(data=2, pipe=2, log=fs.CommLog())
-    plan = fs.zero(stage, reduce_bucket_size=4096, overlap_comm=overlap) | fs.pipeline(4, schedule)
+    virtual = 2 if schedule == "interleaved_1f1b" else 1
+    plan = fs.zero(stage, reduce_bucket_size=4096, overlap_comm=overlap) | fs.pipeline(4, schedule,
+                                                                                       virtual_stages=virtual)
     opt = fs.optim.sgd(1e-2)
     state = fs.init_train_state(model.init(torch.Generator().manual_seed(0)), opt, plan=plan, mesh=mesh, model=model)
     step = fs.make_train_step(model, opt, plan=plan, mesh=mesh)
@@ -410,7 +414,7 @@ def _reductions_during_the_schedule(stage: int, schedule: str, overlap: bool = T
 
 
 @pytest.mark.parametrize("stage", [0, 1])
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "interleaved_1f1b"])
 def test_the_data_reduction_starts_during_the_last_backward(world4, stage, schedule):
     """PP2 x DP2, ZeRO 0 and 1 with overlap_comm: the buckets of the parameters whose sums are final
     are reduced over `data` while the schedule goes on (the first stage's during its last backward
