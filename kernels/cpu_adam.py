@@ -342,7 +342,42 @@ def adam_step_runs(params: list[torch.Tensor], grads: list[torch.Tensor], exp_av
                              + ", ".join(f"{t.dtype} {list(t.shape)} on {t.device}" for t in run))
         p, g, m, v = run
         table[r] = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel())
-    first_chunk = np.zeros(len(params) + 1, dtype=np.int64)
+    _step_table(table, scalars, grad_sq)
+
+
+def adam_step_loose(params: torch.Tensor, grads: list[torch.Tensor], exp_avg: torch.Tensor,
+                    exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
+                    weight_decay: float, step: int, adam_w_mode: bool, bias_correction: bool = True,
+                    grad_sq: list | None = None) -> bool:
+    """`adam_step_runs` over flat buffers (`params`, `exp_avg`, `exp_avg_sq`: each parameter's
+    elements back to back, in `grads`' order) and one gradient tensor per parameter (backward's
+    own, `LooseGrads`): the buffers' runs follow from the gradients' sizes, so only the gradients
+    are looked at one by one (a GPT-2 of 150 small tensors: 0.2 against 1 ms of Python a step).
+    Returns False, updating nothing, where a tensor is not contiguous fp32 on the CPU or the
+    buffers are shorter than the gradients."""
+    f32 = torch.float32
+    if not all(t.dtype == f32 and t.is_cpu and t.is_contiguous() for t in (params, exp_avg, exp_avg_sq)) or \
+            not all(g.dtype == f32 and g.is_cpu and g.is_contiguous() for g in grads) or not grads:
+        return False
+    sizes = np.fromiter((g.numel() for g in grads), dtype=np.int64, count=len(grads))
+    starts = np.zeros(len(grads), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    if starts[-1] + sizes[-1] > min(params.numel(), exp_avg.numel(), exp_avg_sq.numel()):
+        return False
+    scalars = adam_scalars("adam_step_loose", lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction)
+    table = np.empty((len(grads), 5), dtype=np.int64)
+    table[:, 0] = params.data_ptr() + 4 * starts
+    table[:, 1] = np.fromiter((g.data_ptr() for g in grads), dtype=np.int64, count=len(grads))
+    table[:, 2] = exp_avg.data_ptr() + 4 * starts
+    table[:, 3] = exp_avg_sq.data_ptr() + 4 * starts
+    table[:, 4] = sizes
+    _step_table(table, scalars, grad_sq)
+    return True
+
+
+def _step_table(table: np.ndarray, scalars: tuple, grad_sq: list | None) -> None:
+    """`_adam_runs_kernel` over the runs of `table` (rows: p, g, m, v addresses and the length)."""
+    first_chunk = np.zeros(len(table) + 1, dtype=np.int64)
     np.cumsum((table[:, 4] + CHUNK - 1) // CHUNK, out=first_chunk[1:])
     squares = _squares_for(first_chunk[-1], grad_sq)
     _on_torchs_threads(_adam_runs_kernel, table, first_chunk, scalars, squares)

@@ -151,6 +151,8 @@ class ModuleLoss:
                          for m in self.modules.values()}
         self._holders_of: dict[str, Optional[list[str]]] = {}  # by unit path (`_holders`)
         self._placeholders_of: dict[Optional[torch.dtype], dict[str, torch.Tensor]] = {}
+        self._direct_names_of: dict[tuple, list[str]] = {}  # by (unit path, its tree): `_direct_names`
+        self._routed_once: set[tuple[str, ...]] = set()  # the unit sets a fully routed forward has run (`_routed`)
         self.hf_layer_paths = [p for p, m in self.modules.items()  # layers that Hugging Face may checkpoint
                                if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
         self.remat_units: frozenset = frozenset()
@@ -214,7 +216,10 @@ class ModuleLoss:
         with self._seeded(rng), self._routed(units, ops, dtype, train, head) as installed:
             given = dict(tensors)
             placeholders = self._placeholders(dtype)
-            for path in units:  # a unit's parameters are reached only through its route
+            for path, u in units.items():  # a unit's parameters are reached only through its route
+                if path in installed.direct:  # or are in place for the whole call (`_routed`)
+                    given.update(zip(self._direct_names(path, u, ops), ops.take(u)))
+                    continue
                 for name in self._unit_parameter_names(path):
                     given[name] = placeholders[name]
             call_args = inputs if isinstance(inputs, tuple) else (() if isinstance(inputs, dict) else (inputs,))
@@ -225,7 +230,9 @@ class ModuleLoss:
                 call_kwargs = {**call_kwargs, "use_cache": False}
             try:
                 tensors = {alias: t for name, t in given.items() for alias in self.aliases.get(name, (name,))}
-                return self._slots(self.module).call({**tensors, **state}, call_args, call_kwargs)
+                out = self._slots(self.module).call({**tensors, **state}, call_args, call_kwargs)
+                self._routed_once.add(tuple(units))
+                return out
             except (RuntimeError, NotImplementedError) as err:
                 if units and "meta" in str(err):
                     raise RuntimeError(
@@ -275,6 +282,13 @@ class ModuleLoss:
                                             for name, shape in self.shapes.items()}
         return self._placeholders_of[dtype]
 
+    def _direct_names(self, path: str, u: Any, ops) -> list[str]:
+        """The names of a direct unit's tensors (`_routed`) in `ops.take(u)`'s order: worked out once."""
+        key = (path, u.unit.tree)
+        if key not in self._direct_names_of:
+            self._direct_names_of[key] = [f"{path}.{rel}" for rel in _flat(ops.param(u), units=False)]
+        return self._direct_names_of[key]
+
     def _unit_parameter_names(self, unit: str) -> list[str]:
         return self.members.get(unit, [])
 
@@ -319,10 +333,16 @@ class ModuleLoss:
                                remat=bool(hf_layers) or bool(self.remat_units and units),
                                all_modules=list(self.modules.values()))
         taken: dict[str, list[tuple[str, Any, list[str]]]] = {}  # holder module -> the units it takes
+        # once a forward with every unit routed has shown that no module reads a parameter of another
+        # unit (the placeholders make that an error), units that need no gather or remat go in directly
+        direct = getattr(ops, "direct", None) if tuple(units) in self._routed_once else None
         for path, u in units.items():
             holders = self._holders(path)
             if holders is None:
                 remat = hf_remat if path in hf_layers else self.remat if path in self.remat_units else None
+                if remat is None and direct is not None and direct(u):
+                    installed.direct[path] = u  # its tensors go in with the module's call: no route
+                    continue
                 overrides[modules[path]] = self._call_route(path, u, ops, computes.get(modules[path]), installed,
                                                             remat)
             else:
@@ -430,6 +450,7 @@ class _Installed:
         self.remat = remat  # whether a unit of this forward is checkpointed
         self.all_modules = all_modules  # the module and its submodules
         self.depth = 0
+        self.direct: dict = {}  # units whose tensors are in place for the whole forward (`ModuleLoss._routed`)
         self.modes: dict = {}
         self.own: dict = {}  # each overridden module's instance forward before (or _MISSING)
 

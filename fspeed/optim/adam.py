@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from ..flat import is_loose, segments
+from ..flat import LooseGrads, is_flat, is_loose, segments
 from ..pytree import tensor_leaves, tree_map, tree_zeros_like
 from .base import (
     ELEMENTWISE,
@@ -139,6 +139,15 @@ def adam(
 
     def apply(grads, state: AdamState, params, *, cast_to=None, grad_sq=None):
         lr_t, b1_t, bc1, bc2 = hparams(state.count)
+        hp = dict(lr=lr_t, beta1=b1_t, beta2=b2, eps=eps, weight_decay=weight_decay, step=state.count + 1,
+                  adam_w_mode=adam_w_mode, bias_correction=bias_correction)
+        after = AdamState(state.count + 1, resolve(lr, state.count + 1), state.mu, state.nu)
+        if isinstance(grads, LooseGrads) and cast_to is None and is_flat(params) and is_flat(state.mu) and \
+                is_flat(state.nu):  # one pass whose buffers' runs follow from the gradients (`adam_step_loose`)
+            kernel = numba_kernel(name, backend, _KERNELS, [params.buffer])
+            if hasattr(kernel, "adam_step_loose") and kernel.adam_step_loose(
+                    params.buffer, grads.tensors, state.mu.buffer, state.nu.buffer, **hp, grad_sq=grad_sq):
+                return params, after
         loose = is_loose(grads)
         if loose:  # backward's own tensors: the buffers' per-parameter views match them
             p, g, m, v = segments(params), segments(grads), segments(state.mu), segments(state.nu)
@@ -152,8 +161,6 @@ def adam(
         kernel = numba_kernel(name, backend, _KERNELS, p)
         rest = []  # (p, g, m, v, cast) groups for the torch path
         runs = []  # fp32 groups the kernel takes in one pass (a group's runs, loose gradients)
-        hp = dict(lr=lr_t, beta1=b1_t, beta2=b2, eps=eps, weight_decay=weight_decay, step=state.count + 1,
-                  adam_w_mode=adam_w_mode, bias_correction=bias_correction)
         cpu_kernel = hasattr(kernel, "adam_step_runs")  # (the CUDA kernel has no runs pass)
         many = len(p) > 1 and cpu_kernel
         # grad_sq: the CPU kernels sum the squared gradients in the update's own pass; the other
@@ -180,7 +187,7 @@ def adam(
         if rest:
             _torch_adam(*map(list, zip(*rest)), state.count + 1, lr_t, b1_t, b2, eps, weight_decay,
                         adam_w_mode, bias_correction, bc1, bc2)
-        return params, AdamState(state.count + 1, resolve(lr, state.count + 1), state.mu, state.nu)
+        return params, after
 
     info = TransformInfo(
         name,

@@ -250,9 +250,10 @@ class UnitOps(DenseOps):
 
     def __init__(self, layout: Layout, data: AxisComm, sink: Optional[GradSink], anchor: Optional[torch.Tensor],
                  device: torch.device, dtype: torch.dtype, to_device: Callable[[torch.Tensor], torch.Tensor],
-                 trace: Optional[UnitTrace] = None):
+                 trace: Optional[UnitTrace] = None, uploads: bool = False):
         self.layout, self.data, self.sink, self.anchor = layout, data, sink, anchor
         self.device, self.dtype, self.to_device = device, dtype, to_device
+        self.uploads = uploads  # whether `to_device` copies (offload_param): each unit is uploaded as it runs
         self.recompute = Remat() if layout.zero.recompute_blocks else None  # ZeRO-3's own switch: full remat
         self.model_comm: Optional[AxisComm] = None  # the tensor-slicing axis (remat's partitioned inputs)
         self.prefetch = layout.zero.prefetch
@@ -314,6 +315,13 @@ class UnitOps(DenseOps):
                 tensors = [self.to_device(t) for t in deliver_on_backward(self.anchor, self.sink, unit.index, p.resident)]
             self._taken[unit.index] = tensors
         return self._taken[unit.index]
+
+    def direct(self, p: Any) -> bool:
+        """Whether `call(p, fn, ...)` is `fn(param(p), ...)` alone: no gather (whole parameters, one
+        data rank, nothing uploaded, no gather of the last update in flight) and no remat. A caller
+        may then take such units up front instead of routing a call through each."""
+        return (isinstance(p, UnitParams) and p.shard is None and self.recompute is None and self.data.size == 1
+                and self.param_gather is None and not self.uploads)
 
     def param(self, p: Any) -> Any:
         if not isinstance(p, UnitParams):

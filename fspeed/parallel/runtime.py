@@ -216,7 +216,7 @@ class ParallelRuntime:
         """The model ops for one micro-batch (None: evaluation), unit ops wrapped by each transform."""
         to_device = (lambda t: copy_to(t, self.device)) if self.offload_params else (lambda t: t)
         self._unit_ops = UnitOps(self.layout, self.data, self.sink, anchor, self.device, self.param_dtype, to_device,
-                                 self._trace)
+                                 self._trace, uploads=self.offload_params)
         self._unit_ops.model_comm = self.model
         if self.param_gather is not None and not self.param_gather.done:
             self._unit_ops.param_gather = (self.param_gather, self._unit_ranges)
