@@ -247,7 +247,6 @@ class AccumulatedGrads(GradSink):
         n, local = comm.size, layout.local
         self.loose = loose and not self.stage1 and n == 1
         self.leaves: list[Optional[torch.Tensor]] = [None] * len(local.paths)
-        self.differentiated: list[torch.Tensor] = []  # the leaves that take a gradient (`hold_leaves`)
         self.norms: list[Optional[torch.Tensor]] = [None] * len(local.paths)  # of the final gradients
         self.part = layout.partition_numel if self.stage1 else local.numel
         self.acc = None if self.loose else \
@@ -267,7 +266,6 @@ class AccumulatedGrads(GradSink):
         """The loose sink's parameters (index in layout.params -> autograd leaf), whose `.grad`
         backward fills; with `take_norms`, each gets a hook taking its norm on the last micro-batch."""
         self.leaves = [leaves.get(i) for i in range(len(self.leaves))]
-        self.differentiated = [leaf for leaf in self.leaves if leaf is not None and leaf.requires_grad]
         if self.take_norms:
             for i, leaf in leaves.items():
                 if leaf.requires_grad:

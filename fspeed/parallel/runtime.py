@@ -248,10 +248,12 @@ class ParallelRuntime:
         self.sink.hold_leaves(leaves)
         return out
 
-    def backward_inputs(self, anchor: torch.Tensor) -> list[torch.Tensor]:
+    def backward_inputs(self, anchor: torch.Tensor) -> Optional[list[torch.Tensor]]:
         """What a micro-batch's backward differentiates: the anchor every unit's delivery hangs
-        on, or the loose sink's parameter leaves."""
-        return self.sink.differentiated if self.sink is not None and self.sink.loose else [anchor]
+        on; None for the loose sink, whose backward is an eager loop's: every leaf the loss reaches
+        (its parameter leaves) gets its `.grad`, with no `inputs=` (whose walk of the graph cost 0.35
+        ms of a 13 ms backward, a 12-layer GPT-2 of width 64)."""
+        return None if self.sink is not None and self.sink.loose else [anchor]
 
     def close_ops(self) -> None:
         """The end of a forward (and backward): prefetches nobody took are waited for."""
