@@ -229,6 +229,15 @@ def segments(tree: PyTree) -> list[torch.Tensor]:
     return out
 
 
+def flat_list(tree: Any) -> list[Flat] | None:
+    """A Flat, or a list of them (a parameter group's runs), as a list; else None."""
+    if isinstance(tree, Flat):
+        return [tree]
+    if isinstance(tree, (list, tuple)) and tree and all(isinstance(x, Flat) for x in tree):
+        return list(tree)
+    return None
+
+
 def is_loose(grads: Any) -> bool:
     """A `LooseGrads`, or a list of them (a parameter group's runs of one)."""
     return isinstance(grads, LooseGrads) or (isinstance(grads, (list, tuple)) and bool(grads)

@@ -345,31 +345,45 @@ def adam_step_runs(params: list[torch.Tensor], grads: list[torch.Tensor], exp_av
     _step_table(table, scalars, grad_sq)
 
 
-def adam_step_loose(params: torch.Tensor, grads: list[torch.Tensor], exp_avg: torch.Tensor,
-                    exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
+def adam_step_loose(params: list[torch.Tensor], grads: list[list[torch.Tensor]], exp_avg: list[torch.Tensor],
+                    exp_avg_sq: list[torch.Tensor], *, lr: float, beta1: float, beta2: float, eps: float,
                     weight_decay: float, step: int, adam_w_mode: bool, bias_correction: bool = True,
                     grad_sq: list | None = None) -> bool:
-    """`adam_step_runs` over flat buffers (`params`, `exp_avg`, `exp_avg_sq`: each parameter's
-    elements back to back, in `grads`' order) and one gradient tensor per parameter (backward's
-    own, `LooseGrads`): the buffers' runs follow from the gradients' sizes, so only the gradients
-    are looked at one by one (a GPT-2 of 150 small tensors: 0.2 against 1 ms of Python a step).
-    Returns False, updating nothing, where a tensor is not contiguous fp32 on the CPU or the
-    buffers are shorter than the gradients."""
+    """`adam_step_runs` over flat buffers and one gradient tensor per parameter (backward's own,
+    `LooseGrads`): `params[r]`, `exp_avg[r]` and `exp_avg_sq[r]` hold the parameters whose gradients
+    are `grads[r]`, back to back in that order (a buffer, or each run of a parameter group). The
+    runs' addresses follow from the gradients' sizes, so only the gradients are looked at one by one
+    (a GPT-2 of 150 small tensors: 0.2 against 1 ms of Python a step). Returns False, updating
+    nothing, where a tensor is not contiguous fp32 on the CPU or a buffer is shorter than its
+    gradients."""
+    if not (len(params) == len(grads) == len(exp_avg) == len(exp_avg_sq)):
+        raise ValueError(f"adam_step_loose: {len(params)} params, {len(grads)} gradient lists, {len(exp_avg)} exp_avg "
+                         f"and {len(exp_avg_sq)} exp_avg_sq; one of each per buffer")
     f32 = torch.float32
-    if not all(t.dtype == f32 and t.is_cpu and t.is_contiguous() for t in (params, exp_avg, exp_avg_sq)) or \
-            not all(g.dtype == f32 and g.is_cpu and g.is_contiguous() for g in grads) or not grads:
+    every = [g for run in grads for g in run]
+    if not every or not all(t.dtype == f32 and t.is_cpu and t.is_contiguous()
+                            for t in (*params, *exp_avg, *exp_avg_sq, *every)):
         return False
-    sizes = np.fromiter((g.numel() for g in grads), dtype=np.int64, count=len(grads))
-    starts = np.zeros(len(grads), dtype=np.int64)
-    np.cumsum(sizes[:-1], out=starts[1:])
-    if starts[-1] + sizes[-1] > min(params.numel(), exp_avg.numel(), exp_avg_sq.numel()):
-        return False
+    sizes = np.fromiter((g.numel() for g in every), dtype=np.int64, count=len(every))
+    counts = [len(run) for run in grads]
+    starts = np.empty(len(every), dtype=np.int64)  # each parameter's offset in its buffer
+    at = 0
+    for r, k in enumerate(counts):
+        run = sizes[at:at + k]
+        np.cumsum(run, out=starts[at:at + k])
+        starts[at:at + k] -= run
+        if run.sum() > min(params[r].numel(), exp_avg[r].numel(), exp_avg_sq[r].numel()):
+            return False
+        at += k
     scalars = adam_scalars("adam_step_loose", lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction)
-    table = np.empty((len(grads), 5), dtype=np.int64)
-    table[:, 0] = params.data_ptr() + 4 * starts
-    table[:, 1] = np.fromiter((g.data_ptr() for g in grads), dtype=np.int64, count=len(grads))
-    table[:, 2] = exp_avg.data_ptr() + 4 * starts
-    table[:, 3] = exp_avg_sq.data_ptr() + 4 * starts
+
+    def addresses(buffers: list[torch.Tensor]) -> np.ndarray:
+        return np.repeat(np.array([b.data_ptr() for b in buffers], dtype=np.int64), counts) + 4 * starts
+    table = np.empty((len(every), 5), dtype=np.int64)
+    table[:, 0] = addresses(params)
+    table[:, 1] = np.fromiter((g.data_ptr() for g in every), dtype=np.int64, count=len(every))
+    table[:, 2] = addresses(exp_avg)
+    table[:, 3] = addresses(exp_avg_sq)
     table[:, 4] = sizes
     _step_table(table, scalars, grad_sq)
     return True

@@ -157,27 +157,30 @@ def test_one_pass_over_runs_gives_the_bits_of_one_call_per_run(sizes, hp, steps,
         assert torch.equal(a, b)  # gaps untouched too
 
 
-@given(st.lists(size_st, min_size=1, max_size=5), hparams_st(), st.integers(1, 3), st.integers(0, 2**31 - 1),
-       st.integers(0, 17), st.booleans())
-def test_loose_gradients_over_flat_buffers_give_the_bits_of_the_runs_pass(sizes, hp, steps, seed, padding, summed):
-    """`adam_step_loose` (flat p, m, v; one gradient tensor per parameter, as backward leaves them)
-    against `adam_step_runs` over the buffers' per-parameter views: the same bits, the padding past
-    the parameters untouched, the same squared-gradient sum."""
+@given(st.lists(st.lists(size_st, max_size=4), min_size=1, max_size=3), hparams_st(), st.integers(1, 3),
+       st.integers(0, 2**31 - 1), st.integers(0, 17), st.booleans())
+def test_loose_gradients_over_flat_buffers_give_the_bits_of_the_runs_pass(buffers, hp, steps, seed, padding, summed):
+    """`adam_step_loose` (flat p, m, v buffers, or a group's several; one gradient tensor per
+    parameter, as backward leaves them) against `adam_step_runs` over the buffers' per-parameter
+    views: the same bits, the padding past the parameters untouched, the same squared-gradient sum."""
+    if not any(buffers):
+        buffers[0].append(1)
     gen = torch.Generator().manual_seed(seed)
-    total = sum(sizes) + padding
-    bases = [torch.randn(total, generator=gen) for _ in range(3)]
-    bases[2].abs_()
-    loose, runs = [b.clone() for b in bases], [b.clone() for b in bases]
+    bases = [[torch.randn(sum(sizes) + padding, generator=gen) for sizes in buffers] for _ in range(3)]
+    for b in bases[2]:
+        b.abs_()
+    loose, runs = ([[b.clone() for b in kind] for kind in bases] for _ in range(2))
     for t in range(1, steps + 1):
-        grads = [torch.randn(n, generator=gen) for n in sizes]
+        grads = [[torch.randn(n, generator=gen) for n in sizes] for sizes in buffers]
         sq_loose, sq_runs = ([] if summed else None), ([] if summed else None)
         assert cpu_adam.adam_step_loose(loose[0], grads, loose[1], loose[2], step=t, grad_sq=sq_loose, **hp)
-        p, m, v = ([x for x in torch.split(b[:sum(sizes)], sizes)] for b in runs)
-        cpu_adam.adam_step_runs(p, grads, m, v, step=t, grad_sq=sq_runs, **hp)
+        p, m, v = ([x for b, sizes in zip(kind, buffers) for x in torch.split(b[:sum(sizes)], sizes)] for kind in runs)
+        cpu_adam.adam_step_runs(p, [g for run in grads for g in run], m, v, step=t, grad_sq=sq_runs, **hp)
         assert sq_loose == sq_runs
-    for a, b, base in zip(loose, runs, bases):
-        assert torch.equal(a, b)
-        assert torch.equal(a[sum(sizes):], base[sum(sizes):])
+    for kind_loose, kind_runs, kind_base in zip(loose, runs, bases):
+        for a, b, base, sizes in zip(kind_loose, kind_runs, kind_base, buffers):
+            assert torch.equal(a, b)
+            assert torch.equal(a[sum(sizes):], base[sum(sizes):])
 
 
 @pytest.mark.parametrize("change", ["bf16 grad", "strided grad", "short buffer", "fp64 buffer", "no grads"])
@@ -197,9 +200,12 @@ def test_loose_gradients_it_cannot_take_update_nothing(change):
     else:
         grads = []
     before = [t.clone() for t in (p, m, v)]
-    assert not cpu_adam.adam_step_loose(p, grads, m, v, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-                                        step=1, adam_w_mode=True)
+    assert not cpu_adam.adam_step_loose([p], [grads], [m], [v], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                        weight_decay=0.1, step=1, adam_w_mode=True)
     assert all(torch.equal(a, b) for a, b in zip((p, m, v), before))
+    with pytest.raises(ValueError, match="one of each per buffer"):
+        cpu_adam.adam_step_loose([p, p], [grads], [m], [v], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                 weight_decay=0.1, step=1, adam_w_mode=True)
 
 
 @given(st.lists(size_st, min_size=1, max_size=4), hparams_st(), st.integers(0, 2**31 - 1),

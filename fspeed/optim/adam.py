@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from ..flat import LooseGrads, is_flat, is_loose, segments
+from ..flat import LooseGrads, flat_list, is_loose, segments
 from ..pytree import tensor_leaves, tree_map, tree_zeros_like
 from .base import (
     ELEMENTWISE,
@@ -142,11 +142,15 @@ def adam(
         hp = dict(lr=lr_t, beta1=b1_t, beta2=b2, eps=eps, weight_decay=weight_decay, step=state.count + 1,
                   adam_w_mode=adam_w_mode, bias_correction=bias_correction)
         after = AdamState(state.count + 1, resolve(lr, state.count + 1), state.mu, state.nu)
-        if isinstance(grads, LooseGrads) and cast_to is None and is_flat(params) and is_flat(state.mu) and \
-                is_flat(state.nu):  # one pass whose buffers' runs follow from the gradients (`adam_step_loose`)
-            kernel = numba_kernel(name, backend, _KERNELS, [params.buffer])
+        # loose gradients over flat buffers (or a group's runs of them): one pass whose runs follow
+        # from the gradients' sizes (`adam_step_loose`)
+        runs = [grads] if isinstance(grads, LooseGrads) else grads if is_loose(grads) else None
+        buffers = [flat_list(x) for x in (params, state.mu, state.nu)]
+        if runs is not None and cast_to is None and all(b is not None and len(b) == len(runs) for b in buffers):
+            kernel = numba_kernel(name, backend, _KERNELS, [buffers[0][0].buffer])
             if hasattr(kernel, "adam_step_loose") and kernel.adam_step_loose(
-                    params.buffer, grads.tensors, state.mu.buffer, state.nu.buffer, **hp, grad_sq=grad_sq):
+                    *([f.buffer for f in b] for b in buffers[:1]), [g.tensors for g in runs],
+                    *([f.buffer for f in b] for b in buffers[1:]), **hp, grad_sq=grad_sq):
                 return params, after
         loose = is_loose(grads)
         if loose:  # backward's own tensors: the buffers' per-parameter views match them

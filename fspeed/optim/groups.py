@@ -47,7 +47,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from ..flat import Flat, FlatLayout, LooseGrads, is_loose
+from ..flat import Flat, FlatLayout, LooseGrads, flat_list, is_loose
 from ..pytree import PyTree, tree_flatten, tree_flatten_with_paths, tree_leaves, tree_unflatten
 from .base import Capabilities, GradientTransformation, TransformInfo, optimizer_step, resolve
 
@@ -167,7 +167,7 @@ def param_groups(optimizer: GradientTransformation, groups: Sequence[Mapping[str
 
     def plan_for(tree: PyTree) -> _Plan:
         """How `tree` splits into runs; cached per layout (params and grads share one)."""
-        flats = _flats(tree)
+        flats = flat_list(tree)
         if flats is not None:
             key = tuple(f.layout for f in flats)
             parts, treedef = [(f.layout.paths, f.layout.shapes) for f in flats], None
@@ -380,15 +380,6 @@ def _run_layout(paths: Sequence[str], shapes: Sequence[tuple[int, ...]]) -> Flat
     return FlatLayout(tree_flatten(list(range(len(paths))))[1], tuple(paths), tuple(shapes))
 
 
-def _flats(tree: PyTree) -> Optional[list[Flat]]:
-    """A Flat, or a list of them (what an outer param_groups passes), as a list; else None."""
-    if isinstance(tree, Flat):
-        return [tree]
-    if isinstance(tree, (list, tuple)) and tree and all(isinstance(x, Flat) for x in tree):
-        return list(tree)
-    return None
-
-
 def _parts(tree: PyTree, like: Optional[list] = None) -> list:
     """The Flats of `tree` (checked against `like`'s layouts), its LooseGrads (one or a list, of
     `like`'s layouts), or [its list of leaves]."""
@@ -397,7 +388,7 @@ def _parts(tree: PyTree, like: Optional[list] = None) -> list:
         if like is None or [x.layout for x in loose] != [getattr(f, "layout", None) for f in like]:
             raise ValueError("param_groups: loose gradients must have the layouts of the Flats of params")
         return loose
-    flats = _flats(tree)
+    flats = flat_list(tree)
     if flats is None:
         return [tree_flatten_with_paths(tree)[1]]
     if like is not None and [f.layout for f in flats] != [f.layout for f in like]:
