@@ -564,6 +564,40 @@ def test_zero_bubble_defers_the_linears_also_in_checkpointed_groups(kind):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
+def _zero_bubble_replanned():
+    """A tied GPT on pipe=2, zero bubble: the first step's schedule and gradient, the schedule it
+    re-planned to, and the gradient of a step with another placement of the W's."""
+    from fspeed.parallel.pipeline_runtime import PipelineExecutor
+    from fspeed.parallel.schedules import zero_bubble_for_costs
+    from fspeed.train_step import split_micro_batches
+    mesh, model = fs.Mesh(pipe=2), gpt(4)
+    plan = fs.pipeline(4, schedule="zero_bubble")
+    state = fs.init_train_state(model.init(torch.Generator().manual_seed(0)), fs.optim.sgd(0.1), plan=plan, mesh=mesh,
+                                model=model)
+    executor = PipelineExecutor(state.layout, mesh, model.layers, torch.float32)
+    micro = split_micro_batches(batch(8, 0), 4)
+    first = executor.schedule
+    _, g1 = executor.step(state.params, micro, 0.25, lambda m, i: None)
+    replanned, pending = executor.schedule, executor.replan
+    executor.schedule = zero_bubble_for_costs(2, 4, [62.0, 67.0], 73.0, 45.0)  # W's fill the waits, ZB-H1's don't
+    _, g2 = executor.step(state.params, micro, 0.25, lambda m, i: None)
+    return first, replanned, pending, executor.schedule, g1.buffer, g2.buffer
+
+
+def test_zero_bubble_replans_once_the_same_on_every_stage_and_the_bits_stay(world2):
+    """After its first step zero bubble re-plans where the W's go from the stages' measured times,
+    once, to one schedule on every rank; moving the W's changes no bit of the gradient (they stay in
+    micro-batch order)."""
+    from fspeed.parallel.schedules import build_schedule, check_schedule
+    runs = world2.run(_zero_bubble_replanned)
+    assert runs[0][1] == runs[1][1]  # every rank builds the same schedule from the same times
+    for first, replanned, pending, moved, g1, g2 in runs:
+        assert first == build_schedule("zero_bubble", 2, 4) and not pending
+        check_schedule(replanned)
+        assert moved.actions != first.actions
+        assert torch.equal(g1, g2)
+
+
 @pytest.mark.parametrize("build", ["gpt", "traced_llama"])
 def test_zero_bubble_weight_pass_in_bf16_equals_1f1b_bit_for_bit(build):
     """bf16 activations: W makes each weight gradient in bf16, as backward does, and adds it to the

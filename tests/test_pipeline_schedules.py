@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from fspeed.parallel.schedules import (
     SCHEDULES, Action, Schedule, bubble_fraction, build_schedule, check_schedule, show_schedule, simulate,
+    zero_bubble_for_costs,
 )
 
 
@@ -287,6 +288,45 @@ def test_zero_bubble_idles_the_papers_bound_at_any_costs(forward, backward, weig
         assert timeline.makespan == pytest.approx(work + idle)
         one_f_one_b = simulate(build_schedule("1f1b", stages, micro), forward, backward, weight)
         assert one_f_one_b.makespan == pytest.approx(work + (stages - 1) * (forward + backward + weight))
+
+
+@settings(max_examples=60, deadline=None)
+@given(stages=st.integers(1, 6), micro=st.integers(1, 16), costs=st.lists(
+    st.tuples(st.floats(0.2, 2.0), st.floats(0.2, 2.0), st.floats(0.05, 2.0)), min_size=1, max_size=1),
+    skew=st.floats(1.0, 1.2))
+def test_zero_bubble_for_costs_is_never_slower_than_zb_h1_and_keeps_its_order(stages, micro, costs, skew):
+    """The cost-aware placement of the W's: a valid schedule (check_schedule), 1F1B's F/B order on
+    every stage (so its in-flight bound), W's in micro-batch order, at most 2 p W's pending, and a
+    simulated step no longer than ZB-H1's at those costs (the last stage's F heavier by `skew`)."""
+    (f, b, w), = costs
+    forward = [f] * (stages - 1) + [f * skew]
+    schedule = zero_bubble_for_costs(stages, micro, forward, b, w)
+    check_schedule(schedule)
+    h1 = build_schedule("zero_bubble", stages, micro)
+    for stage in range(stages):
+        rows = [[a for a in actions if a.kind in kinds] for actions in (schedule.actions[stage], h1.actions[stage])
+                for kinds in ("FB", "W")]
+        assert rows[0] == rows[2] and [a.micro for a in rows[1]] == list(range(micro))
+        pending = peak = 0
+        for action in schedule.actions[stage]:
+            pending += {"B": 1, "W": -1}.get(action.kind, 0)
+            peak = max(peak, pending)
+        assert peak <= 2 * stages
+    assert simulate(schedule, forward, b, w).makespan <= simulate(h1, forward, b, w).makespan * (1 + 1e-9)
+
+
+def test_zero_bubble_for_costs_fills_the_waits_where_w_is_cheap():
+    """Unit costs: ZB-H1 itself. The benchmark's measured costs (F, B, W = 62/67, 73, 45 ms): the W's
+    fill the waits, 802 against ZB-H1's 830 and 1F1B's 920."""
+    for stages, micro in [(2, 4), (3, 5), (4, 8)]:
+        assert zero_bubble_for_costs(stages, micro) == build_schedule("zero_bubble", stages, micro)
+    costs = ([62.0, 67.0], 73.0, 45.0)
+    schedule = zero_bubble_for_costs(2, 4, *costs)
+    assert [" ".join(f"{a.kind}{a.micro}" for a in row) for row in schedule.actions] == [
+        "F0 F1 B0 F2 W0 B1 F3 B2 W1 W2 B3 W3", "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3"]
+    assert simulate(schedule, *costs).makespan == 802.0
+    assert simulate(build_schedule("zero_bubble", 2, 4), *costs).makespan == 830.0
+    assert simulate(build_schedule("1f1b", 2, 4), *costs).makespan == 920.0
 
 
 def test_1f1b_is_deepspeeds_train_schedule():

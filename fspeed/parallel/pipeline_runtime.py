@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import statistics
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -39,7 +40,7 @@ from ..pytree import PyTree, tree_flatten_with_paths, tree_unflatten
 from .comm import AxisComm, Pending
 from .layout import Layout
 from .mesh import AXES, process_group
-from .schedules import Action, Schedule, build_schedule
+from .schedules import Action, Schedule, build_schedule, zero_bubble_for_costs
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool,
            torch.uint8)
@@ -167,6 +168,8 @@ class PipelineExecutor:
         self.posted: dict = {}  # receives posted ahead: (kind, micro, piece) -> (a tuple?, [(Pending, buffer)])
         self.timeline: Optional[list] = None  # a list: each step appends (action, start, end) of its compute,
         # receives excluded (time.perf_counter, one clock for all processes of a machine; benchmarks/pipeline.py)
+        # zero bubble: the first step's F, B and W times re-plan where the W's go (`_replan`)
+        self.replan = self.schedule.split_backward and self.stages > 1
 
     def _wrapped(self, ops: Any) -> Any:
         """`ops` (the dense ones) wrapped by the layout's transforms (tensor slicing)."""
@@ -226,6 +229,7 @@ class PipelineExecutor:
         # per action: the parameters whose sums are final after it (only where backward sums in place)
         index_of = {id(leaf): p for p, leaf in enumerate(leaves)}
         final_after = self._final_after(index_of, chunk_leaves, actions) if final is not None and in_place else {}
+        spent: dict[str, list[float]] = {"F": [], "B": [], "W": []}  # seconds of each action's compute, by kind
         for i, action in enumerate(actions):
             m, c = action.micro, action.chunk
             k = self.plan.piece(self.stage, c)
@@ -309,12 +313,31 @@ class PipelineExecutor:
                 store.clear()  # the graph's nodes still hold the list; its tensors go now
             if i in final_after:  # (also those backward gave no gradient, and after a weight pass)
                 final(final_after[i])
+            end = time.perf_counter()
+            spent[action.kind].append(end - start)
             if self.timeline is not None:
-                self.timeline.append((action, start, time.perf_counter()))
+                self.timeline.append((action, start, end))
         for pending in sends:
             pending.wait()
         self._sum_tied(acc, acc_views)
+        if self.replan:
+            self._replan(spent)
         return losses, Flat(acc, local)
+
+    def _replan(self, spent: dict[str, list[float]]) -> None:
+        """Zero bubble after its first step: the schedule whose W's best fill the waits for the
+        stages' measured F, B and W times (`zero_bubble_for_costs`; ZB-H1 where none does better).
+        Every rank takes the same times (each stage's medians, the largest over its data and model
+        ranks), so every rank builds the same schedule: the collectives the stages' actions issue
+        stay in one order."""
+        costs = torch.zeros(self.stages, 3, dtype=torch.float64)
+        costs[self.stage] = torch.tensor([statistics.median(spent[k]) for k in "FBW"], dtype=torch.float64)
+        self.comm.all_reduce_(costs)  # each stage's row from that stage
+        for axis in AXES:
+            if axis != "pipe":
+                self.mesh.comm(axis).all_reduce_(costs, "max")
+        self.schedule = zero_bubble_for_costs(self.stages, self.micro_batches, *costs.t().tolist())
+        self.replan = False
 
     def _forward(self, tree: PyTree, x: torch.Tensor, k: int, m: int, micro_batch: PyTree,
                  layer_rng: Callable[[int, int], Optional[torch.Generator]], ops: Any,
