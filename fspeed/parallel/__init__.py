@@ -23,7 +23,7 @@ from .mesh import Mesh, init_distributed, shutdown_distributed
 from .ops import UnitParams
 from .plan import Placement, Plan, Transform
 from .runtime import gather_params
-from .schedules import SCHEDULES, Action, Schedule, build_schedule
+from .schedules import SCHEDULES, Action, Schedule, build_schedule, zero_bubble_for_costs
 from .specs import P, PartitionSpec
 from .tensor_slicing import tensor_slicing
 from .layer_costs import balanced_partition, layer_costs, profiled_partition
@@ -35,5 +35,5 @@ __all__ = [
     "OffloadParamConfig", "P", "PartitionSpec", "Placement", "Plan", "Schedule", "Transform", "UnitParams",
     "ZeroConfig", "build_schedule", "estimate_memory", "explain", "gather_params", "init_distributed", "resolve",
     "show_schedule", "shutdown_distributed", "tensor_slicing", "zero", "StagePlan", "pipeline",
-    "balanced_partition", "layer_costs", "profiled_partition",
+    "balanced_partition", "layer_costs", "profiled_partition", "zero_bubble_for_costs",
 ]

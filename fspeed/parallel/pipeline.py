@@ -180,7 +180,8 @@ def pipeline(micro_batches: int, schedule: str = "1f1b", partition: Partition = 
 def show_schedule(plan: Union[Plan, "Schedule"], mesh: Any = None) -> str:
     """The schedule a plan's pipeline runs on a mesh, per stage (`F0 F1 B0 F2 B1 ...`), and its
     bubble: `show_schedule(plan, mesh)`, where `mesh` is a `Mesh` or its sizes (`{"pipe": 4}`,
-    no process group needed); or `show_schedule(schedule)` for a built `Schedule`."""
+    no process group needed); or `show_schedule(schedule)` for a built `Schedule`. For zero_bubble
+    it is the ZB-H1 of the first step; later steps run `zero_bubble_for_costs` of the measured times."""
     from .schedules import Schedule, build_schedule  # noqa: PLC0415
     from .schedules import show_schedule as show  # noqa: PLC0415
 

@@ -9,7 +9,9 @@ A step on stage s executes `schedule.actions[s]` in order (`fspeed.parallel.sche
               own), back through the chunk: the input's gradient is sent back, the parameters'
               gradients are added into the stage's accumulator
     W(m, c)   zero-bubble schedules only: B left every linear layer's weight gradient for later
-              (`_DeferredLinear`: B computes the input's gradient, W the weight's, dW = dYᵀ X)
+              (`_DeferredLinear`: B computes the input's gradient, W the weight's, dW = dYᵀ X);
+              after its first step, zero bubble re-plans where its W's go from the stages'
+              measured F, B and W times (`_replan`, `schedules.zero_bubble_for_costs`)
 
 Sends never block and receives do, so a schedule that is valid (every stage can run its list in
 order) cannot deadlock. The first transfer over each edge in a step of a new batch shape carries the

@@ -20,6 +20,9 @@ Schedules (p stages, m micro-batches, v virtual stages):
 - zero_bubble: ZB-H1 (Qi et al. 2023): 1F1B's order of F and B with B split from W; on stage s
   each W trails its B by s micro-batches, so the shorter B chain shrinks the warmup bubble and
   the last s W's fill the cooldown one. Same in-flight bound as 1F1B (F's whose B has not run).
+  `zero_bubble_for_costs` places the W's for given per-stage costs instead (what the runtime
+  re-plans to after a first step with ZB-H1): where W is cheaper than B, W's that fill the waits
+  beat trailing each B by s of them.
 """
 
 from __future__ import annotations
