@@ -140,10 +140,11 @@ def test_partition_needs_a_sliced_head():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_the_gpt_loss_equals_the_separate_head_and_loss(precision):
-    """fp32 and bf16 take the fused op, fp16 the separate ops (a gradient taken at scale 1 would
-    underflow there): the loss and gradients are the separate ops' either way."""
+    """fused_head=True: fp32 and bf16 take the fused op, fp16 the separate ops (a gradient taken at
+    scale 1 would underflow there): the loss and gradients are the separate ops' either way."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    model = fs.models.gpt(fs.models.GPTConfig(vocab_size=96, seq_len=12, n_layer=2, d_model=32, n_head=4))
+    model = fs.models.gpt(fs.models.GPTConfig(vocab_size=96, seq_len=12, n_layer=2, d_model=32, n_head=4,
+                                              fused_head=True))
     params = fs.pytree.tree_map(lambda t: t.to(dtype).requires_grad_(),
                                 model.init(torch.Generator().manual_seed(0)))
     ids = torch.randint(0, 96, (3, 12), generator=torch.Generator().manual_seed(1))
@@ -155,6 +156,26 @@ def test_the_gpt_loss_equals_the_separate_head_and_loss(precision):
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+def test_the_gpt_fuses_its_head_with_the_loss_from_a_size_up(monkeypatch):
+    """fused_head=None: the fused op from FUSED_HEAD_MIN_LOGITS logits of a micro-batch up, the separate
+    ops below (faster there); True and False force it."""
+    import importlib
+    gpt_module = importlib.import_module("fspeed.models.gpt")
+    calls = []
+    monkeypatch.setattr(fs.models.ops.DenseOps, "head_loss",
+                        lambda self, *a, **k: calls.append(1) or head_loss(*a, norm=k["norm"], norm_params=k["norm_params"]))
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    batch = {"inputs": ids, "targets": ids.roll(-1, 1)}
+    for fused, threshold, expected in ((None, 2 * 12 * 96, 1), (None, 2 * 12 * 96 + 1, 0), (True, 1 << 40, 1),
+                                       (False, 1, 0)):
+        monkeypatch.setattr(gpt_module, "FUSED_HEAD_MIN_LOGITS", threshold)
+        model = fs.models.gpt(fs.models.GPTConfig(vocab_size=96, seq_len=12, n_layer=1, d_model=16, n_head=2,
+                                                  fused_head=fused))
+        calls.clear()
+        model.loss(model.init(torch.Generator().manual_seed(0)), batch)
+        assert len(calls) == expected, (fused, threshold)
 
 
 def test_head_loss_without_a_norm_takes_the_gradients_of_x_and_w():

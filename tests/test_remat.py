@@ -214,7 +214,7 @@ def test_remat_under_zero_and_tensor_slicing_matches_one_process(world2, build, 
 
 def partitioned_case(partition):
     """On a tensor=2 world: the bytes a fully rematerialized GPT keeps for backward, and its gradient."""
-    cfg = fs.models.GPTConfig(vocab_size=VOCAB, n_layer=4, n_head=2, d_model=64, seq_len=128)
+    cfg = fs.models.GPTConfig(vocab_size=VOCAB, n_layer=4, n_head=2, d_model=64, seq_len=128, fused_head=True)
     model = fs.remat(fs.models.gpt(cfg), "full", partition=partition)
     mesh = fs.Mesh(data=1, model=2)
     plan = fs.tensor_slicing(fs.models.gpt_rules)
