@@ -144,15 +144,16 @@ def adam(
         after = AdamState(state.count + 1, resolve(lr, state.count + 1), state.mu, state.nu)
         # loose gradients over flat buffers (or a group's runs of them): one pass whose runs follow
         # from the gradients' sizes (`adam_step_loose`)
-        runs = [grads] if isinstance(grads, LooseGrads) else grads if is_loose(grads) else None
-        buffers = [flat_list(x) for x in (params, state.mu, state.nu)]
-        if runs is not None and cast_to is None and all(b is not None and len(b) == len(runs) for b in buffers):
-            kernel = numba_kernel(name, backend, _KERNELS, [buffers[0][0].buffer])
-            if hasattr(kernel, "adam_step_loose") and kernel.adam_step_loose(
-                    *([f.buffer for f in b] for b in buffers[:1]), [g.tensors for g in runs],
-                    *([f.buffer for f in b] for b in buffers[1:]), **hp, grad_sq=grad_sq):
-                return params, after
         loose = is_loose(grads)
+        if loose and cast_to is None:
+            runs = [grads] if isinstance(grads, LooseGrads) else grads
+            flats = [flat_list(x) for x in (params, state.mu, state.nu)]
+            if all(f is not None and len(f) == len(runs) for f in flats):
+                p, m, v = ([f.buffer for f in run_flats] for run_flats in flats)
+                kernel = numba_kernel(name, backend, _KERNELS, p[:1])
+                if hasattr(kernel, "adam_step_loose") and kernel.adam_step_loose(
+                        p, [g.tensors for g in runs], m, v, **hp, grad_sq=grad_sq):
+                    return params, after
         if loose:  # backward's own tensors: the buffers' per-parameter views match them
             p, g, m, v = segments(params), segments(grads), segments(state.mu), segments(state.nu)
             c = segments(cast_to) if cast_to is not None else [None] * len(p)
