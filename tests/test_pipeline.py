@@ -650,3 +650,39 @@ def test_a_pipelines_grad_norm_from_the_update_pass_counts_a_tied_copy_once(requ
         assert fused == (stage == 0) and not guarded  # ZeRO-1 on 2 data ranks sees a partition: read first
         assert norms == pytest.approx(ref_norms, rel=1e-6)  # fp32 norms per tensor against fp64 sums
         assert torch.equal(fs.Flat.from_tree(params).buffer, fs.Flat.from_tree(ref_params).buffer)
+
+
+def _receives_posted(schedule: str):
+    """Per receive of a step after the first (this stage): how many of the stage's actions had
+    finished when it was posted, and the index of the action that takes it."""
+    from fspeed.parallel.pipeline_runtime import PipelineExecutor
+    from fspeed.train_step import split_micro_batches
+    mesh, model = fs.Mesh(pipe=2), gpt(4, tie=False)
+    plan = fs.pipeline(4, schedule=schedule)
+    state = fs.init_train_state(model.init(torch.Generator().manual_seed(0)), fs.optim.sgd(0.1), plan=plan, mesh=mesh,
+                                model=model)
+    executor = PipelineExecutor(state.layout, mesh, model.layers, torch.float32)
+    micro = split_micro_batches(batch(8, 0), 4)
+    executor.step(state.params, micro, 0.25, lambda m, i: None)  # learns the transfers' shapes
+    posted, start_recv = [], executor.comm.start_recv
+
+    def recording(out, peer):
+        posted.append(len(executor.timeline))
+        return start_recv(out, peer)
+    executor.comm.start_recv, executor.timeline = recording, []
+    executor.step(state.params, micro, 0.25, lambda m, i: None)
+    stage = mesh.coordinate("pipe")
+    takers = [i for i, a in enumerate(executor.schedule.actions[stage]) if (a.kind == "F") == (stage == 1)
+              and a.kind in "FB"]
+    return posted, takers
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_receives_are_posted_two_actions_ahead(world2, schedule):
+    """A transfer is posted before the action ahead of its taker starts, so it lands while the stage
+    computes (posted only one action ahead, a transfer that had arrived was read from the socket by
+    the posting call, in the critical path's gap)."""
+    for posted, takers in world2.run(_receives_posted, schedule):
+        assert len(posted) == len(takers)
+        for done, taker in zip(posted, takers):
+            assert done <= max(0, taker - 2), (posted, takers)
