@@ -1,7 +1,5 @@
 """Every private torch API fspeed relies on, in one place, each behind a small named helper.
 
-- functional collectives (`torch.distributed._functional_collectives`): the only collectives that
-  can run inside a `torch.func` transform without silently local gradients;
 - functorch's tensor wrappers (`torch._C._functorch`): collectives and kernels run on the plain
   tensor under `torch.func`'s wrappers;
 - `torch._C._DisableFuncTorch`: a plain memory copy into storage a recorded graph holds (ZeRO-3
@@ -19,37 +17,14 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
-
-# torch 2.13 renamed these (the old names warn); older torch has only the old names
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-
-AsyncCollectiveTensor = funcol.AsyncCollectiveTensor
-
-
-def funcol_all_gather(t: torch.Tensor, group) -> torch.Tensor:
-    """All-gather along dim 0 (functional; may return an AsyncCollectiveTensor)."""
-    return _all_gather(t, 0, group)
-
-
-def funcol_reduce_scatter(t: torch.Tensor, group) -> torch.Tensor:
-    """Sum-reduce-scatter along dim 0 (functional)."""
-    return _reduce_scatter(t, "sum", 0, group)
-
-
-def funcol_all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
-    """All-reduce with `op` ("sum", "max", ...) (functional)."""
-    return funcol.all_reduce(t, op, group)
 
 
 def unwrapped(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor under torch.func's wrappers.
 
     Collectives move data and are never differentiated through (fspeed's autograd Functions
-    define their own backward), and funcol's own autograd registration fails under torch.func,
-    so they always run on the unwrapped tensor.
+    define their own backward), so they always run on the unwrapped tensor.
     """
     while is_functorch_wrapped_tensor(t):
         t = get_unwrapped(t)

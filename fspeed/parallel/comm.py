@@ -3,9 +3,13 @@
 `AxisComm` binds one mesh axis's process group. Its plain methods work on flat contiguous
 buffers (gloo silently reduces strided views wrong, so anything else is refused), split them into
 buckets, launch the buckets asynchronously and wait for them together. Its autograd-aware
-functions are `torch.autograd.Function`s with a separate `setup_context` that call functional
-collectives in forward and backward; only those compose with `torch.func.grad` (plain c10d
-calls give silently local gradients there, and torch's own autograd collectives raise):
+functions are `torch.autograd.Function`s with a separate `setup_context` and their own backward,
+which compose with `torch.func.grad` (a c10d call differentiated by autograd gives silently local
+gradients there, and torch's own autograd collectives raise); in forward and backward they call
+c10d on the plain tensors below torch.func's transforms. Every collective is a c10d one: torch's
+functional collectives on gloo hang, now and then, with any other collective in flight (a ZeRO-3
+prefetch beside the reduce-scatters: 2 ranks hung once in about 150 runs of a test; a loop of
+them beside reduce-scatters, within 1000-4000 iterations; c10d's own all-gather never did):
 
     copy_to_group     forward identity,         backward all-reduce     (Megatron's f)
     reduce_in_group   forward all-reduce,       backward identity       (Megatron's g)
@@ -31,9 +35,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..torch_internals import (
-    AsyncCollectiveTensor, funcol_all_gather, funcol_all_reduce, funcol_reduce_scatter, unwrapped,
-)
+from ..torch_internals import below_functorch, unwrapped
 
 
 class CommError(RuntimeError):
@@ -194,13 +196,14 @@ class AxisComm:
                     f"silently); got shape {list(t.shape)} with strides {t.stride()}"
                 )
 
-    def _start(self, op: str, nbytes: int, launch: Callable[[], Any], keep: Any = None) -> "Pending":
+    def _start(self, op: str, nbytes: int, launch: Callable[[], Any], keep: Any = None,
+               result: Optional[torch.Tensor] = None) -> "Pending":
         start = time.perf_counter()
         try:
             work = launch()
         except (RuntimeError, dist.DistBackendError) as err:
             raise self._error(op, start, err) from err
-        return Pending(self, op, nbytes, start, work, keep)
+        return Pending(self, op, nbytes, start, work, keep, result)
 
     def _error(self, op: str, start: float, err: Exception) -> CommError:
         return CommError(
@@ -395,7 +398,7 @@ class AxisComm:
     # -- functional collectives, used inside autograd Functions ------------------------------
 
     def gathered(self, shard: torch.Tensor) -> torch.Tensor:
-        """All-gather along dim 0 (out of place, functional)."""
+        """All-gather along dim 0 (out of place)."""
         if self.size == 1:
             return shard.clone()
         return self.start_gather(shard).wait()
@@ -403,22 +406,41 @@ class AxisComm:
     def start_gather(self, shard: torch.Tensor) -> "Pending":
         """Start an all-gather along dim 0 without waiting (ZeRO-3 prefetch); `.wait()` returns it."""
         shard = unwrapped(shard).contiguous()
-        return self._start("all_gather", _nbytes(shard), lambda: funcol_all_gather(shard, self.group))
+        with below_functorch():
+            out = shard.new_empty((self.size * shard.shape[0], *shard.shape[1:]))
+        return self._start("all_gather", _nbytes(shard),
+                           _below(lambda: dist.all_gather_single(out, shard, group=self.group, async_op=True)),
+                           keep=shard, result=out)
 
     def reduce_scattered(self, full: torch.Tensor) -> torch.Tensor:
-        """Sum-reduce-scatter along dim 0 (out of place, functional)."""
+        """Sum-reduce-scatter along dim 0 (out of place)."""
         if self.size == 1:
             return full.clone()
         full = unwrapped(full).contiguous()
-        return self._start("reduce_scatter", _nbytes(full) // self.size,
-                           lambda: funcol_reduce_scatter(full, self.group)).wait()
+        with below_functorch():
+            out = full.new_empty((full.shape[0] // self.size, *full.shape[1:]))
+        return self._start("reduce_scatter", _nbytes(out),
+                           _below(lambda: dist.reduce_scatter_single(out, full, group=self.group, async_op=True)),
+                           keep=full, result=out).wait()
 
     def all_reduced(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """All-reduce (out of place, functional)."""
+        """All-reduce (out of place; sum, max, min)."""
         if self.size == 1:
             return x.clone()
-        x = unwrapped(x).contiguous()
-        return self._start("all_reduce", _nbytes(x), lambda: funcol_all_reduce(x, op, self.group)).wait()
+        with below_functorch():
+            out = unwrapped(x).contiguous().clone()
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        return self._start("all_reduce", _nbytes(out),
+                           _below(lambda: dist.all_reduce(out, op=reduce_op, group=self.group, async_op=True)),
+                           result=out).wait()
+
+
+def _below(launch: Callable[[], Any]) -> Callable[[], Any]:
+    """`launch` run below torch.func's transforms (a c10d call on plain tensors inside a transform)."""
+    def run() -> Any:
+        with below_functorch():
+            return launch()
+    return run
 
 
 class _ReduceFromPeer:
@@ -532,13 +554,15 @@ def _settle_communication_at_exit() -> None:
 
 class Pending:
     """A collective in flight. `wait()` blocks until it is done, records it (issue time, time
-    blocked) and returns its result: the output tensor of a functional collective, else None."""
+    blocked) and returns its result: the output tensor of an out-of-place collective, else None."""
 
-    __slots__ = ("comm", "op", "nbytes", "issued", "work", "keep", "finished")
+    __slots__ = ("comm", "op", "nbytes", "issued", "work", "keep", "result", "finished")
 
-    def __init__(self, comm: AxisComm, op: str, nbytes: int, issued: float, work: Any, keep: Any = None):
+    def __init__(self, comm: AxisComm, op: str, nbytes: int, issued: float, work: Any, keep: Any = None,
+                 result: Optional[torch.Tensor] = None):
         self.comm, self.op, self.nbytes, self.issued, self.work = comm, op, nbytes, issued, work
         self.keep = keep  # inputs that must stay alive until the collective is done
+        self.result = result  # the output of an out-of-place collective, returned by `wait()`
         self.finished = False
 
     @classmethod
@@ -547,14 +571,12 @@ class Pending:
         pending.finished = True
         return pending
 
-    def wait(self) -> Any:
+    def wait(self) -> Optional[torch.Tensor]:
         if self.finished:
-            return self.work if isinstance(self.work, torch.Tensor) else None
+            return self.result
         start = time.perf_counter()
         try:
-            if isinstance(self.work, AsyncCollectiveTensor):
-                self.work = self.work.wait()
-            elif self.work is not None and not isinstance(self.work, torch.Tensor):
+            if self.work is not None:
                 self.work.wait()
         except (RuntimeError, dist.DistBackendError) as err:
             raise self.comm._error(self.op, self.issued, err) from err
@@ -562,7 +584,7 @@ class Pending:
         self.comm.log.record(self.op, self.comm.name, self.nbytes, now - self.issued, self.comm.size,
                              issued=self.issued, blocked=now - start)
         self.finished, self.keep = True, None
-        return self.work if isinstance(self.work, torch.Tensor) else None
+        return self.result
 
     @property
     def landed(self) -> bool:
