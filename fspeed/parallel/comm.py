@@ -406,41 +406,30 @@ class AxisComm:
     def start_gather(self, shard: torch.Tensor) -> "Pending":
         """Start an all-gather along dim 0 without waiting (ZeRO-3 prefetch); `.wait()` returns it."""
         shard = unwrapped(shard).contiguous()
-        with below_functorch():
+        with below_functorch():  # c10d on plain tensors, also inside a torch.func transform
             out = shard.new_empty((self.size * shard.shape[0], *shard.shape[1:]))
-        return self._start("all_gather", _nbytes(shard),
-                           _below(lambda: dist.all_gather_single(out, shard, group=self.group, async_op=True)),
-                           keep=shard, result=out)
+            return self._start("all_gather", _nbytes(shard),
+                               lambda: dist.all_gather_single(out, shard, group=self.group, async_op=True),
+                               keep=shard, result=out)
 
     def reduce_scattered(self, full: torch.Tensor) -> torch.Tensor:
         """Sum-reduce-scatter along dim 0 (out of place)."""
         if self.size == 1:
             return full.clone()
-        full = unwrapped(full).contiguous()
         with below_functorch():
+            full = unwrapped(full).contiguous()
             out = full.new_empty((full.shape[0] // self.size, *full.shape[1:]))
-        return self._start("reduce_scatter", _nbytes(out),
-                           _below(lambda: dist.reduce_scatter_single(out, full, group=self.group, async_op=True)),
-                           keep=full, result=out).wait()
+            self.start_reduce_scatter(full, out).wait()
+        return out
 
     def all_reduced(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """All-reduce (out of place; sum, max, min)."""
+        """All-reduce (out of place; sum, max, min, avg)."""
         if self.size == 1:
             return x.clone()
         with below_functorch():
             out = unwrapped(x).contiguous().clone()
-        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        return self._start("all_reduce", _nbytes(out),
-                           _below(lambda: dist.all_reduce(out, op=reduce_op, group=self.group, async_op=True)),
-                           result=out).wait()
-
-
-def _below(launch: Callable[[], Any]) -> Callable[[], Any]:
-    """`launch` run below torch.func's transforms (a c10d call on plain tensors inside a transform)."""
-    def run() -> Any:
-        with below_functorch():
-            return launch()
-    return run
+            self.all_reduce_(out, op)
+        return out
 
 
 class _ReduceFromPeer:

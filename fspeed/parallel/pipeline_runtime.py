@@ -169,7 +169,6 @@ class PipelineExecutor:
         self.peak_in_flight = 0  # the most micro-batches whose forward graph this stage held at once
         self.deferred_linears = 0  # weight gradients the weight passes computed (zero bubble), all steps
         self.posted: dict = {}  # receives posted ahead: (kind, micro, piece) -> (a tuple?, [(Pending, buffer)])
-        self.scanned = -1  # the last action of this step whose receive `_post_ahead` posted or passed
         self.timeline: Optional[list] = None  # a list: each step appends (action, start, end) of its compute,
         # receives excluded (time.perf_counter, one clock for all processes of a machine; benchmarks/pipeline.py)
         # zero bubble: the first step's F, B and W times re-plan where the W's go (`_replan`)
@@ -230,8 +229,7 @@ class PipelineExecutor:
         sends: list[Pending] = []
         losses: list[torch.Tensor] = []
         actions = self.schedule.actions[self.stage]
-        self.scanned = -1
-        self._post_ahead(actions, -1, signature)
+        scanned = self._post_ahead(actions, -1, -1, signature)  # the last action whose receive is posted or passed
         # per action: the parameters whose sums are final after it (only where backward sums in place)
         index_of = {id(leaf): p for p, leaf in enumerate(leaves)}
         final_after = self._final_after(index_of, chunk_leaves, actions) if final is not None and in_place else {}
@@ -251,7 +249,7 @@ class PipelineExecutor:
                     for t in _parts(x):
                         if t.is_floating_point():
                             t.requires_grad_(True)
-                self._post_ahead(actions, i, signature)
+                scanned = self._post_ahead(actions, i, scanned, signature)
                 start = time.perf_counter()
                 store: list = []
                 ops, mode = self.ops, None
@@ -278,7 +276,7 @@ class PipelineExecutor:
                     grads_in = self._receive("grad", m, k, signature, mailbox, _form(floats))
                     pairs = [(t, g) for t, g in zip(floats, grads_in) if t.requires_grad]
                     outputs, grad_y = [t for t, _ in pairs], [g for _, g in pairs]
-                self._post_ahead(actions, i, signature)
+                scanned = self._post_ahead(actions, i, scanned, signature)
                 start = time.perf_counter()
                 xs = [t for t in _parts(x) if t.is_floating_point() and t.requires_grad] if k > 0 else []
                 inputs = xs + chunk_leaves[c]
@@ -310,7 +308,7 @@ class PipelineExecutor:
                 if not split:
                     deferred.pop((m, c))
             else:  # "W": the deferred weight gradients
-                self._post_ahead(actions, i, signature)
+                scanned = self._post_ahead(actions, i, scanned, signature)
                 start = time.perf_counter()
                 store = deferred.pop((m, c))
                 self.deferred_linears += len(store)
@@ -431,15 +429,16 @@ class PipelineExecutor:
             out.append(self.comm.start_send(torch.cat([_encode(t) for t in parts]), peer))
         return out + [self.comm.start_send(t, peer) for t in parts]
 
-    def _post_ahead(self, actions: Sequence[Action], i: int, signature) -> None:
+    def _post_ahead(self, actions: Sequence[Action], i: int, scanned: int, signature) -> int:
         """Keep the receives of the next `RECEIVES_AHEAD` actions after `i` that take a transfer from
         another stage posted, where its shape is known: a transfer then lands while this stage
         computes, read by gloo's thread on whichever core is idle; posted only when the action was
         next, a transfer that arrived first was read from the socket by the posting call itself
         (1.2-3.9 ms before the last stage's first B, measured). Receives are posted in the order the
         schedule needs them (the scan stops at a shape not known yet), so they pair with the peer's
-        sends as before."""
-        j = max(self.scanned, i)
+        sends as before. `scanned`: the last action the previous call posted or passed; returns this
+        call's."""
+        j = max(scanned, i)
         while len(self.posted) < RECEIVES_AHEAD and j + 1 < len(actions):
             action = actions[j + 1]
             k = self.plan.piece(self.stage, action.chunk)
@@ -461,7 +460,7 @@ class PipelineExecutor:
                 self.posted[(kind, action.micro, k)] = (is_tuple, [(self.comm.start_recv(b, peer), b)
                                                                    for b in buffers])
             j += 1
-        self.scanned = j
+        return j
 
     def _receive(self, kind: str, m: int, piece: int, signature, mailbox, form) -> Any:
         """The activation entering `piece` (kind "act": a tensor or a tuple, as sent), or the gradients
