@@ -313,15 +313,16 @@ def _refuse_cli_monitors(run) -> None:
 
 
 def fs_rules(model: Model):
-    """The tensor-slicing rules that fit `model`: a functionalized module's tp_plan, or the GPT's."""
+    """The tensor-slicing rules that fit `model`: a tp_plan's (a functionalized module's or a layer
+    list's), or the GPT's."""
     from .models import GPT_RULES, MODULE_TP_RULES  # noqa: PLC0415
 
-    if isinstance(model.loss, ModuleLoss):
-        if not model.loss.tp_styles:
-            raise ValueError("initialize: tensor slicing needs a tp_plan for this module (a transformers model's "
-                             "own, or tp_plan={submodule pattern: style})")
-        return MODULE_TP_RULES
-    return GPT_RULES
+    if isinstance(model.loss, ModuleLoss) and not model.loss.tp_styles:
+        raise ValueError("initialize: tensor slicing needs a tp_plan for this module (a transformers model's "
+                         "own, or tp_plan={submodule pattern: style})")
+    named = {axis for spec in model.logical_axes.values() for axis in spec if axis}
+    return MODULE_TP_RULES if named & {axis for axis, _ in MODULE_TP_RULES if axis != "vocab"} or \
+        isinstance(model.loss, ModuleLoss) else GPT_RULES
 
 
 def deepspeed_groups(module: Optional[nn.Module], model_parameters, run) -> Optional[list[dict]]:

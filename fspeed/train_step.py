@@ -197,7 +197,8 @@ def make_train_step(
         check_optimizer(optimizer, layout)
         if layout.tensor_axes and not parallel_aware and pipe is None:
             raise ValueError("tensor slicing needs a parallel-aware loss (one that accepts ops=, like the "
-                             "reference GPT's); functionalize(nn.Module) models support ZeRO stages 0-3 only")
+                             "reference GPT's, fs.functionalize(module, tp_plan=...)'s or "
+                             "fs.models.sequential(layers, tp_plan=...)'s)")
         key = (layout, state.precision)
         if key not in runtimes:
             runtimes.clear()

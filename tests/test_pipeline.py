@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 import fspeed as fs
 from fspeed.parallel.pipeline import balanced_bounds, partition_layers, uniform_bounds
 from fspeed.testing import assert_trains_like_one_process
-from tests.hf_models import (hf_gpt2_layers, hf_gpt2_traced, hf_llama_traced, lm_batch, lm_dict_batch,
-                              lm_labels_batch)
+from tests.hf_models import (hf_gpt2_layers, hf_gpt2_traced, hf_llama_layers, hf_llama_traced, lm_batch,
+                              lm_dict_batch, lm_labels_batch)
 
 VOCAB, SEQ = 64, 16
 
@@ -235,6 +235,75 @@ def test_pipe_times_tensor_slicing_trains_like_one_process(world4):
     plan = fs.zero(1) | fs.tensor_slicing(fs.models.gpt_rules) | fs.pipeline(2, "zero_bubble")
     assert_trains_like_one_process(gpt3_layers, plan, make_batch=batch, world_size=4, pipe=2, tensor=2,
                                    world=world4, steps=2, atol=1e-5)
+
+
+def hf_llama_layers_tied():
+    return hf_llama_layers(tied=True)
+
+
+def hf_llama_layers_untied():
+    return hf_llama_layers(tied=False)
+
+
+@settings(max_examples=6, deadline=None)
+@given(tied=st.booleans(), schedule=st.sampled_from(["gpipe", "1f1b", "zero_bubble"]), micro=st.integers(1, 4),
+       stage=st.sampled_from([0, 1]), seed=st.integers(0, 3))
+def test_a_layer_list_sliced_by_its_tp_plan_pipelines_like_one_process(world4, tied, schedule, micro, stage, seed):
+    """PP2 x TP2: a Hugging Face Llama as `sequential` layers with Hugging Face's tp_plan for its blocks;
+    tied, the embedding (vocabulary-parallel) is also the head, fused with causal_lm_loss over its
+    slices on the last stage; untied, the head colwise with its logits gathered."""
+    plan = fs.zero(stage) | fs.tensor_slicing(fs.models.module_tp_rules) | fs.pipeline(micro, schedule)
+    assert_trains_like_one_process(hf_llama_layers_tied if tied else hf_llama_layers_untied, plan,
+                                   make_batch=lm_labels_batch if tied else lm_dict_batch, world_size=4, pipe=2,
+                                   tensor=2, world=world4, steps=2, seed=seed, rtol=1e-4, atol=1e-5)
+
+
+def _units_gathered_per_call():
+    """ZeRO-3 on 2 data ranks, a layer list: the units one step gathered for a call of their own."""
+    import fspeed.parallel.ops as unit_ops
+
+    calls, real = [], unit_ops._UnitCall.__init__
+
+    def init(self, *args):
+        real(self, *args)
+        calls.append(self.unit.name)
+    unit_ops._UnitCall.__init__ = init
+    try:
+        model = hf_llama_layers_untied()
+        mesh, plan, opt = fs.Mesh(data=2, pipe=1), fs.zero(3, param_persistence_threshold=0), fs.optim.sgd(0.1)
+        state = fs.init_train_state(model.init(), opt, plan=plan, mesh=mesh, model=model)
+        fs.make_train_step(model, opt, plan=plan, mesh=mesh)(state, lm_dict_batch(2, 0))
+    finally:
+        unit_ops._UnitCall.__init__ = real
+    return calls
+
+
+def test_zero3_gathers_each_layer_of_a_layer_list_for_its_own_call(world2):
+    assert world2.run(_units_gathered_per_call) == [["0", "1", "2", "3", "4", "5"]] * 2
+
+
+@pytest.mark.parametrize("tied, precision", [(False, "fp32"), (True, "fp32"), (True, "fp16")])
+def test_a_layer_list_with_a_tp_plan_trains_like_one_process_without_a_pipeline(world4, tied, precision):
+    """TP2 x data 2 with ZeRO-3: each layer is a unit, gathered for its own call; in fp16 the tied
+    head is not fused: its vocabulary slices' logits are gathered for the loss."""
+    plan = fs.zero(3) | fs.tensor_slicing(fs.models.module_tp_rules)
+    tolerance = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(rtol=2e-2, atol=2e-3)
+    assert_trains_like_one_process(hf_llama_layers_tied if tied else hf_llama_layers_untied, plan,
+                                   make_batch=lm_labels_batch if tied else lm_dict_batch, world_size=4, tensor=2,
+                                   world=world4, steps=2, precision=precision, **tolerance)
+
+
+def test_a_tp_plan_that_a_layer_list_cannot_honour_is_refused():
+    embed = torch.nn.Embedding(VOCAB, 16)
+    head = fs.models.TiedLayer("embed", embed, forward=lambda m, x: x @ m.weight.t())
+    with pytest.raises(ValueError, match="its own forward.*Leave those modules out"):
+        fs.models.sequential([fs.models.TiedLayer("embed", embed), head], loss_fn=lambda y, b: y.sum(),
+                             tp_plan={"tied.embed": "embedding_rowwise"})
+    lin = torch.nn.Linear(16, 16)
+    with pytest.raises(ValueError, match="appears as two different layers"):
+        fs.models.sequential([embed, lin, lin], loss_fn=lambda y, b: y.sum(), tp_plan={"1": "colwise"})
+    with pytest.raises(ValueError, match="matches no submodule"):
+        fs.models.sequential([embed, lin], loss_fn=lambda y, b: y.sum(), tp_plan={"*.q_proj": "colwise"})
 
 
 def test_a_hugging_face_gpt2_as_layers_trains_like_one_process(world4):

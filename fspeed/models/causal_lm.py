@@ -64,9 +64,7 @@ class FusedHead:
 
     def __init__(self, head: nn.Linear, labels: torch.Tensor, ops: Any, style: Optional[str] = None):
         self.head, self.labels, self.ops = head, labels, ops
-        # a tensor-sliced head (its tp_plan style): vocabulary-parallel cross-entropy over the slices
-        self.axes = {"vocab_axis": "tp_out"} if style in ("colwise", "colwise_rep", "colwise_gather_output") else \
-            {"in_axis": "tp_in"} if style == "rowwise" else {}
+        self.axes = head_axes(style)
         self.installed = False  # whether this forward runs the head as `forward` (not in fp16)
         self.result: Optional[torch.Tensor] = None
 
@@ -103,15 +101,28 @@ def shifted_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     return ops.head_loss(x, weight, labels[:, 1:].reshape(-1), **axes)
 
 
-def fused_tail(hidden: torch.Tensor, weight: torch.Tensor, micro_batch: Any, ops: Any) -> torch.Tensor:
+def head_axes(style: Optional[str]) -> dict[str, str]:
+    """How `ops.head_loss` sees a head that a tp_plan `style` slices (`fspeed.models.module_tp`): over
+    the vocabulary (Megatron's vocabulary-parallel cross-entropy over the slices) or over its input
+    features; {} for a whole head."""
+    if style in ("colwise", "colwise_rep", "colwise_gather_output"):
+        return {"vocab_axis": "tp_out"}
+    if style == "embedding_rowwise":  # an embedding's weight used as the head: its rows are the vocabulary
+        return {"vocab_axis": "vocab"}
+    return {"in_axis": "tp_in"} if style == "rowwise" else {}
+
+
+def fused_tail(hidden: torch.Tensor, weight: torch.Tensor, micro_batch: Any, ops: Any, **axes: str) -> torch.Tensor:
     """A pipeline's last layer when it is the output head `weight` under `causal_lm_loss`: the loss of
-    `hidden` (cast to the head's dtype), fused (`shifted_head_loss`); in fp16 unfused, as in
-    `functionalize` (module docstring)."""
+    `hidden` (cast to the head's dtype), fused (`shifted_head_loss`; `axes`: a sliced head's,
+    `head_axes`); in fp16 unfused, as in `functionalize` (module docstring)."""
     h, labels = hidden.to(weight.dtype), labels_of(micro_batch)
     if weight.dtype == torch.float16:
         check_positions(h, labels)
-        return causal_lm_loss(F.linear(h, weight), micro_batch)
-    return shifted_head_loss(h, weight, labels, ops)
+        vocab = axes.get("vocab_axis")
+        logits = ops.linear(h, weight, out_axis=vocab, in_axis=axes.get("in_axis"))
+        return causal_lm_loss(ops.gather(logits, axis=vocab) if vocab else logits, micro_batch)
+    return shifted_head_loss(h, weight, labels, ops, **axes)
 
 
 def labels_of(batch: Any) -> torch.Tensor:
@@ -123,5 +134,5 @@ def labels_of(batch: Any) -> torch.Tensor:
     return labels
 
 
-__all__ = ["FusedHead", "causal_lm_loss", "check_positions", "fused_tail", "labels_of", "output_head",
+__all__ = ["FusedHead", "causal_lm_loss", "check_positions", "fused_tail", "head_axes", "labels_of", "output_head",
            "shifted_head_loss"]

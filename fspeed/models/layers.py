@@ -21,8 +21,11 @@ bias, or a `TiedLayer` called as `head_of("wte.weight")`), the head and the loss
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -30,7 +33,8 @@ from torch import nn
 from ..pytree import PyTree, subtree
 from ..rng import layer_generators
 from .model import Model
-from .module import nested
+from .module import TP_AXES, nested
+from .module_tp import explain_failure, logical_axes_of, styles_of, tp_forward
 from .ops import DENSE
 
 
@@ -122,7 +126,8 @@ class TiedLayer:
 
 
 def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
-               inputs: Callable[[Any], Any] = lambda batch: batch["inputs"], name: str = "sequential") -> Model:
+               inputs: Callable[[Any], Any] = lambda batch: batch["inputs"], name: str = "sequential",
+               tp_plan: Optional[Mapping[str, str]] = None) -> Model:
     """A `Model` from a list of layers, DeepSpeed's `PipelineModule(layers=..., loss_fn=...)` in functional
     form: each entry is an `nn.Module` (its parameters under `"<index>."`), a `TiedLayer` (its
     parameters once, under `"tied.<key>."`), or a parameter-free callable `x -> y` (a reshape).
@@ -132,6 +137,12 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
     layer draws the same masks wherever it runs; called without one (evaluation) the modules run in
     eval mode. Modules with persistent buffers (BatchNorm
     statistics) are refused: carry them as parameters or use `functionalize` without a pipeline.
+
+    `tp_plan`: parameter-path patterns of submodules -> tensor-slicing styles (`fspeed.models.module_tp`;
+    paths as the parameters', `"3.self_attn.q_proj"`, `"tied.embed"`); under
+    `fs.tensor_slicing(fs.models.module_tp_rules)` those modules compute on their slices, in a pipeline
+    or not. Each layer is a unit under a plan (`ops.call`: ZeRO-3 gathers it for its call only; a
+    `TiedLayer`'s module is taken once per micro-batch).
     """
     entries: list[tuple[str, str, Optional[nn.Module], Callable]] = []  # (layer name, prefix, module, call)
     owners: dict[str, nn.Module] = {}
@@ -161,9 +172,26 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
                              "statistics), which a pipeline layer cannot carry yet; use fs.functionalize without a "
                              "pipeline, or a normalisation without running statistics")
 
+    styles = _styles(seen, entries, modules, tp_plan, getattr(loss_fn, "fuses_head", False)) if tp_plan else {}
+    places = Counter(prefix for _, prefix, module, _ in entries if module is not None)
+
     def layer(layer_name: str, prefix: str, module: Optional[nn.Module], call: Callable) -> Layer:
         caller = _Call(module, call) if module is not None else None
         owns = module is not None and next(module.parameters(), None) is not None  # GELU, Dropout: no parameters
+        shared = places[prefix] > 1  # a TiedLayer's module, used at several places: taken once per micro-batch
+        sliced = [(module.get_submodule(path[len(prefix) + 1:]), style, path)
+                  for path, style in styles.items() if _within(path, prefix)]
+
+        def run(tree: PyTree, x: Any, *, seed: Optional[int], ops: Any) -> Any:
+            named = _flat_named(tree)
+            if named:  # the floating input (or floating parts of a tuple) in the layer's dtype
+                dtype = next(iter(named.values())).dtype
+                cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+                x = tuple(cast(t) for t in x) if isinstance(x, tuple) else cast(x)
+            with _seeded(seed), _tensor_sliced(sliced, ops):
+                return torch.func.functional_call(caller, {f"inner.{k}": v for k, v in named.items()}, (x,),
+                                                  strict=False, tie_weights=False)
+
         def fn(params: PyTree, x: torch.Tensor, *, rng: Optional[torch.Generator] = None, ops: Any = DENSE):
             if module is None:
                 return call(None, x)
@@ -173,17 +201,14 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
                     return fn(params, x, rng=None, ops=ops)
                 finally:
                     module.train()
+            seed = seed_of(rng)  # drawn here, so a recompute of the call draws the same masks
             if not owns:
-                with _seeded(rng):
+                with _seeded(seed):
                     return call(module, x)
-            named = _flat_named(subtree(params, prefix))
-            if named:  # the floating input (or floating parts of a tuple) in the layer's dtype
-                dtype = next(iter(named.values())).dtype
-                cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
-                x = tuple(cast(t) for t in x) if isinstance(x, tuple) else cast(x)
-            with _seeded(rng):
-                return torch.func.functional_call(caller, {f"inner.{k}": v for k, v in named.items()}, (x,),
-                                                  strict=False, tie_weights=False)
+            tree = subtree(params, prefix)
+            if shared:
+                return run(ops.param(tree), x, seed=seed, ops=ops)
+            return ops.call(tree, functools.partial(run, seed=seed, ops=ops), x, _label=layer_name)
         kind = type(module).__name__ if module is not None else "callable"
         return Layer(layer_name, fn, (prefix,) if owns else (), kind)
 
@@ -196,12 +221,11 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
     def loss(y: torch.Tensor, micro_batch: Any, *, ops: Any = DENSE) -> torch.Tensor:
         return loss_fn(y, micro_batch)
 
-    seq = LayerSequence(layers, inputs, loss, _fused_head(modules, entries) if getattr(loss_fn, "fuses_head", False)
-                        else None)
+    seq = LayerSequence(layers, inputs, loss, _fused_head(modules, entries, styles)
+                        if getattr(loss_fn, "fuses_head", False) else None)
 
-    # not parallel-aware (no ops=): under a plan without a pipeline the step hands them plain tensors
-    def model_loss(params: PyTree, batch: Any, *, rng: Optional[torch.Generator] = None):
-        return seq.run(params, batch, rng=rng)
+    def model_loss(params: PyTree, batch: Any, *, rng: Optional[torch.Generator] = None, ops: Any = DENSE):
+        return seq.run(params, batch, rng=rng, ops=ops)
 
     def apply(params: PyTree, x: Any, *, rng: Optional[torch.Generator] = None):
         for layer_, rng_i in zip(layers, layer_generators(rng, len(layers))):
@@ -209,28 +233,101 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
         return x
 
     units = {f"{prefix}.{n}": prefix for prefix, m in seen.items() for n, _ in m.named_parameters()}
-    return Model(init, apply, model_loss, {}, name=name, units=units, layers=seq)
+    axes = logical_axes_of(_as_tree(seen), styles) if styles else {}
+    return Model(init, apply, model_loss, axes, name=name, units=units, layers=seq)
 
 
-def _fused_head(modules: Sequence[Any], entries: list) -> Callable[..., torch.Tensor]:
-    """The last layer (the output head) and causal_lm_loss as one function (`LayerSequence.last_with_loss`)."""
-    from .causal_lm import fused_tail  # noqa: PLC0415 (causal_lm imports the module helpers)
+def _fused_head(modules: Sequence[Any], entries: list, styles: Mapping[str, str]) -> Callable[..., torch.Tensor]:
+    """The last layer (the output head) and causal_lm_loss as one function (`LayerSequence.last_with_loss`);
+    a head that `styles` slice computes its loss over the slices (`causal_lm.head_axes`)."""
+    from .causal_lm import fused_tail, head_axes  # noqa: PLC0415 (causal_lm imports the module helpers)
 
     last, (_, prefix, module, _) = modules[-1], entries[-1]
     if isinstance(last, nn.Linear) and last.bias is None:
-        weight_path = f"{prefix}.weight"
+        weight = "weight"
     elif isinstance(last, TiedLayer) and isinstance(last.forward, _HeadOf):
         module.get_parameter(last.forward.name)  # names a parameter of the module, or raises naming it
-        weight_path = f"{prefix}.{last.forward.name}"
+        weight = last.forward.name
     else:
         raise ValueError(f"sequential(loss_fn=fs.causal_lm_loss) fuses the last layer, the output head, with the loss, "
                          f"and the last layer is {type(last).__name__}: make it an nn.Linear without bias or "
                          "fs.models.TiedLayer(key, module, forward=fs.models.head_of('weight')), or pass "
                          "loss_fn=lambda logits, batch: fs.causal_lm_loss(logits, batch) (unfused)")
+    axes = head_axes(styles.get(f"{prefix}.{weight}".rsplit(".", 1)[0]))
 
     def tail(params: PyTree, x: torch.Tensor, micro_batch: Any, *, ops: Any = DENSE) -> torch.Tensor:
-        return fused_tail(x, subtree(params, weight_path), micro_batch, ops)
+        w = subtree(ops.param(subtree(params, prefix)), weight)
+        return fused_tail(x, w, micro_batch, ops, **axes)
     return tail
+
+
+def _as_tree(modules: Mapping[str, nn.Module]) -> nn.Module:
+    """The layers' modules under one root, each at its prefix (`3`, `tied.embed`): the names a
+    tp_plan's patterns match and the parameters' paths."""
+    root = _SequentialLayers()
+    for prefix, module in modules.items():
+        parent = root
+        *path, last = prefix.split(".")
+        for part in path:
+            if part not in parent._modules:
+                parent.add_module(part, nn.Module())
+            parent = parent._modules[part]
+        parent.add_module(last, module)
+    return root
+
+
+class _SequentialLayers(nn.Module):
+    """The root `_as_tree` builds (the name tp_plan errors give)."""
+
+
+def _styles(seen: Mapping[str, nn.Module], entries: list, modules: Sequence[Any], tp_plan: Mapping[str, str],
+            fuses_head: bool) -> dict[str, str]:
+    """The tp_plan's styles by submodule path, checked: no module appears under two prefixes, and no
+    sliced module computes through a TiedLayer's own forward (which reads its weights directly),
+    except the output head fused with the loss."""
+    ids = [id(m) for m in seen.values()]
+    if len(set(ids)) != len(ids):
+        raise ValueError("sequential(tp_plan=...): a module appears as two different layers; list it once, or as "
+                         "one fs.models.TiedLayer used at each place")
+    styles = styles_of(_as_tree(seen), tp_plan)
+    for i, ((_, prefix, _, _), entry) in enumerate(zip(entries, modules)):
+        custom = isinstance(entry, TiedLayer) and entry.forward is not None
+        fused = fuses_head and i == len(entries) - 1 and isinstance(entry.forward, _HeadOf) if custom else False
+        inside = [path for path in styles if _within(path, prefix)]
+        if custom and inside and not fused:
+            raise ValueError(f"sequential(tp_plan=...) slices {inside[:3]}, which layer {i} computes with its own "
+                             f"forward ({entry.forward!r}) on the weights themselves; slicing would give it 1/t of "
+                             "them. Leave those modules out of the tp_plan, or fuse the head with the loss "
+                             "(loss_fn=fs.causal_lm_loss, forward=fs.models.head_of(...))")
+    return styles
+
+
+@contextlib.contextmanager
+def _tensor_sliced(sliced: Sequence[tuple[nn.Module, str, str]], ops: Any) -> Iterator[None]:
+    """The sliced submodules (module, style, path) compute through `ops` (`module_tp.tp_forward`)
+    for this call, when the ops slice."""
+    if not sliced or not set(ops.tensor_axes) & TP_AXES:
+        yield
+        return
+    before = [(m, m.__dict__.get("forward")) for m, _, _ in sliced]
+    for m, style, path in sliced:
+        m.__dict__["forward"] = tp_forward(m, style, ops, path)
+    try:
+        yield
+    except (RuntimeError, ValueError, TypeError) as err:
+        if type(err) in (RuntimeError, ValueError, TypeError):  # torch's, not fspeed's own errors
+            raise explain_failure(err) from err
+        raise
+    finally:
+        for m, forward in before:
+            if forward is None:
+                del m.__dict__["forward"]
+            else:
+                m.__dict__["forward"] = forward
+
+
+def _within(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + ".")
 
 
 def _flat_named(tree: PyTree, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -255,20 +352,26 @@ class _Call(nn.Module):
         return self.call(self.inner, x)
 
 
-class _seeded:
-    """Dropout in torch modules draws from the global generator: fork it, seeded from `rng`."""
+def seed_of(rng: Optional[torch.Generator]) -> Optional[int]:
+    """A seed for torch's global generator drawn from `rng` (None without one)."""
+    if rng is None:
+        return None
+    return int(torch.randint(0, 2**62, (1,), generator=rng, device=rng.device))
 
-    def __init__(self, rng: Optional[torch.Generator]):
-        self.rng = rng
+
+class _seeded:
+    """Dropout in torch modules draws from the global generator: fork it, seeded with `seed`."""
+
+    def __init__(self, seed: Optional[int]):
+        self.seed = seed
         self.fork = None
 
     def __enter__(self):
-        if self.rng is None:
+        if self.seed is None:
             return
-        seed = int(torch.randint(0, 2**62, (1,), generator=self.rng, device=self.rng.device))
         self.fork = torch.random.fork_rng(devices=[])
         self.fork.__enter__()
-        torch.manual_seed(seed)
+        torch.manual_seed(self.seed)
 
     def __exit__(self, *exc):
         if self.fork is not None:

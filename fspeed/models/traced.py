@@ -43,7 +43,7 @@ from torch import nn
 
 from ..pytree import PyTree, subtree
 from ..rng import layer_generators
-from .layers import Layer, LayerSequence, _seeded
+from .layers import Layer, LayerSequence, _seeded, seed_of
 from .model import Model
 from .causal_lm import fused_tail, output_head
 from .module import _match, nested, output_loss, repeated_blocks
@@ -439,7 +439,7 @@ def _stage_fn(tracer: _Tracer, i: int) -> Callable:
             if dtype is not None:
                 args = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != dtype
                         else a for a in args]
-            with _seeded(rng):
+            with _seeded(seed_of(rng)):
                 return torch.func.functional_call(stage, tensors, tuple(args), strict=False, tie_weights=False)
         return graph.flow.run_stage(i, graph.stages[i], x, call)
     return fn

@@ -226,9 +226,9 @@ def resolve_flat(plan: Plan, paths: Sequence[str], leaves: Sequence[torch.Tensor
     tensor_axes = tensor.sliced_axes(sizes) if tensor is not None else ()
     if tensor_axes and not any(info.tp_sharded for info in infos):
         raise ValueError(f"tensor slicing over model={sizes['model']} slices none of the model's parameters: no "
-                         f"parameter has a logical axis in {list(tensor_axes)} (a layer list from fs.models.sequential "
-                         "or traced_layers has none); tensor-slice the reference GPT or fs.functionalize(module, "
-                         "tp_plan=...), or set model=1")
+                         f"parameter has a logical axis in {list(tensor_axes)} (traced_layers, or fs.models.sequential "
+                         "without a tp_plan, has none); tensor-slice the reference GPT, fs.functionalize(module, "
+                         "tp_plan=...) or fs.models.sequential(layers, tp_plan=...), or set model=1")
     return Layout(plan, zero_cfg, tuple(sorted(sizes.items())), tuple(sorted(mesh_coords.items())), infos, local,
                   units, storage, partition, starts, tensor_axes, stage_plan)
 
