@@ -33,6 +33,7 @@ from . import checkpoint
 from .host_memory import retain_freed_host_memory
 from .data.curriculum import difficulty_at, truncate_to_seqlen
 from .models import Model, functionalize, to_module, traced_layers
+from .models.decoder_layers import sliceable_layers
 from .models.layer_drop import PLD_BATCH_KEY, step_layer_drop, supports_layer_drop
 from .models.module import ModuleLoss, output_loss
 from .optim.base import GradientTransformation
@@ -222,7 +223,9 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
     if module is not None:
         if device is not None:
             module.to(device)  # with every buffer, as DeepSpeed moves the module to its device
-        if pipe > 1:  # stages need layers: the module's forward, traced on one micro-batch and cut at its blocks
+        if pipe > 1 and tensor > 1:  # sliced stages: a Llama-family module's own layers and tp_plan
+            model = sliceable_layers(module, loss_fn)
+        elif pipe > 1:  # stages need layers: the module's forward, traced on one micro-batch and cut at its blocks
             example = _example_micro_batch(training_data, collate_fn, run.batch.micro_batch_size, pipe)
             model = traced_layers(module, example, loss_fn or output_loss)
         else:

@@ -37,12 +37,15 @@ def hf_gpt2(seed: int = 0, dropout: float = 0.0, layers: int = 2) -> nn.Module:
     return transformers.GPT2LMHeadModel(cfg)
 
 
-def hf_llama(seed: int = 0, layers: int = 2) -> nn.Module:
+def hf_llama(seed: int = 0, layers: int = 2, tied: bool = False, attention: Optional[str] = None) -> nn.Module:
     transformers = quiet_transformers()
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                   max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                                   max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                                   tie_word_embeddings=tied)
+    if attention is not None:
+        cfg._attn_implementation = attention
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -211,38 +214,12 @@ def hf_llama_traced(seed: int = 0, layers: int = 3, rows: int = 2):
     return fs.models.traced_layers(hf_llama(seed, layers=layers), lm_batch(rows, 0))
 
 
-class _LlamaBlock(nn.Module):
-    """A Hugging Face Llama decoder layer as a layer of hidden states: its rotary tables from the
-    model's rotary embedding (constants, no parameters), causal attention over every position."""
 
-    def __init__(self, layer: nn.Module, rotary: nn.Module):
-        super().__init__()
-        self.layer, self.rotary = layer, rotary
-
-    def forward(self, x):
-        positions = torch.arange(x.shape[1], device=x.device)[None]
-        return self.layer(x, position_ids=positions, position_embeddings=self.rotary(x, positions))
-
-
-def hf_llama_layers(seed: int = 0, layers: int = 3, tied: bool = False):
-    """A Hugging Face Llama as a pipeline layer list with a tp_plan (Hugging Face's own for the
-    blocks): untied, the embedding vocabulary-parallel and the head colwise with its logits gathered,
-    on `lm_dict_batch`es; tied, the embedding (vocabulary-parallel) also the head, fused with
-    fs.causal_lm_loss over its vocabulary slices, on `lm_labels_batch`es."""
+def hf_llama_layers(seed: int = 0, layers: int = 3, tied: bool = False, fused: bool = True):
+    """A Hugging Face Llama as a pipeline layer list with its own tp_plan (`fs.models.decoder_layers`),
+    on `lm_batch`es: the head fused with causal_lm_loss (over its vocabulary slices when sliced) or
+    not (its logits gathered whole for the loss); tied, the embedding is also the head."""
     import fspeed as fs
 
-    llama = hf_llama(seed, layers=layers)
-    body = llama.model
-    blocks = [_LlamaBlock(b, body.rotary_emb) for b in body.layers]
-    plan = {f"*.layer.{k.split('.', 3)[3]}": v for k, v in fs.tp_plan_from(llama).items() if k.startswith("model.layers.")}
-    if tied:
-        embed = body.embed_tokens
-        entries = [fs.models.TiedLayer("embed", embed), *blocks, body.norm,
-                   fs.models.TiedLayer("embed", embed, forward=fs.models.head_of("weight"))]
-        return fs.models.sequential(entries, loss_fn=fs.causal_lm_loss, name="hf-llama-layers-tied",
-                                    tp_plan={**plan, "tied.embed": "embedding_rowwise"})
-    entries = [body.embed_tokens, *blocks, body.norm, llama.lm_head]
-    return fs.models.sequential(
-        entries, loss_fn=lambda logits, batch: F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten()),
-        name="hf-llama-layers", tp_plan={**plan, "0": "embedding_rowwise", str(len(entries) - 1): "colwise_gather_output"})
-
+    loss_fn = fs.causal_lm_loss if fused else (lambda logits, batch: fs.causal_lm_loss(logits, batch))
+    return fs.models.decoder_layers(hf_llama(seed, layers=layers, tied=tied), loss_fn=loss_fn)

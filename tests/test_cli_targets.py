@@ -25,6 +25,19 @@ def test_a_target_opens_its_section_for_the_callables_arguments():
     assert isinstance(run.model, TargetConfig)
 
 
+def test_a_pipeline_that_also_slices_builds_a_llamas_own_layers_and_refuses_other_modules():
+    from fspeed.cli.user_job import build_user_model
+
+    sliced = ["parallel.pipe=2", "parallel.tensor=2"]
+    run, _ = compose_run_config(None, ["model._target_=tests.hf_models.hf_llama", GPT2[1], *sliced])
+    model = build_user_model(run)
+    assert model.name == "LlamaForCausalLM-layers" and model.logical_axes["1.layer.self_attn.q_proj.weight"] == \
+        ("tp_out", None)
+    run, _ = compose_run_config(None, [*GPT2, *sliced])
+    with pytest.raises(ConfigError, match="parallel.pipe.*decoder_layers builds for Hugging Face model types"):
+        build_user_model(run)
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["model._target_=tests.hf_models.hf_gpt3", GPT2[1]], ["model._target_", "no attribute 'hf_gpt3' in module tests.hf_models",
                                                               "did you mean 'hf_gpt2'"]),

@@ -238,3 +238,41 @@ def test_initialize_traces_a_module_into_pipeline_stages(world2):
     for engine_params, functional_params, losses, reference, name, _ in results:
         assert "traced, 4 layers" in name
         assert torch.equal(engine_params, functional_params) and losses == reference
+
+
+def engine_sliced_pipeline_case(steps=2):
+    """A Hugging Face Llama itself with parallel.pipe=2 and parallel.tensor=2 on 4 ranks: its own
+    layers and tp_plan (`fs.models.decoder_layers`), trained by train_batch, against the functional
+    API on the same layers, plan and mesh."""
+    from tests.hf_models import LMDataset, hf_llama, lm_batch
+    config = {**ds_config(1, micro=2, accum=2), "pipeline": {"stages": 2}}
+    engine, _, _, _ = fs.initialize(model=hf_llama(layers=3), config=config, training_data=LMDataset(16, 0),
+                                    overrides=["parallel.tensor=2"])
+    losses = [engine.train_batch(data_iter=iter(fs.train_step.split_micro_batches(lm_batch(4, s), 2)))
+              for s in range(steps)]
+    model = fs.models.decoder_layers(hf_llama(layers=3))
+    from fspeed.config.build import build_optimizer
+    from fspeed.config.compose import compose_run_config
+    run, _ = compose_run_config(config, overrides=["parallel.tensor=2"], dp_world_size=1)
+    opt = build_optimizer(run)
+    state = fs.init_train_state(model.init(), opt, seed=run.train.seed, plan=engine.plan, mesh=engine.mesh,
+                                model=model)
+    step = fs.make_train_step(model, opt, plan=engine.plan, mesh=engine.mesh)
+    reference = []
+    for s in range(steps):
+        state, metrics = step(state, lm_batch(4, s))
+        reference.append(metrics["loss"])
+    a, b = fs.gather_params(engine.state, engine.mesh), fs.gather_params(state, engine.mesh)
+    return fs.Flat.from_tree(a).buffer, fs.Flat.from_tree(b).buffer, losses, reference, engine.model.name, \
+        repr(engine.plan)
+
+
+def test_initialize_slices_a_hugging_face_llama_in_a_pipeline(world4):
+    for engine_params, functional_params, losses, reference, name, plan in world4.run(engine_sliced_pipeline_case):
+        assert name == "LlamaForCausalLM-layers" and "tensor_slicing" in plan and "pipeline" in plan
+        assert torch.equal(engine_params, functional_params) and losses == reference
+    from fspeed.models.decoder_layers import sliceable_layers
+    with pytest.raises(ValueError, match="decoder_layers builds for Hugging Face model types"):
+        sliceable_layers(hf_gpt2(), None)
+    with pytest.raises(ValueError, match="leave loss_fn out"):
+        sliceable_layers(hf_gpt2(), lambda out, batch: out.loss)

@@ -245,17 +245,72 @@ def hf_llama_layers_untied():
     return hf_llama_layers(tied=False)
 
 
+def hf_llama_layers_unfused():
+    return hf_llama_layers(tied=False, fused=False)
+
+
+LLAMA_LAYERS = {"tied": hf_llama_layers_tied, "untied": hf_llama_layers_untied, "unfused": hf_llama_layers_unfused}
+
+
 @settings(max_examples=6, deadline=None)
-@given(tied=st.booleans(), schedule=st.sampled_from(["gpipe", "1f1b", "zero_bubble"]), micro=st.integers(1, 4),
-       stage=st.sampled_from([0, 1]), seed=st.integers(0, 3))
-def test_a_layer_list_sliced_by_its_tp_plan_pipelines_like_one_process(world4, tied, schedule, micro, stage, seed):
-    """PP2 x TP2: a Hugging Face Llama as `sequential` layers with Hugging Face's tp_plan for its blocks;
+@given(llama=st.sampled_from(sorted(LLAMA_LAYERS)), schedule=st.sampled_from(["gpipe", "1f1b", "zero_bubble"]),
+       micro=st.integers(1, 4), stage=st.sampled_from([0, 1]), seed=st.integers(0, 3))
+def test_a_layer_list_sliced_by_its_tp_plan_pipelines_like_one_process(world4, llama, schedule, micro, stage, seed):
+    """PP2 x TP2: a Hugging Face Llama as layers (`decoder_layers`) with its own tp_plan for the blocks;
     tied, the embedding (vocabulary-parallel) is also the head, fused with causal_lm_loss over its
-    slices on the last stage; untied, the head colwise with its logits gathered."""
+    slices on the last stage; untied, the head colwise, fused; unfused, its logits gathered whole."""
     plan = fs.zero(stage) | fs.tensor_slicing(fs.models.module_tp_rules) | fs.pipeline(micro, schedule)
-    assert_trains_like_one_process(hf_llama_layers_tied if tied else hf_llama_layers_untied, plan,
-                                   make_batch=lm_labels_batch if tied else lm_dict_batch, world_size=4, pipe=2,
-                                   tensor=2, world=world4, steps=2, seed=seed, rtol=1e-4, atol=1e-5)
+    assert_trains_like_one_process(LLAMA_LAYERS[llama], plan, make_batch=lm_batch, world_size=4, pipe=2,
+                                   tensor=2, world=world4, steps=2, seed=seed, optimizer=sgd, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied, attention", [(False, "sdpa"), (True, "eager")])
+def test_decoder_layers_compute_the_module_itself(tied, attention):
+    """The layers' loss and every gradient equal the Hugging Face module's own (causal attention by
+    either implementation, rotary positions, a tied head)."""
+    from tests.hf_models import hf_llama
+
+    module = hf_llama(1, layers=2, tied=tied, attention=attention)
+    model = fs.models.decoder_layers(module)
+    params = optree.tree_map(lambda t: t.detach().requires_grad_(True), model.init())
+    batch = lm_batch(3, 4)
+    loss = model.loss(params, batch)
+    loss.backward()
+    want = module(**batch).loss
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    by_name = dict(module.named_parameters())
+    got = {path: t.grad for path, t in zip(fs.tree_paths(params), optree.tree_leaves(params))}
+    assert len(got) == len(by_name)
+    for path, grad in got.items():  # "0.weight" is model.embed_tokens.weight, "2.layer.mlp..." model.layers.1.mlp...
+        name = _module_name_of(path, len(module.model.layers), tied)
+        torch.testing.assert_close(grad, by_name[name].grad, rtol=1e-4, atol=1e-6, msg=path)
+
+
+def _module_name_of(path: str, blocks: int, tied: bool) -> str:
+    head, _, rest = path.partition(".")
+    if head == "tied":
+        return "model.embed_tokens.weight"
+    i = int(head)
+    if i == 0:
+        return f"model.embed_tokens.{rest}"
+    if i <= blocks:
+        return f"model.layers.{i - 1}.{rest.removeprefix('layer.')}"
+    return f"model.norm.{rest}" if i == blocks + 1 else f"lm_head.{rest}"
+
+
+def test_decoder_layers_refuse_what_they_would_compute_otherwise():
+    from tests.hf_models import quiet_transformers
+
+    transformers = quiet_transformers()
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=VOCAB, max_position_embeddings=SEQ, head_dim=8)
+    with pytest.raises(ValueError, match="model_type 'gemma2'.*traced_layers"):
+        fs.models.decoder_layers(transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**small)))
+    mistral = fs.models.decoder_layers(transformers.MistralForCausalLM(transformers.MistralConfig(**small)))
+    assert len(mistral.layers) == 5  # its window (4096) exceeds every sequence here
+    with pytest.raises(ValueError, match="sliding window of 4 positions"):
+        fs.models.decoder_layers(transformers.MistralForCausalLM(transformers.MistralConfig(**small, sliding_window=4)))
 
 
 def _units_gathered_per_call():
@@ -272,14 +327,16 @@ def _units_gathered_per_call():
         model = hf_llama_layers_untied()
         mesh, plan, opt = fs.Mesh(data=2, pipe=1), fs.zero(3, param_persistence_threshold=0), fs.optim.sgd(0.1)
         state = fs.init_train_state(model.init(), opt, plan=plan, mesh=mesh, model=model)
-        fs.make_train_step(model, opt, plan=plan, mesh=mesh)(state, lm_dict_batch(2, 0))
+        fs.make_train_step(model, opt, plan=plan, mesh=mesh)(state, lm_batch(2, 0))
     finally:
         unit_ops._UnitCall.__init__ = real
     return calls
 
 
 def test_zero3_gathers_each_layer_of_a_layer_list_for_its_own_call(world2):
-    assert world2.run(_units_gathered_per_call) == [["0", "1", "2", "3", "4", "5"]] * 2
+    """The embedding, the 3 blocks and the norm; the head, fused with the loss, is taken for the
+    micro-batch (`ops.param`)."""
+    assert world2.run(_units_gathered_per_call) == [["0", "1", "2", "3", "4"]] * 2
 
 
 @pytest.mark.parametrize("tied, precision", [(False, "fp32"), (True, "fp32"), (True, "fp16")])
@@ -289,8 +346,8 @@ def test_a_layer_list_with_a_tp_plan_trains_like_one_process_without_a_pipeline(
     plan = fs.zero(3) | fs.tensor_slicing(fs.models.module_tp_rules)
     tolerance = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(rtol=2e-2, atol=2e-3)
     assert_trains_like_one_process(hf_llama_layers_tied if tied else hf_llama_layers_untied, plan,
-                                   make_batch=lm_labels_batch if tied else lm_dict_batch, world_size=4, tensor=2,
-                                   world=world4, steps=2, precision=precision, **tolerance)
+                                   make_batch=lm_batch, world_size=4, tensor=2, world=world4, steps=2,
+                                   precision=precision, optimizer=sgd, **tolerance)
 
 
 def test_a_tp_plan_that_a_layer_list_cannot_honour_is_refused():

@@ -7,7 +7,8 @@ The model target returns an `nn.Module` (its output's `.loss`, e.g. a Hugging Fa
 fspeed `Model`. A module is `functionalize`d: its repeated blocks are the units ZeRO-3 gathers,
 and with `parallel.tensor > 1` its own tensor-parallel plan (a transformers model's) slices it.
 With `parallel.pipe > 1` its forward is traced on the first training micro-batch and cut before
-each repeated block instead (`fs.models.traced_layers`): the pipeline's layers.
+each repeated block instead (`fs.models.traced_layers`): the pipeline's layers; with
+`parallel.tensor > 1` too, a Llama-family model's own layers and tp_plan (`fs.models.decoder_layers`).
 The data target returns a map-style `Dataset`, a `(train, validation)` pair, or a mapping with
 `train` and optionally `validation` and `collate_fn`. Batches are drawn as the corpus' windows
 are: a pure function of seed and step (uniform with replacement), so resume is exact.
@@ -25,6 +26,7 @@ from ..config import ConfigError, Problem
 from ..config.schema import RunConfig
 from ..data import DatasetRows
 from ..models import Model, functionalize, traced_layers
+from ..models.decoder_layers import sliceable_layers
 from ..models.module import output_loss
 
 _MODEL_RETURNS = "an nn.Module, a (module, loss_fn) pair, or an fspeed Model"
@@ -47,6 +49,8 @@ def build_user_model(run: RunConfig, device: Optional[torch.device] = None, exam
     if device is not None:
         built = built.to(device)
     try:
+        if run.parallel.pipe > 1 and run.parallel.tensor > 1:  # its own layers and tp_plan (decoder_layers)
+            return sliceable_layers(built, loss_fn)
         if run.parallel.pipe > 1:
             if example is None:
                 raise ValueError("a pipeline traces the module's forward on a training micro-batch; none was given")
