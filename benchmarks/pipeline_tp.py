@@ -10,7 +10,7 @@ on the same model, stages, micro-batches and data, alternating step by step in o
     torch              the same layers per stage, `parallelize_module` (ColwiseParallel/RowwiseParallel
                        as the tp_plan says, the embedding row-parallel, the head's logits gathered)
                        on a 2-D DeviceMesh, `torch.distributed.pipelining`'s PipelineStage and
-                       Schedule1F1B, torch.optim.AdamW(foreach=True)
+                       Schedule1F1B, torch.optim.AdamW(foreach=True; one for the sliced DTensor parameters, one for the rest)
 
 Every rank builds the same Llama; the ranks' mesh coordinates agree (rank = 2 x stage + tensor
 rank in both). Each step: a barrier, the engine's whole step (schedule and AdamW), the slowest
@@ -101,7 +101,7 @@ class StageModule(nn.Module):
 def torch_engine(args: argparse.Namespace, bounds: list[int]):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from fspeed.models.decoder_layers import DecoderBlock
@@ -128,7 +128,10 @@ def torch_engine(args: argparse.Namespace, bounds: list[int]):
     parallelize_module(module, mesh["tp"], plan)
     pipe_stage = PipelineStage(module, stage, 2, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = Schedule1F1B(pipe_stage, args.micro_batches, loss_fn=shifted_loss)
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, weight_decay=0.0, foreach=True)
+    # foreach AdamW takes DTensors or plain tensors, not both in one call: one optimizer for each kind
+    sliced = [p for p in module.parameters() if isinstance(p, DTensor)]
+    whole = [p for p in module.parameters() if not isinstance(p, DTensor)]
+    opts = [torch.optim.AdamW(group, lr=1e-4, weight_decay=0.0, foreach=True) for group in (sliced, whole) if group]
 
     def run(batch: dict) -> float:
         out: list = []
@@ -136,9 +139,10 @@ def torch_engine(args: argparse.Namespace, bounds: list[int]):
             schedule.step(batch["input_ids"])
         else:
             schedule.step(target=batch["labels"], losses=out)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(torch.stack(out).mean()) if out else float("nan")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return float(torch.stack(out).detach().mean()) if out else float("nan")
     return run
 
 
