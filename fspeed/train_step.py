@@ -292,7 +292,8 @@ def make_train_step(
         micro_batches = [on_device(mb, step.anchor.device) for mb in micro_batches]
         into = runtime.summed_grad_buffer()
         final = runtime.begin_summed(step.allreduce)  # with overlap_comm: each sum reduced as it completes
-        losses, grads = executor.step(state.params, micro_batches, multiplier, layer_rng, into=into, final=final)
+        losses, grads = executor.step(state.params, micro_batches, multiplier, layer_rng, into=into, final=final,
+                                      buffers=state.buffers)
         if timers is not None:
             timers.stop("fwd")
         runtime.deliver_summed(grads, step.allreduce)
@@ -579,7 +580,7 @@ def make_eval_step(loss_fn: LossFn | Model, *, plan: Optional[Plan] = None,
         runtime = runtimes[key]
         batch = on_device(batch, runtime.compute_device(state.params))
         if layout.pipeline is not None:
-            loss = executors[key].eval_loss(state.params, batch)
+            loss = executors[key].eval_loss(state.params, batch, state.buffers)
             return runtime.mean_loss(loss if loss is not None else 0.0)
         ops = runtime.ops(None)
         try:

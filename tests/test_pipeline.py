@@ -812,3 +812,91 @@ def test_receives_are_posted_two_actions_ahead(world2, schedule):
         assert len(posted) == len(takers)
         for done, taker in zip(posted, takers):
             assert done <= max(0, taker - 2), (posted, takers)
+
+
+def cnn_layers(seed: int = 0):
+    """The test CNN (its blocks with BatchNorm statistics) as layers: stem, blocks, pooling, head."""
+    from tests.hf_models import small_cnn
+
+    cnn = small_cnn(seed)
+    return fs.models.sequential([cnn.stem, *cnn.blocks, lambda x: x.mean((2, 3)), cnn.head],
+                                loss_fn=lambda y, b: F.cross_entropy(y, b[1]), inputs=lambda b: b[0], name="cnn-layers")
+
+
+def _stateful_layers_case(schedule: str, virtual: int, precision: str, steps: int = 2):
+    """2 stages against one process: parameters, the BatchNorm statistics (every rank's), the
+    losses and an evaluation (statistics read, not updated)."""
+    from tests.hf_models import cnn_batch
+
+    model, reference = cnn_layers(), cnn_layers()
+    mesh, plan = fs.Mesh(data=1, pipe=2), fs.pipeline(4, schedule, "uniform", virtual)
+    policy = getattr(fs.precision, precision)()
+    state = fs.init_train_state(model.init(), sgd(), plan=plan, mesh=mesh, model=model, precision=policy)
+    step = fs.make_train_step(model, sgd(), plan=plan, mesh=mesh)
+    ref = fs.init_train_state(reference.init(), sgd(), model=reference, precision=policy)
+    ref_step = fs.make_train_step(reference.loss, sgd(), grad_accum=4)
+    losses = []
+    for s in range(steps):
+        state, metrics = step(state, cnn_batch(8, s))
+        ref, ref_metrics = ref_step(ref, cnn_batch(8, s))
+        losses.append((metrics["loss"], ref_metrics["loss"]))
+    evals = (fs.make_eval_step(model, plan=plan, mesh=mesh)(state, cnn_batch(4, 9)),
+             fs.make_eval_step(reference.loss)(ref, cnn_batch(4, 9)))
+    return (fs.gather_params(state, mesh), ref.master_params.tree(), state.buffers, ref.buffers, losses, evals,
+            state.buffers is not None and fs.tree_paths(state.buffers))
+
+
+@pytest.mark.parametrize("schedule, virtual, precision", [("1f1b", 1, "fp32"), ("zero_bubble", 1, "fp32"),
+                                                         ("interleaved_1f1b", 2, "fp32"), ("1f1b", 1, "bf16")])
+def test_layers_with_batchnorm_statistics_pipeline_like_one_process(world2, schedule, virtual, precision):
+    """In bf16 the BatchNorms compute in fp32 with fp32 statistics (`fp32_modules`)."""
+    for params, ref_params, buffers, ref_buffers, losses, evals, paths in world2.run(_stateful_layers_case, schedule,
+                                                                                      virtual, precision):
+        assert sorted(paths) == ["1.bn.num_batches_tracked", "1.bn.running_mean", "1.bn.running_var",
+                                 "2.bn.num_batches_tracked", "2.bn.running_mean", "2.bn.running_var"]
+        for a, b in zip(optree.tree_leaves(params), optree.tree_leaves(ref_params)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(optree.tree_leaves(buffers), optree.tree_leaves(ref_buffers)):  # on every stage
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert int(buffers["1"]["bn"]["num_batches_tracked"]) == 8  # 4 micro-batches x 2 steps
+        for got, want in losses:
+            assert got == pytest.approx(want, rel=1e-5)
+        assert evals[0] == pytest.approx(evals[1], rel=1e-5)
+
+
+def test_a_tied_layer_with_statistics_is_refused_and_a_missing_state_is_named():
+    bn = torch.nn.BatchNorm1d(4)
+    with pytest.raises(ValueError, match="TiedLayer 'bn' has persistent buffers"):
+        fs.models.sequential([fs.models.TiedLayer("bn", bn), fs.models.TiedLayer("bn", bn)], loss_fn=lambda y, b: y.sum())
+    model = cnn_layers()
+    with pytest.raises(ValueError, match="state buffers.*running_mean.*buffers=model.init_buffers"):
+        model.loss(model.init(), (torch.zeros(2, 3, 6, 6), torch.zeros(2, dtype=torch.long)))
+
+
+def _stateful_resume(directory: str):
+    """2 stages of the CNN's layers: 3 steps straight, and from a checkpoint after the first."""
+    from tests.hf_models import cnn_batch
+
+    model = cnn_layers()
+    mesh, plan = fs.Mesh(data=1, pipe=2), fs.pipeline(2, "1f1b")
+    step = fs.make_train_step(model, sgd(), plan=plan, mesh=mesh)
+    state = fs.init_train_state(model.init(), sgd(), plan=plan, mesh=mesh, model=model)
+    losses = []
+    for s in range(3):
+        if s == 1:
+            fs.save_checkpoint(directory, state, mesh=mesh)
+        state, metrics = step(state, cnn_batch(4, s))
+        losses.append(metrics["loss"])
+    resumed, _ = fs.load_checkpoint(directory, fs.init_train_state(model.init(), sgd(), plan=plan, mesh=mesh,
+                                                                   model=model), mesh=mesh)
+    again = []
+    for s in range(1, 3):
+        resumed, metrics = step(resumed, cnn_batch(4, s))
+        again.append(metrics["loss"])
+    return losses[1:], again, [torch.equal(a, b) for a, b in zip(optree.tree_leaves(state.buffers),
+                                                                 optree.tree_leaves(resumed.buffers))]
+
+
+def test_layers_with_statistics_resume_exactly_from_a_pipeline_checkpoint(world2, tmp_path):
+    for straight, again, same in world2.run(_stateful_resume, str(tmp_path / "ck")):
+        assert again == straight and all(same) and len(same) == 6

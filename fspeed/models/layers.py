@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
@@ -33,7 +34,7 @@ from torch import nn
 from ..pytree import PyTree, subtree
 from ..rng import layer_generators
 from .model import Model
-from .module import TP_AXES, nested
+from .module import FP32_MODULES, TP_AXES, Slots, fp32_forward, nested
 from .module_tp import explain_failure, logical_axes_of, styles_of, tp_forward
 from .ops import DENSE
 
@@ -42,13 +43,16 @@ from .ops import DENSE
 class Layer:
     """One layer (module docstring). `kind` is what `partition="type:<regex>"` matches (a class name).
     `linear_via_ops`: every `F.linear` on the layer's parameters goes through `ops.linear` (fspeed's
-    own layers), so zero bubble's weight-gradient split needs no torch-function mode on every op."""
+    own layers), so zero bubble's weight-gradient split needs no torch-function mode on every op.
+    A layer with `state` is called with `buffers=` (the model's buffer tree, `Model.init_buffers`),
+    whose tensors under those paths its forward updates in place."""
 
     name: str
     fn: Callable[..., torch.Tensor]
     uses: tuple[str, ...]
     kind: str = ""
     linear_via_ops: bool = False
+    state: tuple[str, ...] = ()  # the buffer subtrees it reads and updates (BatchNorm statistics): fn takes buffers=
 
 
 @dataclass(frozen=True)
@@ -75,16 +79,18 @@ class LayerSequence:
         return len(self.layers)
 
     def run(self, params: PyTree, micro_batch: PyTree, *, rng: Optional[torch.Generator] = None,
-            ops: Any = DENSE, layer_rng: Optional[Callable[[int], Optional[torch.Generator]]] = None) -> torch.Tensor:
+            ops: Any = DENSE, layer_rng: Optional[Callable[[int], Optional[torch.Generator]]] = None,
+            buffers: Optional[PyTree] = None) -> torch.Tensor:
         """The loss of one micro-batch through every layer in order (the one-process reference of a
         pipeline). Layer i draws from `layer_rng(i)` when given, else from generator i of
-        `layer_generators(rng, ...)` (what a pipeline stage seeds it with: the same masks)."""
+        `layer_generators(rng, ...)` (what a pipeline stage seeds it with: the same masks); layers
+        with state update theirs in `buffers`."""
         x = self.inputs(micro_batch)
         rngs = [layer_rng(i) for i in range(len(self.layers))] if layer_rng is not None else \
             layer_generators(rng, len(self.layers))
         last = len(self.layers) - (self.last_with_loss is not None)
         for layer, rng_i in zip(self.layers[:last], rngs):
-            x = layer.fn(params, x, rng=rng_i, ops=ops)
+            x = layer.fn(params, x, rng=rng_i, ops=ops, **with_state(layer, buffers))
         return self.tail(params, x, micro_batch, ops=ops)
 
     def tail(self, params: PyTree, x: Any, micro_batch: PyTree, *, ops: Any = DENSE) -> torch.Tensor:
@@ -92,6 +98,11 @@ class LayerSequence:
         if self.last_with_loss is not None:
             return self.last_with_loss(params, x, micro_batch, ops=ops)
         return self.loss(x, micro_batch, ops=ops)
+
+
+def with_state(layer: Layer, buffers: Optional[PyTree]) -> dict:
+    """The keyword arguments that give `layer` its state: `buffers=` for a layer that has some."""
+    return {"buffers": buffers} if layer.state else {}
 
 
 def head_of(name: str) -> "_HeadOf":
@@ -127,7 +138,7 @@ class TiedLayer:
 
 def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
                inputs: Callable[[Any], Any] = lambda batch: batch["inputs"], name: str = "sequential",
-               tp_plan: Optional[Mapping[str, str]] = None) -> Model:
+               tp_plan: Optional[Mapping[str, str]] = None, fp32_modules: tuple[type, ...] = FP32_MODULES) -> Model:
     """A `Model` from a list of layers, DeepSpeed's `PipelineModule(layers=..., loss_fn=...)` in functional
     form: each entry is an `nn.Module` (its parameters under `"<index>."`), a `TiedLayer` (its
     parameters once, under `"tied.<key>."`), or a parameter-free callable `x -> y` (a reshape).
@@ -135,8 +146,11 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
     `loss_fn(y, micro_batch)` gives the loss of the last layer's output; `inputs(micro_batch)` what the
     first layer gets. Dropout in the modules draws from a generator per layer (`fspeed.rng`), so a
     layer draws the same masks wherever it runs; called without one (evaluation) the modules run in
-    eval mode. Modules with persistent buffers (BatchNorm
-    statistics) are refused: carry them as parameters or use `functionalize` without a pipeline.
+    eval mode. A module's persistent buffers (BatchNorm statistics) are the model's state
+    (`init_buffers`, carried in the TrainState and its checkpoints), updated by each training forward
+    in place; evaluation reads them. A `TiedLayer`'s module has none (it runs at several places).
+    Below fp32, the `fp32_modules` (normalisation layers by default, as `functionalize`) compute in
+    fp32 with fp32 statistics, their output cast back.
 
     `tp_plan`: parameter-path patterns of submodules -> tensor-slicing styles (`fspeed.models.module_tp`;
     paths as the parameters', `"3.self_attn.q_proj"`, `"tied.embed"`); under
@@ -162,15 +176,18 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
             raise TypeError(f"layer {i} is {type(entry).__name__}; allowed: nn.Module, fs.models.TiedLayer, "
                             "or a parameter-free callable")
     seen: dict[str, nn.Module] = {}
+    states: dict[str, list[str]] = {}  # prefix -> its module's persistent buffers (the model's state)
     for _, prefix, module, _ in entries:
         if module is None or prefix in seen:
             continue
         seen[prefix] = module
         stateful = [n for n in module.state_dict() if n not in dict(module.named_parameters())]
+        if stateful and prefix.startswith("tied."):
+            raise ValueError(f"TiedLayer {prefix[5:]!r} has persistent buffers {stateful[:3]} (module state such as "
+                             "BatchNorm statistics), which would be updated at each place it runs, on different "
+                             "stages; give each place a module of its own or a normalisation without running statistics")
         if stateful:
-            raise ValueError(f"layer {prefix!r} has persistent buffers {stateful[:3]} (module state such as BatchNorm "
-                             "statistics), which a pipeline layer cannot carry yet; use fs.functionalize without a "
-                             "pipeline, or a normalisation without running statistics")
+            states[prefix] = stateful
 
     styles = _styles(seen, entries, modules, tp_plan, getattr(loss_fn, "fuses_head", False)) if tp_plan else {}
     places = Counter(prefix for _, prefix, module, _ in entries if module is not None)
@@ -181,36 +198,45 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
         shared = places[prefix] > 1  # a TiedLayer's module, used at several places: taken once per micro-batch
         sliced = [(module.get_submodule(path[len(prefix) + 1:]), style, path)
                   for path, style in styles.items() if _within(path, prefix)]
+        norms = [m for m in module.modules() if isinstance(m, fp32_modules)] if module is not None else []
 
-        def run(tree: PyTree, x: Any, *, seed: Optional[int], ops: Any) -> Any:
+        state_names = states.get(prefix, [])
+
+        def run(tree: PyTree, x: Any, *, seed: Optional[int], ops: Any, state: dict) -> Any:
             named = _flat_named(tree)
+            dtype = next(iter(named.values())).dtype if named else None
             if named:  # the floating input (or floating parts of a tuple) in the layer's dtype
-                dtype = next(iter(named.values())).dtype
                 cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
                 x = tuple(cast(t) for t in x) if isinstance(x, tuple) else cast(x)
-            with _seeded(seed), _tensor_sliced(sliced, ops):
-                return torch.func.functional_call(caller, {f"inner.{k}": v for k, v in named.items()}, (x,),
-                                                  strict=False, tie_weights=False)
+            in_fp32 = norms if dtype is not None and dtype != torch.float32 else []
+            with _seeded(seed), _computing(sliced, in_fp32, ops):
+                return torch.func.functional_call(caller, {f"inner.{k}": v for k, v in {**named, **state}.items()},
+                                                  (x,), strict=False, tie_weights=False)
 
-        def fn(params: PyTree, x: torch.Tensor, *, rng: Optional[torch.Generator] = None, ops: Any = DENSE):
+        def fn(params: PyTree, x: torch.Tensor, *, rng: Optional[torch.Generator] = None, ops: Any = DENSE,
+               buffers: Optional[PyTree] = None):
             if module is None:
                 return call(None, x)
-            if rng is None and module.training:  # no generator: evaluation, dropout off
+            if rng is None and module.training:  # no generator: evaluation, dropout off, statistics read
                 module.eval()
                 try:
-                    return fn(params, x, rng=None, ops=ops)
+                    return fn(params, x, rng=None, ops=ops, buffers=buffers)
                 finally:
                     module.train()
             seed = seed_of(rng)  # drawn here, so a recompute of the call draws the same masks
-            if not owns:
+            state = _state_of(buffers, prefix, state_names)
+            if not owns and not state:
                 with _seeded(seed):
                     return call(module, x)
+            run_here = functools.partial(run, seed=seed, ops=ops, state=state)
+            if not owns:  # state without parameters (a BatchNorm without affine weights)
+                return run_here({}, x)
             tree = subtree(params, prefix)
             if shared:
-                return run(ops.param(tree), x, seed=seed, ops=ops)
-            return ops.call(tree, functools.partial(run, seed=seed, ops=ops), x, _label=layer_name)
+                return run_here(ops.param(tree), x)
+            return ops.call(tree, run_here, x, _label=layer_name)
         kind = type(module).__name__ if module is not None else "callable"
-        return Layer(layer_name, fn, (prefix,) if owns else (), kind)
+        return Layer(layer_name, fn, (prefix,) if owns else (), kind, state=(prefix,) if state_names else ())
 
     layers = tuple(layer(*e) for e in entries)
 
@@ -224,17 +250,23 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
     seq = LayerSequence(layers, inputs, loss, _fused_head(modules, entries, styles)
                         if getattr(loss_fn, "fuses_head", False) else None)
 
-    def model_loss(params: PyTree, batch: Any, *, rng: Optional[torch.Generator] = None, ops: Any = DENSE):
-        return seq.run(params, batch, rng=rng, ops=ops)
+    def model_loss(params: PyTree, batch: Any, *, rng: Optional[torch.Generator] = None, ops: Any = DENSE,
+                   buffers: Optional[PyTree] = None):
+        return seq.run(params, batch, rng=rng, ops=ops, buffers=buffers)
 
-    def apply(params: PyTree, x: Any, *, rng: Optional[torch.Generator] = None):
+    def apply(params: PyTree, x: Any, *, rng: Optional[torch.Generator] = None, buffers: Optional[PyTree] = None):
         for layer_, rng_i in zip(layers, layer_generators(rng, len(layers))):
-            x = layer_.fn(params, x, rng=rng_i)
+            x = layer_.fn(params, x, rng=rng_i, **with_state(layer_, buffers))
         return x
+
+    def init_buffers() -> dict:
+        return nested({f"{prefix}.{n}": b.detach().clone() for prefix, m in seen.items() if prefix in states
+                       for n, b in m.named_buffers() if n in states[prefix]})
 
     units = {f"{prefix}.{n}": prefix for prefix, m in seen.items() for n, _ in m.named_parameters()}
     axes = logical_axes_of(_as_tree(seen), styles) if styles else {}
-    return Model(init, apply, model_loss, axes, name=name, units=units, layers=seq)
+    return Model(init, apply, model_loss, axes, name=name, units=units, layers=seq,
+                 init_buffers=init_buffers if states else None)
 
 
 def _fused_head(modules: Sequence[Any], entries: list, styles: Mapping[str, str]) -> Callable[..., torch.Tensor]:
@@ -303,27 +335,47 @@ def _styles(seen: Mapping[str, nn.Module], entries: list, modules: Sequence[Any]
 
 
 @contextlib.contextmanager
-def _tensor_sliced(sliced: Sequence[tuple[nn.Module, str, str]], ops: Any) -> Iterator[None]:
-    """The sliced submodules (module, style, path) compute through `ops` (`module_tp.tp_forward`)
-    for this call, when the ops slice."""
-    if not sliced or not set(ops.tensor_axes) & TP_AXES:
+def _computing(sliced: Sequence[tuple[nn.Module, str, str]], in_fp32: Sequence[nn.Module], ops: Any) -> Iterator[None]:
+    """For one call: the sliced submodules (module, style, path) compute through `ops`
+    (`module_tp.tp_forward`) when the ops slice; the `in_fp32` ones in fp32 (`module.fp32_forward`)."""
+    sliced = sliced if set(ops.tensor_axes) & TP_AXES else []
+    overrides = {m: tp_forward(m, style, ops, path) for m, style, path in sliced}
+    for m in in_fp32:
+        overrides[m] = fp32_forward(m, types.MethodType(type(m).forward, m), Slots(m))
+    if not overrides:
         yield
         return
-    before = [(m, m.__dict__.get("forward")) for m, _, _ in sliced]
-    for m, style, path in sliced:
-        m.__dict__["forward"] = tp_forward(m, style, ops, path)
+    before = {m: m.__dict__.get("forward") for m in overrides}
+    for m, forward in overrides.items():
+        m.__dict__["forward"] = forward
     try:
         yield
     except (RuntimeError, ValueError, TypeError) as err:
-        if type(err) in (RuntimeError, ValueError, TypeError):  # torch's, not fspeed's own errors
+        if sliced and type(err) in (RuntimeError, ValueError, TypeError):  # torch's, not fspeed's own errors
             raise explain_failure(err) from err
         raise
     finally:
-        for m, forward in before:
+        for m, forward in before.items():
             if forward is None:
                 del m.__dict__["forward"]
             else:
                 m.__dict__["forward"] = forward
+
+
+def _state_of(buffers: Optional[PyTree], prefix: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """A layer's state tensors by name (relative to its module) from the model's buffer tree."""
+    if not names:
+        return {}
+    try:
+        flat = _flat_named(subtree(buffers, prefix)) if buffers is not None else {}
+    except (KeyError, IndexError, TypeError):
+        flat = {}
+    missing = [n for n in names if n not in flat]
+    if missing:
+        raise ValueError(f"layer {prefix!r} has state buffers ({missing[0]!r}, ...) that were not given: build the "
+                         "state with fs.init_train_state(..., model=model) (or buffers=model.init_buffers()) and "
+                         "call the model's loss with buffers=")
+    return {n: flat[n] for n in names}
 
 
 def _within(path: str, prefix: str) -> bool:

@@ -143,7 +143,7 @@ class ModuleLoss:
         self.shapes = {n: p.shape for n, p in module.named_parameters()}
         self.takes_use_cache = "use_cache" in inspect.signature(module.forward).parameters
         self.remat: Any = None  # fspeed.activation_checkpointing.Remat for the units in remat_units
-        self.slots: dict[int, _Slots] = {}  # by id of the (sub)module they swap tensors into
+        self.slots: dict[int, Slots] = {}  # by id of the (sub)module they swap tensors into
         self.modules = dict(module.named_modules())
         # what each module computes when its route calls it: an instance forward set before (e.g. a
         # wrapper of accelerate's hooks), else its class's
@@ -244,9 +244,9 @@ class ModuleLoss:
 
     # -- pieces ---------------------------------------------------------------------------------
 
-    def _slots(self, module: nn.Module) -> "_Slots":
+    def _slots(self, module: nn.Module) -> "Slots":
         if id(module) not in self.slots:
-            self.slots[id(module)] = _Slots(module)
+            self.slots[id(module)] = Slots(module)
         return self.slots[id(module)]
 
     def _buffers(self, buffers) -> dict[str, torch.Tensor]:
@@ -381,14 +381,7 @@ class ModuleLoss:
         if sliced and path in self.tp_styles:
             return tp_forward(module, self.tp_styles[path], ops, path)
         if dtype is not None and dtype != torch.float32 and isinstance(module, self.fp32_modules):
-            def in_fp32(*args, **kwargs):
-                params = {name: p.float() for name, p in module.named_parameters(recurse=False)}
-                out_dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()),
-                                 torch.float32)
-                out = self._slots(module).call(params, _cast_floats(args, torch.float32),
-                                               _cast_floats(kwargs, torch.float32), self.forwards[module])
-                return _cast_floats(out, out_dtype)
-            return in_fp32
+            return fp32_forward(module, self.forwards[module], self._slots(module))
         return None
 
     def _call_route(self, path: str, u, ops, compute: Optional[Callable], installed: "_Installed",
@@ -431,7 +424,20 @@ class ModuleLoss:
         return forward
 
 
-def _run_unit(installed: "_Installed", forward: Callable, slots: "_Slots", tree: Any, *args: Any, **kwargs: Any) -> Any:
+def fp32_forward(module: nn.Module, forward: Callable, slots: "Slots") -> Callable:
+    """`forward` of a normalisation module computing in fp32 below fp32 (FSDP's mixed-precision
+    policy): fp32 copies of its own parameters (their gradients flow back to the 16-bit ones), its
+    floating inputs cast up, its output cast back to its input's dtype."""
+    def in_fp32(*args, **kwargs):
+        params = {name: p.float() for name, p in module.named_parameters(recurse=False)}
+        out_dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()),
+                         torch.float32)
+        out = slots.call(params, _cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32), forward)
+        return _cast_floats(out, out_dtype)
+    return in_fp32
+
+
+def _run_unit(installed: "_Installed", forward: Callable, slots: "Slots", tree: Any, *args: Any, **kwargs: Any) -> Any:
     """A routed unit's `forward` (its module's own, or how it computes instead) on the tensors of
     `tree` (names relative to the module), with the forward's routes installed (a recompute in
     backward runs after the forward has left them)."""
@@ -490,7 +496,7 @@ def _owner(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-class _Slots:
+class Slots:
     """Where each dotted name of a module's tensors lives (owner module, attribute), looked up once:
     `call` runs the module with some of them replaced, as `torch.func.functional_call(strict=False,
     tie_weights=False)` does, without its per-call lookups (a training step calls a module once per
@@ -644,5 +650,5 @@ def to_module(params: PyTree, module: nn.Module, buffers: Optional[PyTree] = Non
     return module
 
 
-__all__ = ["FP32_MODULES", "ModuleLoss", "functionalize", "nested", "repeated_blocks", "to_module",
-           "unit_of_parameters"]
+__all__ = ["FP32_MODULES", "ModuleLoss", "Slots", "fp32_forward", "functionalize", "nested", "repeated_blocks",
+           "to_module", "unit_of_parameters"]

@@ -63,8 +63,9 @@ def traced_layers(module: nn.Module, example: Any, loss_fn: Optional[Callable[[A
     persistent = [n for n in module.state_dict() if n not in dict(module.named_parameters(remove_duplicate=False))]
     if persistent:
         raise ValueError(f"traced_layers: {name} has persistent buffers (module state such as BatchNorm statistics: "
-                         f"{persistent[:3]}), which a pipeline layer cannot carry yet; use fs.functionalize without a "
-                         "pipeline")
+                         f"{persistent[:3]}), which a traced graph's layers do not carry; list its layers with "
+                         "fs.models.sequential([...], loss_fn=...), whose layers carry their statistics, or use "
+                         "fs.functionalize without a pipeline")
     if any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules()):  # HF's per-layer flag
         raise ValueError(f"traced_layers: {name} has Hugging Face's gradient checkpointing on, which a traced graph "
                          "does not keep; call module.gradient_checkpointing_disable() and recompute pipeline layers "

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from ..models.layers import with_state
 from ..pytree import PyTree, tree_leaves, tree_map
 from .pipeline import balanced_bounds
 from .plan import Plan
@@ -36,6 +37,7 @@ def layer_costs(model: Any, example: Any, params: Optional[PyTree] = None, repea
         raise ValueError(f"layer_costs(repeats={repeats!r}) must be a positive integer")
     params = model.init(torch.Generator().manual_seed(0)) if params is None else params
     leaves = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()), params)
+    buffers = model.init_buffers() if model.init_buffers is not None else None  # a copy these forwards update
     device = tree_leaves(leaves)[0].device
     sync = (lambda: None) if device.type == "cpu" else (lambda: torch.get_device_module(device).synchronize())
     n, fused = len(seq), seq.last_with_loss is not None
@@ -50,7 +52,7 @@ def layer_costs(model: Any, example: Any, params: Optional[PyTree] = None, repea
             if fused and i == n - 1:  # the fused tail runs the last layer with the loss
                 y = out = seq.last_with_loss(leaves, x, example)
             else:
-                y = seq.layers[i].fn(leaves, x, rng=rng)
+                y = seq.layers[i].fn(leaves, x, rng=rng, **with_state(seq.layers[i], buffers))
                 out = seq.loss(y, example) if i == n - 1 else sum(t.float().sum() for t in _floats(y))
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 out.backward()

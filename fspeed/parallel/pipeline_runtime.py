@@ -37,8 +37,9 @@ from torch.overrides import TorchFunctionMode
 
 from ..activation_checkpointing import Remat, checkpointed
 from ..flat import Flat
+from ..models.layers import with_state
 from ..models.ops import DenseOps, flat_linear
-from ..pytree import PyTree, tree_flatten_with_paths, tree_unflatten
+from ..pytree import PyTree, subtree, tensor_leaves, tree_flatten_with_paths, tree_unflatten
 from .comm import AxisComm, Pending
 from .layout import Layout
 from .mesh import AXES, process_group
@@ -185,7 +186,8 @@ class PipelineExecutor:
     def step(self, params: Flat, micro_batches: Sequence[PyTree], multiplier: float,
              layer_rng: Callable[[int, int], Optional[torch.Generator]],
              into: Optional[torch.Tensor] = None,
-             final: Optional[Callable[[Sequence[int]], None]] = None) -> tuple[list[torch.Tensor], Flat]:
+             final: Optional[Callable[[Sequence[int]], None]] = None,
+             buffers: Optional[PyTree] = None) -> tuple[list[torch.Tensor], Flat]:
         """Run the schedule: (the losses of the micro-batches on the last piece's stage, else empty;
         the stage's summed parameter gradients in the layout's local order, `grad_dtype`).
         `layer_rng(m, i)`: a generator of its own (or None) for layer i on micro-batch m (a
@@ -196,11 +198,14 @@ class PipelineExecutor:
         starts while the schedule goes on): during the first piece's last backward as autograd
         completes each; after a later piece's last backward, once the gradient the previous stage
         waits for is sent; after the last weight pass under zero bubble; never for a tied parameter
-        (another stage's sum is added after the schedule)."""
+        (another stage's sum is added after the schedule). `buffers`: the model's state (every
+        layer's; a stage's layers update theirs, then each stage sends them to the others,
+        `_share_state`)."""
         if len(micro_batches) != self.micro_batches:
             raise ValueError(f"the pipeline runs {self.micro_batches} micro-batches per step, got {len(micro_batches)}")
         local = self.layout.local
         self.device = params.device
+        self.buffers = buffers
         leaves = [t.detach().requires_grad_(t.is_floating_point()) for _, t in params.items()]
         tree = tree_unflatten(local.treedef, leaves)
         if into is None:
@@ -325,9 +330,30 @@ class PipelineExecutor:
         for pending in sends:
             pending.wait()
         self._sum_tied(acc, acc_views)
+        self._share_state(buffers)
         if self.replan:
             self._replan(spent)
         return losses, Flat(acc, local)
+
+    def _share_state(self, buffers: Optional[PyTree]) -> None:
+        """Each layer's state (BatchNorm statistics), updated by this step's forwards on the stage
+        that holds the layer, sent to every other stage: every rank keeps the whole state, as a
+        one-process run does (what checkpoints save and evaluation reads). One message per holding
+        stage and dtype."""
+        packs: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        for i, layer in enumerate(self.layers.layers):
+            if not layer.state:
+                continue
+            piece = next(k for k in range(self.pieces) if self.plan.bounds[k] <= i < self.plan.bounds[k + 1])
+            for path in layer.state:
+                for t in tensor_leaves(subtree(buffers, path)):
+                    packs.setdefault((piece % self.stages, t.dtype), []).append(t)
+        for (holder, _), tensors in packs.items():
+            packed = self.comm.broadcast_(torch.cat([t.reshape(-1) for t in tensors]), holder)
+            at = 0
+            for t in tensors:
+                t.copy_(packed[at:at + t.numel()].view_as(t))
+                at += t.numel()
 
     def _replan(self, spent: dict[str, list[float]]) -> None:
         """Zero bubble after its first step: the schedule whose W's best fill the waits for the
@@ -379,7 +405,7 @@ class PipelineExecutor:
                 return self._run_layers(tree, x, *generators, members=members, ops=ops)
         seq = self.layers.layers
         for i, rng in zip(members, generators):
-            x = seq[i].fn(tree, x, rng=rng, ops=ops)
+            x = seq[i].fn(tree, x, rng=rng, ops=ops, **with_state(seq[i], self.buffers))
             if not (isinstance(x, torch.Tensor) or
                     isinstance(x, tuple) and x and all(isinstance(t, torch.Tensor) for t in x)):
                 raise TypeError(f"pipeline layer {seq[i].name!r} returned {type(x).__name__}; a layer's output must "
@@ -507,11 +533,12 @@ class PipelineExecutor:
     # -- evaluation --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def eval_loss(self, params: Flat, batch: PyTree) -> Optional[float]:
+    def eval_loss(self, params: Flat, batch: PyTree, buffers: Optional[PyTree] = None) -> Optional[float]:
         """The loss of `batch` as one micro-batch through every piece in order (no gradients); the
         last piece's stage returns it, the others None."""
         tree = tree_unflatten(self.layout.local.treedef, [t for _, t in params.items()])
         self.device = params.device
+        self.buffers = buffers
         signature = ("eval",) + tuple((tuple(t.shape), t.dtype) for t in tree_flatten_with_paths(batch)[1]
                                       if isinstance(t, torch.Tensor))
         mailbox: dict = {}
