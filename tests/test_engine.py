@@ -216,9 +216,19 @@ def engine_traced_pipeline_case(steps=2):
     losses = [engine.train_batch(data_iter=iter(fs.train_step.split_micro_batches(lm_batch(4, s), 2)))
               for s in range(steps)]
     model = fs.models.traced_layers(hf_gpt2(layers=3), lm_batch(2, 0))
+    engine_params, functional_params, reference = _functional_run(engine, config, model, steps)
+    return (engine_params, functional_params, losses, reference, engine.model.name,
+            engine.plan.find("pipeline").partition)
+
+
+def _functional_run(engine, config: dict, model, steps: int, overrides=()) -> tuple:
+    """The functional API on `model` with the engine's plan, mesh, optimizer and seed, on the
+    batches the engine trained on (`lm_batch(4, s)`): both runs' gathered parameters (flat) and
+    the functional run's losses."""
     from fspeed.config.build import build_optimizer
     from fspeed.config.compose import compose_run_config
-    run, _ = compose_run_config(config, dp_world_size=1)
+    from tests.hf_models import lm_batch
+    run, _ = compose_run_config(config, overrides=list(overrides), dp_world_size=1)
     opt = build_optimizer(run)
     state = fs.init_train_state(model.init(), opt, seed=run.train.seed, plan=engine.plan, mesh=engine.mesh,
                                 model=model)
@@ -228,8 +238,7 @@ def engine_traced_pipeline_case(steps=2):
         state, metrics = step(state, lm_batch(4, s))
         reference.append(metrics["loss"])
     a, b = fs.gather_params(engine.state, engine.mesh), fs.gather_params(state, engine.mesh)
-    return (fs.Flat.from_tree(a).buffer, fs.Flat.from_tree(b).buffer, losses, reference, engine.model.name,
-            engine.plan.find("pipeline").partition)
+    return fs.Flat.from_tree(a).buffer, fs.Flat.from_tree(b).buffer, reference
 
 
 def test_initialize_traces_a_module_into_pipeline_stages(world2):
@@ -251,20 +260,8 @@ def engine_sliced_pipeline_case(steps=2):
     losses = [engine.train_batch(data_iter=iter(fs.train_step.split_micro_batches(lm_batch(4, s), 2)))
               for s in range(steps)]
     model = fs.models.decoder_layers(hf_llama(layers=3))
-    from fspeed.config.build import build_optimizer
-    from fspeed.config.compose import compose_run_config
-    run, _ = compose_run_config(config, overrides=["parallel.tensor=2"], dp_world_size=1)
-    opt = build_optimizer(run)
-    state = fs.init_train_state(model.init(), opt, seed=run.train.seed, plan=engine.plan, mesh=engine.mesh,
-                                model=model)
-    step = fs.make_train_step(model, opt, plan=engine.plan, mesh=engine.mesh)
-    reference = []
-    for s in range(steps):
-        state, metrics = step(state, lm_batch(4, s))
-        reference.append(metrics["loss"])
-    a, b = fs.gather_params(engine.state, engine.mesh), fs.gather_params(state, engine.mesh)
-    return fs.Flat.from_tree(a).buffer, fs.Flat.from_tree(b).buffer, losses, reference, engine.model.name, \
-        repr(engine.plan)
+    engine_params, functional_params, reference = _functional_run(engine, config, model, steps, ["parallel.tensor=2"])
+    return engine_params, functional_params, losses, reference, engine.model.name, repr(engine.plan)
 
 
 def test_initialize_slices_a_hugging_face_llama_in_a_pipeline(world4):

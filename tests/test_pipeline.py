@@ -313,6 +313,14 @@ def test_decoder_layers_refuse_what_they_would_compute_otherwise():
         fs.models.decoder_layers(transformers.MistralForCausalLM(transformers.MistralConfig(**small, sliding_window=4)))
 
 
+def test_pipe_times_data_times_tensor_trains_like_one_process():
+    """PP2 x DP2 x TP2 on 8 gloo ranks (a world of its own): a Hugging Face Llama's layers with its
+    tp_plan, ZeRO-1 over the data ranks, 1F1B."""
+    plan = fs.zero(1) | fs.tensor_slicing(fs.models.module_tp_rules) | fs.pipeline(2, "1f1b")
+    assert_trains_like_one_process(hf_llama_layers_untied, plan, make_batch=lm_batch, world_size=8, pipe=2, tensor=2,
+                                   steps=2, optimizer=sgd, rtol=1e-4, atol=1e-5)
+
+
 def _units_gathered_per_call():
     """ZeRO-3 on 2 data ranks, a layer list: the units one step gathered for a call of their own."""
     import fspeed.parallel.ops as unit_ops
