@@ -198,7 +198,8 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
         shared = places[prefix] > 1  # a TiedLayer's module, used at several places: taken once per micro-batch
         sliced = [(module.get_submodule(path[len(prefix) + 1:]), style, path)
                   for path, style in styles.items() if _within(path, prefix)]
-        norms = [m for m in module.modules() if isinstance(m, fp32_modules)] if module is not None else []
+        norms = {m: fp32_forward(m, types.MethodType(type(m).forward, m), Slots(m))
+                 for m in (module.modules() if module is not None else ()) if isinstance(m, fp32_modules)}
 
         state_names = states.get(prefix, [])
 
@@ -208,7 +209,7 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
             if named:  # the floating input (or floating parts of a tuple) in the layer's dtype
                 cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
                 x = tuple(cast(t) for t in x) if isinstance(x, tuple) else cast(x)
-            in_fp32 = norms if dtype is not None and dtype != torch.float32 else []
+            in_fp32 = norms if dtype is not None and dtype != torch.float32 else {}
             with _seeded(seed), _computing(sliced, in_fp32, ops):
                 return torch.func.functional_call(caller, {f"inner.{k}": v for k, v in {**named, **state}.items()},
                                                   (x,), strict=False, tie_weights=False)
@@ -335,13 +336,14 @@ def _styles(seen: Mapping[str, nn.Module], entries: list, modules: Sequence[Any]
 
 
 @contextlib.contextmanager
-def _computing(sliced: Sequence[tuple[nn.Module, str, str]], in_fp32: Sequence[nn.Module], ops: Any) -> Iterator[None]:
+def _computing(sliced: Sequence[tuple[nn.Module, str, str]], in_fp32: Mapping[nn.Module, Callable],
+               ops: Any) -> Iterator[None]:
     """For one call: the sliced submodules (module, style, path) compute through `ops`
-    (`module_tp.tp_forward`) when the ops slice; the `in_fp32` ones in fp32 (`module.fp32_forward`)."""
+    (`module_tp.tp_forward`) when the ops slice; the `in_fp32` ones by their fp32 forwards
+    (`module.fp32_forward`)."""
     sliced = sliced if set(ops.tensor_axes) & TP_AXES else []
     overrides = {m: tp_forward(m, style, ops, path) for m, style, path in sliced}
-    for m in in_fp32:
-        overrides[m] = fp32_forward(m, types.MethodType(type(m).forward, m), Slots(m))
+    overrides.update(in_fp32)
     if not overrides:
         yield
         return
