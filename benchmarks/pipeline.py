@@ -165,7 +165,7 @@ def bubble_rows(results: dict) -> list[dict]:
         rows.append({"schedule": name, "micro": m, "virtual": v, "measured": statistics.median(fractions),
                      "theory": theory, "simulated": simulated.bubble_fraction, "span": statistics.median(spans),
                      "kinds": kinds, "imbalance": max(stage_busy) / min(stage_busy) - 1, "ran": ran,
-                     "per_stage": per_stage})
+                     "busier": stage_busy.index(max(stage_busy)), "per_stage": per_stage})
     return rows
 
 
@@ -244,8 +244,9 @@ def main() -> None:
 
     by = {(r["schedule"], r["micro"]): r for r in rows}
     one_f = by[("1f1b", 8)]
-    print(f"\n  1F1B, 8 micro-batches: the stages' work differs by {one_f['imbalance']:.1%} (the last holds the head and the "
-          f"loss), which alone leaves a bubble of {one_f['simulated']:.3f}; measured over that: "
+    holds = "the embedding and blocks" if one_f["busier"] == 0 else "blocks, the head and the loss"
+    print(f"\n  1F1B, 8 micro-batches: the stages' work differs by {one_f['imbalance']:.1%} (stage {one_f['busier']}, "
+          f"{holds}, is the busier), which alone leaves a bubble of {one_f['simulated']:.3f}; measured over that: "
           f"{one_f['measured'] / one_f['simulated']:.3f}")
     print(f"pipeline_bubble_over_theory={one_f['measured'] / one_f['theory']:.3f}")
     print(f"pipeline_bubble_over_sim={one_f['measured'] / one_f['simulated']:.3f}")
