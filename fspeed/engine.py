@@ -33,7 +33,7 @@ from . import checkpoint
 from .host_memory import retain_freed_host_memory
 from .data.curriculum import difficulty_at, truncate_to_seqlen
 from .models import Model, functionalize, to_module, traced_layers
-from .models.decoder_layers import sliceable_layers
+from .models.decoder_layers import decoder_layers_to_module, sliceable_layers
 from .models.layer_drop import PLD_BATCH_KEY, step_layer_drop, supports_layer_drop
 from .models.module import ModuleLoss, output_loss
 from .optim.base import GradientTransformation
@@ -51,8 +51,10 @@ class Engine:
     """DeepSpeed's engine methods over a TrainState and a TrainStep (module docstring)."""
 
     def __init__(self, model: Model, module: Optional[nn.Module], state: TrainState, train_step: TrainStep,
-                 plan: Optional[Plan], mesh: Optional[Mesh], run, schedule):
+                 plan: Optional[Plan], mesh: Optional[Mesh], run, schedule,
+                 into_module: Callable[[PyTree, nn.Module, PyTree], nn.Module] = to_module):
         self.model, self._module, self.state, self.train_step = model, module, state, train_step
+        self._into_module = into_module  # how `module` puts the model's parameters into the nn.Module
         self.plan, self.mesh, self.config = plan, mesh, run
         self.lr_schedule = schedule
         piped = plan is not None and plan.find("pipeline") is not None
@@ -169,7 +171,7 @@ class Engine:
         if self._module is None:
             raise AttributeError("this engine trains an fspeed Model, not an nn.Module; use engine.state")
         params = gather_params(self.state, self.mesh) if self.mesh is not None else self.state.master_params.tree()
-        return to_module(params, self._module, self.state.buffers)
+        return self._into_module(params, self._module, self.state.buffers)
 
     def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None):
         """DeepSpeed's save_checkpoint (every rank calls it under a plan); returns the path."""
@@ -219,12 +221,14 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
     _refuse_cli_monitors(run)
     module = model if isinstance(model, nn.Module) else None
     example = None  # the first micro-batch, when one is taken (tracing a module into pipeline layers)
+    into_module = to_module  # how engine.module puts the trained parameters back into the module
     device = build_device(run)  # None: the state stays where the model's parameters are
     if module is not None:
         if device is not None:
             module.to(device)  # with every buffer, as DeepSpeed moves the module to its device
         if pipe > 1 and tensor > 1:  # sliced stages: a Llama-family module's own layers and tp_plan
             model = sliceable_layers(module, loss_fn)
+            into_module = lambda params, into, buffers: decoder_layers_to_module(params, into)  # noqa: E731
         elif pipe > 1:  # stages need layers: the module's forward, traced on one micro-batch and cut at its blocks
             example = _example_micro_batch(training_data, collate_fn, run.batch.micro_batch_size, pipe)
             model = traced_layers(module, example, loss_fn or output_loss)
@@ -273,7 +277,7 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
     step = make_train_step(model if pipe > 1 else model.loss, optimizer, grad_accum=run.batch.grad_accum, plan=plan,
                            mesh=mesh if plan is not None else None,
                            timers=StepTimers() if run.wall_clock_breakdown else None)  # breakdown in engine.metrics
-    engine = Engine(model, module, state, step, plan, mesh if plan is not None else None, run, schedule)
+    engine = Engine(model, module, state, step, plan, mesh if plan is not None else None, run, schedule, into_module)
     loader = _loader(training_data, collate_fn, run, mesh if plan is not None else None)
     log.info("initialize: %s, %s, batch %s, optimizer %s, precision %s", model.name,
              f"{plan!r} on {mesh!r}" if plan is not None else "one process", run.batch.derivation, optimizer,

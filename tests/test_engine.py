@@ -249,7 +249,7 @@ def test_initialize_traces_a_module_into_pipeline_stages(world2):
         assert torch.equal(engine_params, functional_params) and losses == reference
 
 
-def engine_sliced_pipeline_case(steps=2):
+def engine_sliced_pipeline_case(steps=3):
     """A Hugging Face Llama itself with parallel.pipe=2 and parallel.tensor=2 on 4 ranks: its own
     layers and tp_plan (`fs.models.decoder_layers`), trained by train_batch, against the functional
     API on the same layers, plan and mesh."""
@@ -261,12 +261,17 @@ def engine_sliced_pipeline_case(steps=2):
               for s in range(steps)]
     model = fs.models.decoder_layers(hf_llama(layers=3))
     engine_params, functional_params, reference = _functional_run(engine, config, model, steps, ["parallel.tensor=2"])
-    return engine_params, functional_params, losses, reference, engine.model.name, repr(engine.plan)
+    trained = engine.module.model.layers[0].mlp.up_proj.weight  # a collective: every rank asks
+    full = fs.gather_params(engine.state, engine.mesh)["1"]["layer"]["mlp"]["up_proj"]["weight"]
+    moved = torch.equal(trained, full), float((trained - hf_llama(layers=3).model.layers[0].mlp.up_proj.weight).abs().max())
+    return engine_params, functional_params, losses, reference, engine.model.name, repr(engine.plan), moved
 
 
 def test_initialize_slices_a_hugging_face_llama_in_a_pipeline(world4):
-    for engine_params, functional_params, losses, reference, name, plan in world4.run(engine_sliced_pipeline_case):
+    for engine_params, functional_params, losses, reference, name, plan, moved in world4.run(engine_sliced_pipeline_case):
         assert name == "LlamaForCausalLM-layers" and "tensor_slicing" in plan and "pipeline" in plan
+        # engine.module: the trained weights under the module's names (WarmupLR: the first step's lr is 0)
+        assert moved[0] and moved[1] > 0, moved
         assert torch.equal(engine_params, functional_params) and losses == reference
     from fspeed.models.decoder_layers import sliceable_layers
     with pytest.raises(ValueError, match="decoder_layers builds for Hugging Face model types"):

@@ -267,7 +267,10 @@ def test_a_layer_list_sliced_by_its_tp_plan_pipelines_like_one_process(world4, l
 @pytest.mark.parametrize("tied, attention", [(False, "sdpa"), (True, "eager")])
 def test_decoder_layers_compute_the_module_itself(tied, attention):
     """The layers' loss and every gradient equal the Hugging Face module's own (causal attention by
-    either implementation, rotary positions, a tied head)."""
+    either implementation, rotary positions, a tied head); `decoder_layers_to_module` puts a tree
+    of the layers' paths (here the gradients) into the module under its own names."""
+    import copy
+
     from tests.hf_models import hf_llama
 
     module = hf_llama(1, layers=2, tied=tied, attention=attention)
@@ -279,24 +282,9 @@ def test_decoder_layers_compute_the_module_itself(tied, attention):
     want = module(**batch).loss
     want.backward()
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
-    by_name = dict(module.named_parameters())
-    got = {path: t.grad for path, t in zip(fs.tree_paths(params), optree.tree_leaves(params))}
-    assert len(got) == len(by_name)
-    for path, grad in got.items():  # "0.weight" is model.embed_tokens.weight, "2.layer.mlp..." model.layers.1.mlp...
-        name = _module_name_of(path, len(module.model.layers), tied)
-        torch.testing.assert_close(grad, by_name[name].grad, rtol=1e-4, atol=1e-6, msg=path)
-
-
-def _module_name_of(path: str, blocks: int, tied: bool) -> str:
-    head, _, rest = path.partition(".")
-    if head == "tied":
-        return "model.embed_tokens.weight"
-    i = int(head)
-    if i == 0:
-        return f"model.embed_tokens.{rest}"
-    if i <= blocks:
-        return f"model.layers.{i - 1}.{rest.removeprefix('layer.')}"
-    return f"model.norm.{rest}" if i == blocks + 1 else f"lm_head.{rest}"
+    holder = fs.models.decoder_layers_to_module(optree.tree_map(lambda t: t.grad, params), copy.deepcopy(module))
+    for (name, got), (_, p) in zip(holder.named_parameters(), module.named_parameters()):
+        torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_decoder_layers_refuse_what_they_would_compute_otherwise():

@@ -3,7 +3,9 @@ Mistral, Qwen2) as a layer list, with its own tensor-parallel plan.
 
     model = fs.models.decoder_layers(llama)                   # batches: {"input_ids": ..., "labels": ...}
     plan = fs.zero(1) | fs.tensor_slicing(fs.models.module_tp_rules) | fs.pipeline(8, "1f1b")
-    state = fs.init_train_state(model.init(), opt, plan=plan, mesh=fs.Mesh(data=-1, model=2, pipe=2), model=model)
+    mesh = fs.Mesh(data=-1, model=2, pipe=2)
+    state = fs.init_train_state(model.init(), opt, plan=plan, mesh=mesh, model=model)
+    fs.models.decoder_layers_to_module(fs.gather_params(state, mesh), llama)   # trained weights back in
 
 The layers are the token embedding, each decoder layer (its rotary tables from the model's rotary
 embedding, causal attention over every position), the final norm and the output head, built with
@@ -27,7 +29,9 @@ from torch import nn
 
 from .causal_lm import causal_lm_loss
 from .layers import TiedLayer, head_of, sequential
+from ..pytree import PyTree, tree_leaves, tree_paths
 from .model import Model
+from .module import nested, to_module
 from .module_tp import tp_plan_from
 
 PROBE_POSITIONS = 8
@@ -142,6 +146,27 @@ def _check_against(module: nn.Module, embed: nn.Module, blocks: list, norm: nn.M
                          "decoder layers, norm and head (a scaled embedding, a sliding-window mask, ...): the "
                          "layers' logits differ from the module's on a probe batch. Use "
                          "fs.models.traced_layers(module, example) or list its layers with fs.models.sequential")
+
+
+def decoder_layers_to_module(params: PyTree, module: nn.Module) -> nn.Module:
+    """Copy `decoder_layers(module)`'s trained parameters (a full tree: `fs.gather_params(state,
+    mesh)`) into `module` under its own names (`fs.to_module`): layer 0 is `model.embed_tokens`,
+    layer i+1 `model.layers.i`, then `model.norm` and `lm_head` (a tied head: the embedding)."""
+    prefix = getattr(module, "base_model_prefix", "model")
+    blocks = len(getattr(getattr(module, prefix), "layers"))
+    renamed = {}
+    for path, tensor in zip(tree_paths(params), tree_leaves(params)):
+        head, _, rest = path.partition(".")
+        if head == "tied":  # tied.embed.<name>: the embedding, which is also the head
+            name = f"{prefix}.embed_tokens.{rest.partition('.')[2]}"
+        elif head == "0":
+            name = f"{prefix}.embed_tokens.{rest}"
+        elif int(head) <= blocks:
+            name = f"{prefix}.layers.{int(head) - 1}.{rest.removeprefix('layer.')}"
+        else:
+            name = f"{prefix}.norm.{rest}" if int(head) == blocks + 1 else f"lm_head.{rest}"
+        renamed[name] = tensor
+    return to_module(nested(renamed), module)
 
 
 def sliceable_layers(module: nn.Module, loss_fn: Optional[Callable] = None) -> Model:
