@@ -15,9 +15,10 @@ the layers' paths, and the embedding is sliced over the vocabulary; a tied embed
 head is fused with the loss (`causal_lm_loss`), which then computes the vocabulary-parallel loss.
 
 `traced_layers` pipelines any module without this; these layers also tensor-slice, which an
-exported graph (its head counts baked into its reshapes) cannot. Built only when the layers' logits
-equal the module's own on a probe batch (a model whose forward does more than this is refused,
-named); a layer with a sliding attention window (Mistral's) refuses sequences longer than it.
+exported graph (its head counts baked into its reshapes) cannot. Built only for the model types in
+`MODEL_TYPES`, and only when the layers' logits equal the module's own on a probe batch (anything
+else is refused, named); a layer with a sliding attention window (Mistral's) refuses sequences
+longer than it.
 """
 
 from __future__ import annotations
