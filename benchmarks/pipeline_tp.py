@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -146,17 +147,14 @@ def torch_engine(args: argparse.Namespace, bounds: list[int]):
     return run
 
 
-def compare(args: argparse.Namespace) -> dict:
-    torch.set_num_threads(1)
-    fs.retain_freed_host_memory()
-    plain, bounds = fspeed_engine(args, fused=False)
-    fused, _ = fspeed_engine(args, fused=True)
-    runs = {"fspeed": plain, "fspeed fused head": fused, "torch": torch_engine(args, bounds)}
+def alternate(runs: dict, args: argparse.Namespace, batch_for: Callable[[argparse.Namespace, int], dict]) -> dict:
+    """Each engine's whole step in turn on the same batch, the order rotating step by step: a barrier
+    before each, the slowest rank's seconds (after `args.warmup` steps), and the first step's losses."""
     times = {name: [] for name in runs}
     first = {}
     for i in range(args.warmup + args.steps):
-        batch = make_batch(args, i)
-        order = list(runs)[i % 3:] + list(runs)[:i % 3]
+        batch = batch_for(args, i)
+        order = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]
         for name in order:
             dist.barrier()
             t0 = time.perf_counter()
@@ -167,28 +165,42 @@ def compare(args: argparse.Namespace) -> dict:
                 first[name] = loss
             if i >= args.warmup:
                 times[name].append(float(elapsed))
-    return {"times": times, "first_loss": first, "bounds": bounds}
+    return {"times": times, "first_loss": first}
+
+
+def report(times: dict, first: dict, title: str, figure: str) -> None:
+    """The table (each engine's median step, its ratio to torch's, its first loss) and the
+    `{figure}_step_time_vs_torch` and `{figure}_fused_head_step_time_vs_torch` lines."""
+    med = {name: statistics.median(t) for name, t in times.items()}
+    ratio = {name: statistics.median(a / b for a, b in zip(times[name], times["torch"])) for name in times}
+    print(title)
+    print(f"\n  {'engine':<22}{'step':>10}{'over torch':>12}{'first loss':>12}")
+    for name in ENGINES:
+        print(f"  {name:<22}{med[name] * 1e3:>8.0f} ms{ratio[name]:>12.3f}{first[name]:>12.5f}")
+    print("\n(each ratio: the median over steps of the two engines' times in the same round)")
+    print(f"{figure}_step_time_vs_torch={ratio['fspeed']:.3f}")
+    print(f"{figure}_fused_head_step_time_vs_torch={ratio['fspeed fused head']:.3f}")
+
+
+def compare(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)
+    fs.retain_freed_host_memory()
+    plain, bounds = fspeed_engine(args, fused=False)
+    fused, _ = fspeed_engine(args, fused=True)
+    runs = {"fspeed": plain, "fspeed fused head": fused, "torch": torch_engine(args, bounds)}
+    return {**alternate(runs, args, make_batch), "bounds": bounds}
 
 
 def main(args: argparse.Namespace) -> None:
     with GlooWorld(4, timeout_s=1800) as world:
         results = world.run(compare, args)
-    times = results[0]["times"]
-    # the last stage's ranks (2, 3) report the loss
-    first = {k: v for k, v in results[-1]["first_loss"].items()}
-    med = {name: statistics.median(t) for name, t in times.items()}
-    ratio = {name: statistics.median(a / b for a, b in zip(times[name], times["torch"])) for name in times}
     params = sum(p.numel() for p in build_llama(args).parameters())
-    print(f"Hugging Face Llama, {params / 1e6:.1f}M parameters ({args.layers} layers, width {args.width}, vocabulary "
-          f"{VOCAB}), PP2 x TP2 on 4 gloo ranks x 1 thread, stages {results[0]['bounds']} of its layers, "
-          f"{args.micro_batches} micro-batches of {args.rows} x {args.seq} tokens, 1F1B, AdamW; median of {args.steps} "
-          f"steps after {args.warmup}, slowest rank")
-    print(f"\n  {'engine':<22}{'step':>10}{'over torch':>12}{'first loss':>12}")
-    for name in ENGINES:
-        print(f"  {name:<22}{med[name] * 1e3:>8.0f} ms{ratio[name]:>12.3f}{first[name]:>12.5f}")
-    print("\n(each ratio: the median over steps of the two engines' times in the same round)")
-    print(f"pipeline_tp_step_time_vs_torch={ratio['fspeed']:.3f}")
-    print(f"pipeline_tp_fused_head_step_time_vs_torch={ratio['fspeed fused head']:.3f}")
+    # the last stage's ranks (2, 3) report the loss
+    report(results[0]["times"], results[-1]["first_loss"],
+           f"Hugging Face Llama, {params / 1e6:.1f}M parameters ({args.layers} layers, width {args.width}, vocabulary "
+           f"{VOCAB}), PP2 x TP2 on 4 gloo ranks x 1 thread, stages {results[0]['bounds']} of its layers, "
+           f"{args.micro_batches} micro-batches of {args.rows} x {args.seq} tokens, 1F1B, AdamW; median of {args.steps} "
+           f"steps after {args.warmup}, slowest rank", "pipeline_tp")
 
 
 def parse_args() -> argparse.Namespace:

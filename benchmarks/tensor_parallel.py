@@ -23,22 +23,16 @@ same round), tensor_parallel_fused_head_step_time_vs_torch.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import fspeed as fs
 from fspeed.testing import GlooWorld
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_tp import VOCAB, build_llama  # noqa: E402 (the same Llama as the PP x TP benchmark)
-
-ENGINES = ("fspeed", "fspeed fused head", "torch")
-
+from pipeline_tp import VOCAB, alternate, build_llama, report  # noqa: E402 (the PP x TP benchmark's Llama and timing)
 
 def make_batch(args: argparse.Namespace, step: int) -> dict:
     ids = torch.randint(0, VOCAB, (args.rows, args.seq), generator=torch.Generator().manual_seed(step))
@@ -93,40 +87,17 @@ def compare(args: argparse.Namespace) -> dict:
     fs.retain_freed_host_memory()
     runs = {"fspeed": fspeed_engine(args, fused=False), "fspeed fused head": fspeed_engine(args, fused=True),
             "torch": torch_engine(args)}
-    times = {name: [] for name in runs}
-    first = {}
-    for i in range(args.warmup + args.steps):
-        batch = make_batch(args, i)
-        order = list(runs)[i % 3:] + list(runs)[:i % 3]
-        for name in order:
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = runs[name](batch)
-            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if i == 0:
-                first[name] = loss
-            if i >= args.warmup:
-                times[name].append(float(elapsed))
-    return {"times": times, "first_loss": first}
+    return alternate(runs, args, make_batch)
 
 
 def main(args: argparse.Namespace) -> None:
     with GlooWorld(2, timeout_s=1800) as world:
         results = world.run(compare, args)
-    times, first = results[0]["times"], results[0]["first_loss"]
-    med = {name: statistics.median(t) for name, t in times.items()}
-    ratio = {name: statistics.median(a / b for a, b in zip(times[name], times["torch"])) for name in times}
     params = sum(p.numel() for p in build_llama(args).parameters())
-    print(f"Hugging Face Llama, {params / 1e6:.1f}M parameters ({args.layers} layers, width {args.width}, vocabulary "
-          f"{VOCAB}), TP2 on 2 gloo ranks x 1 thread by its own tp_plan, {args.rows} x {args.seq} tokens, AdamW; "
-          f"median of {args.steps} steps after {args.warmup}, slower rank")
-    print(f"\n  {'engine':<22}{'step':>10}{'over torch':>12}{'first loss':>12}")
-    for name in ENGINES:
-        print(f"  {name:<22}{med[name] * 1e3:>8.0f} ms{ratio[name]:>12.3f}{first[name]:>12.5f}")
-    print("\n(each ratio: the median over steps of the two engines' times in the same round)")
-    print(f"tensor_parallel_step_time_vs_torch={ratio['fspeed']:.3f}")
-    print(f"tensor_parallel_fused_head_step_time_vs_torch={ratio['fspeed fused head']:.3f}")
+    report(results[0]["times"], results[0]["first_loss"],
+           f"Hugging Face Llama, {params / 1e6:.1f}M parameters ({args.layers} layers, width {args.width}, vocabulary "
+           f"{VOCAB}), TP2 on 2 gloo ranks x 1 thread by its own tp_plan, {args.rows} x {args.seq} tokens, AdamW; "
+           f"median of {args.steps} steps after {args.warmup}, slower rank", "tensor_parallel")
 
 
 def parse_args() -> argparse.Namespace:
