@@ -328,8 +328,8 @@ def fs_rules(model: Model):
         raise ValueError("initialize: tensor slicing needs a tp_plan for this module (a transformers model's "
                          "own, or tp_plan={submodule pattern: style})")
     named = {axis for spec in model.logical_axes.values() for axis in spec if axis}
-    return MODULE_TP_RULES if named & {axis for axis, _ in MODULE_TP_RULES if axis != "vocab"} or \
-        isinstance(model.loss, ModuleLoss) else GPT_RULES
+    tp_plan_axes = {axis for axis, _ in MODULE_TP_RULES} - {axis for axis, _ in GPT_RULES}  # only a tp_plan names
+    return MODULE_TP_RULES if isinstance(model.loss, ModuleLoss) or named & tp_plan_axes else GPT_RULES
 
 
 def deepspeed_groups(module: Optional[nn.Module], model_parameters, run) -> Optional[list[dict]]:

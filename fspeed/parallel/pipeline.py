@@ -23,6 +23,7 @@ The runtime (`fspeed.parallel.pipeline_runtime`) runs the schedule (`fspeed.para
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -50,6 +51,10 @@ class StagePlan:
 
     def piece(self, stage: int, chunk: int) -> int:
         return chunk * self.stages + stage
+
+    def stage_of_layer(self, i: int) -> int:
+        """The stage that runs layer i."""
+        return (bisect.bisect_right(self.bounds, i) - 1) % self.stages
 
     def layers_of(self, stage: int, chunk: int) -> range:
         """The layer indices of `chunk` on `stage`."""

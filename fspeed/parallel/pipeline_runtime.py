@@ -342,18 +342,11 @@ class PipelineExecutor:
         stage and dtype."""
         packs: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         for i, layer in enumerate(self.layers.layers):
-            if not layer.state:
-                continue
-            piece = next(k for k in range(self.pieces) if self.plan.bounds[k] <= i < self.plan.bounds[k + 1])
             for path in layer.state:
                 for t in tensor_leaves(subtree(buffers, path)):
-                    packs.setdefault((piece % self.stages, t.dtype), []).append(t)
+                    packs.setdefault((self.plan.stage_of_layer(i), t.dtype), []).append(t)
         for (holder, _), tensors in packs.items():
-            packed = self.comm.broadcast_(torch.cat([t.reshape(-1) for t in tensors]), holder)
-            at = 0
-            for t in tensors:
-                t.copy_(packed[at:at + t.numel()].view_as(t))
-                at += t.numel()
+            _packed_in_place(tensors, lambda flat, holder=holder: self.comm.broadcast_(flat, holder))
 
     def _replan(self, spent: dict[str, list[float]]) -> None:
         """Zero bubble after its first step: the schedule whose W's best fill the waits for the
@@ -523,12 +516,7 @@ class PipelineExecutor:
             self.tie_groups = _tie_groups(self.layout, self.mesh)
         index = {info.path: i for i, info in enumerate(self.layout.params)}
         for paths, comm in self.tie_groups:
-            packed = comm.all_reduce_(torch.cat([views[index[p]] for p in paths]))
-            at = 0
-            for p in paths:
-                view = views[index[p]]
-                view.copy_(packed[at:at + view.numel()])
-                at += view.numel()
+            _packed_in_place([views[index[p]] for p in paths], comm.all_reduce_)
 
     # -- evaluation --------------------------------------------------------------------------
 
@@ -555,6 +543,15 @@ class PipelineExecutor:
         for pending in sends:
             pending.wait()
         return loss
+
+
+def _packed_in_place(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """`collective` (in place) on the tensors as one flat message; each tensor gets its part back."""
+    packed = collective(torch.cat([t.reshape(-1) for t in tensors]))
+    at = 0
+    for t in tensors:
+        t.copy_(packed[at:at + t.numel()].view_as(t))
+        at += t.numel()
 
 
 def _parts(value: Any) -> list[torch.Tensor]:
