@@ -91,3 +91,100 @@ def test_only_torch_data_and_deepspeed_records_are_unpickled(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ck.CheckpointError, match="holds no DeepSpeed checkpoint"):
         import_deepspeed(tmp_path / "empty", fs.init_train_state(model.init(), adamw(), model=model))
+
+
+# ------------------------------------------------------------------ DeepSpeed pipeline checkpoints
+# A PipelineModule of tests/fixtures/deepspeed_pipe_model.py's layers (tied embedding and head, a
+# BatchNorm) on 2 stages, saved by DeepSpeed 0.19.8 (tests/fixtures/make_deepspeed_pipeline_checkpoints.py).
+
+
+def pipe_model(seed: int = 7):
+    from tests.fixtures import deepspeed_pipe_model as dpm
+
+    embedding, middle = dpm.modules(seed)
+    layers = [fs.models.TiedLayer("embed", embedding)] + middle + [fs.models.TiedLayer("embed", embedding,
+                                                                                        forward=dpm.head)]
+    return fs.models.sequential(layers, loss_fn=lambda y, b: dpm.loss_fn(y, b[1]), inputs=lambda b: b[0])
+
+
+def pipe_continue(name: str, mesh=None, plan=None, data: int = 1) -> tuple[list[float], tuple, dict]:
+    """Import the fixture `name` into a state of `plan` on `mesh` (weights seeded otherwise), train
+    CONTINUE steps on this data rank's rows: the losses, the imported counters and BatchNorm state."""
+    from tests.fixtures import deepspeed_pipe_model as dpm
+
+    model, opt = pipe_model(), adamw()
+    state = fs.init_train_state(model.init(), opt, plan=plan, mesh=mesh, model=model)
+    state = import_deepspeed(FIXTURES / name, state, model=model)
+    imported = {k: v.clone() for k, v in state.buffers["6"].items()}
+    counters = (state.step, state.samples, state.opt_state.count)
+    step = fs.make_train_step(model, opt, plan=plan, mesh=mesh, grad_accum=1 if plan else dpm.MICRO_BATCHES)
+    rank = mesh.coordinate("data") if mesh else 0
+    losses = []
+    for i in range(dpm.SAVE_AT, dpm.SAVE_AT + dpm.CONTINUE):
+        x, y = dpm.batch(i)
+        state, metrics = step(state, (x.chunk(data)[rank], y.chunk(data)[rank]))
+        losses.append(float(metrics["loss"]))
+    return losses, counters, imported
+
+
+def layer_file(name: str, index: int) -> dict:
+    return torch.load(FIXTURES / name / "global_step3" / f"layer_{index:02d}-model_states.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("name", ["pipe2_zero0", "pipe2_zero1"])
+def test_a_deepspeed_pipeline_checkpoint_continues_on_one_process_with_deepspeeds_losses(name):
+    losses, counters, imported = pipe_continue(name)
+    assert counters == (3, 24, 3)
+    assert losses == pytest.approx(recorded_as(name), rel=1e-5, abs=1e-6)
+    saved = layer_file(name, 6)  # the BatchNorm's statistics come from its layer file
+    assert all(torch.equal(imported[k], saved[k]) for k in ("running_mean", "running_var", "num_batches_tracked"))
+
+
+def recorded_as(name: str) -> list[float]:
+    return json.loads((FIXTURES / name / "losses.json").read_text())
+
+
+def pipelined_continue(name: str, data: int):
+    from tests.fixtures import deepspeed_pipe_model as dpm
+
+    mesh = fs.Mesh(data=data, pipe=2)
+    plan = fs.zero(1) | fs.pipeline(dpm.MICRO_BATCHES, schedule="1f1b", partition="uniform")
+    return pipe_continue(name, mesh, plan, data)[0]
+
+
+def test_deepspeed_pipeline_checkpoints_continue_as_fspeed_pipelines(world2, world4):
+    for losses in world2.run(pipelined_continue, "pipe2_zero0", 1):  # every stage reports the loss
+        assert losses == pytest.approx(recorded_as("pipe2_zero0"), rel=1e-5, abs=1e-6)
+    # 2 data ranks: each BatchNorm normalises its own rows, as in DeepSpeed's run
+    for losses in world4.run(pipelined_continue, "pipe2_data2_zero1", 2):
+        assert losses == pytest.approx(recorded_as("pipe2_data2_zero1"), rel=1e-5, abs=1e-6)
+
+
+def test_a_zero1_pipeline_checkpoint_converts_without_the_model(tmp_path):
+    assert import_main([str(FIXTURES / "pipe2_zero1"), str(tmp_path)]) == 0
+    model, opt = pipe_model(), adamw()
+    state, _ = ck.load_checkpoint(tmp_path, fs.init_train_state(model.init(), opt, model=model))
+    saved = layer_file("pipe2_zero1", 8)
+    assert torch.equal(state.params.tree()["8"]["weight"], saved["weight"])
+    assert torch.equal(state.params.tree()["tied"]["embed"]["weight"], layer_file("pipe2_zero1", 0)["weight"])
+    assert torch.equal(state.buffers["6"]["running_var"], layer_file("pipe2_zero1", 6)["running_var"])
+
+
+def test_pipeline_checkpoint_refusals(tmp_path):
+    model = pipe_model()
+    template = fs.init_train_state(model.init(), adamw(), model=model)
+    with pytest.raises(ck.CheckpointError, match=r"ZeRO-0 pipeline checkpoint.*pass model=fs.models.sequential"):
+        import_deepspeed(FIXTURES / "pipe2_zero0", template)
+    assert import_main([str(FIXTURES / "pipe2_zero0"), str(tmp_path)]) == 1
+    from tests.fixtures import deepspeed_pipe_model as dpm
+
+    embedding, middle = dpm.modules(7)
+
+    def attempt(layers):
+        other = fs.models.sequential(layers, loss_fn=lambda y, b: dpm.loss_fn(y, b[1]), inputs=lambda b: b[0])
+        import_deepspeed(FIXTURES / "pipe2_zero0", fs.init_train_state(other.init(), adamw(), model=other), model=other)
+    tied = fs.models.TiedLayer("embed", embedding)
+    with pytest.raises(ck.CheckpointError, match=r"no file for the model's layers \['9'\]"):
+        attempt([tied] + middle + [torch.nn.Linear(8, 8), fs.models.TiedLayer("embed", embedding, forward=dpm.head)])
+    with pytest.raises(ck.CheckpointError, match="no split of the model's 10 layers into 2 stages"):
+        attempt([tied] + middle + [lambda x: x])  # stage 1's optimizer holds the tied embedding: this has none there

@@ -15,6 +15,8 @@ What is read, per DeepSpeed's layout (`deepspeed/runtime/engine.py`, `zero/stage
                  split into world-size parts of ceil(numel / world) elements, padded at its end
 
 plus the counters (`global_steps`, `global_samples`, `skipped_steps`, Adam's `step`, the lr).
+A pipeline's checkpoint (`PipelineModule`: per-layer files, per-stage optimizer files) is read by
+`deepspeed_pipeline`.
 The files are pickles holding a few DeepSpeed objects (its loss scaler, `ZeroStageEnum`,
 `fragment_address`): they are read with a restricted unpickler that admits torch's
 weights-only globals and turns DeepSpeed's classes into inert records, and refuses anything else,
@@ -35,6 +37,7 @@ from typing import Any, Optional
 import torch
 
 from ..train_state import TrainState
+from .deepspeed_pipeline import is_pipeline_checkpoint, read_deepspeed_pipeline
 from .errors import CheckpointError
 from .slices import Box
 from .universal import SHARED, ChunkReader, fill_slot, global_shape, state_slots
@@ -116,9 +119,13 @@ def _rank_of(name: str) -> int:
     return int(match.group(1)) if match else 0
 
 
-def read_deepspeed(path: str | os.PathLike) -> DeepSpeedState:
-    """Read a DeepSpeed checkpoint directory (module docstring) into full per-parameter tensors."""
+def read_deepspeed(path: str | os.PathLike, model: Optional[Any] = None) -> DeepSpeedState:
+    """Read a DeepSpeed checkpoint directory (module docstring) into full per-parameter tensors.
+    A pipeline's (`PipelineModule`, per-layer files) is read by `deepspeed_pipeline`, in the names of
+    `fs.models.sequential` over the same layers; `model` (that model) is needed at ZeRO 0."""
     path = resolve_deepspeed_dir(path)
+    if is_pipeline_checkpoint(path):
+        return read_deepspeed_pipeline(path, model)
     model_files = sorted(path.glob("*model_states.pt"), key=lambda p: _rank_of(p.name))
     if any("mp_rank_" in p.name and not p.name.endswith("mp_rank_00_model_states.pt") for p in model_files):
         raise CheckpointError(f"{path} was saved with tensor (model) parallelism (mp_rank > 0); importing it is not "
@@ -254,13 +261,15 @@ class _MemoryChunks(ChunkReader):
         return self.tensors[chunk[1]][box.within(Box(tuple(chunk[2]), tuple(chunk[3])))]
 
 
-def import_deepspeed(source: str | os.PathLike, template: TrainState) -> TrainState:
+def import_deepspeed(source: str | os.PathLike, template: TrainState, model: Optional[Any] = None) -> TrainState:
     """`template` (any layout; Adam/AdamW state) filled from the DeepSpeed checkpoint at `source`:
-    weights (and fp32 masters), Adam moments, counters and lr. Parameter names are DeepSpeed's
-    module names: `functionalize` the same module. Raises CheckpointError naming what does not fit."""
+    weights (and fp32 masters), Adam moments, module buffers, counters and lr. Parameter names are
+    DeepSpeed's module names: `functionalize` the same module; for a `PipelineModule`'s checkpoint,
+    `fs.models.sequential` over the same layer list (`TiedLayer` for `TiedLayerSpec`), which `model`
+    must be at ZeRO 0 (`deepspeed_pipeline`). Raises CheckpointError naming what does not fit."""
     from .state_io import _replace_scalars, state_entries
 
-    ds = read_deepspeed(source)
+    ds = read_deepspeed(source, model)
     where = resolve_deepspeed_dir(source)
     sources: dict[str, dict[str, torch.Tensor]] = {}
     slots, _ = state_slots(template)
@@ -279,7 +288,9 @@ def import_deepspeed(source: str | os.PathLike, template: TrainState) -> TrainSt
             problems.append(f"{name} is {list(table[name].shape)} there, {list(global_shape(slot, template))} here")
         else:
             sources[slot.key] = table
-    missing_here = sorted(set(ds.weights) - set(template.layout.info))  # by the layout: a rank may hold none
+    layout = template.layout  # by the layout: a rank may hold none; a pipeline stage names all
+    model_paths = layout.pipeline.global_paths if layout.pipeline is not None else layout.info
+    missing_here = sorted(set(ds.weights) - set(model_paths))
     if missing_here:
         problems.append(f"parameters the model lacks: {missing_here[:8]}")
     if problems:
