@@ -107,9 +107,10 @@ def pipe_model(seed: int = 7):
     return fs.models.sequential(layers, loss_fn=lambda y, b: dpm.loss_fn(y, b[1]), inputs=lambda b: b[0])
 
 
-def pipe_continue(name: str, mesh=None, plan=None, data: int = 1) -> tuple[list[float], tuple, dict]:
+def pipe_continue(name: str, mesh=None, plan=None, data: int = 1) -> tuple[list[float], tuple, dict, dict]:
     """Import the fixture `name` into a state of `plan` on `mesh` (weights seeded otherwise), train
-    CONTINUE steps on this data rank's rows: the losses, the imported counters and BatchNorm state."""
+    CONTINUE steps on this data rank's rows: the losses, the imported counters and BatchNorm state,
+    and that state after training.""" 
     from tests.fixtures import deepspeed_pipe_model as dpm
 
     model, opt = pipe_model(), adamw()
@@ -117,14 +118,15 @@ def pipe_continue(name: str, mesh=None, plan=None, data: int = 1) -> tuple[list[
     state = import_deepspeed(FIXTURES / name, state, model=model)
     imported = {k: v.clone() for k, v in state.buffers["6"].items()}
     counters = (state.step, state.samples, state.opt_state.count)
-    step = fs.make_train_step(model, opt, plan=plan, mesh=mesh, grad_accum=1 if plan else dpm.MICRO_BATCHES)
+    piped = plan is not None and plan.find("pipeline") is not None  # its micro-batches are the accumulation
+    step = fs.make_train_step(model, opt, plan=plan, mesh=mesh, grad_accum=1 if piped else dpm.MICRO_BATCHES)
     rank = mesh.coordinate("data") if mesh else 0
     losses = []
     for i in range(dpm.SAVE_AT, dpm.SAVE_AT + dpm.CONTINUE):
         x, y = dpm.batch(i)
         state, metrics = step(state, (x.chunk(data)[rank], y.chunk(data)[rank]))
         losses.append(float(metrics["loss"]))
-    return losses, counters, imported
+    return losses, counters, imported, {k: v.clone() for k, v in state.buffers["6"].items()}
 
 
 def layer_file(name: str, index: int) -> dict:
@@ -133,7 +135,7 @@ def layer_file(name: str, index: int) -> dict:
 
 @pytest.mark.parametrize("name", ["pipe2_zero0", "pipe2_zero1"])
 def test_a_deepspeed_pipeline_checkpoint_continues_on_one_process_with_deepspeeds_losses(name):
-    losses, counters, imported = pipe_continue(name)
+    losses, counters, imported, _ = pipe_continue(name)
     assert counters == (3, 24, 3)
     assert losses == pytest.approx(recorded_as(name), rel=1e-5, abs=1e-6)
     saved = layer_file(name, 6)  # the BatchNorm's statistics come from its layer file
@@ -144,20 +146,30 @@ def recorded_as(name: str) -> list[float]:
     return json.loads((FIXTURES / name / "losses.json").read_text())
 
 
-def pipelined_continue(name: str, data: int):
+def pipelined_continue(name: str, data: int, pipe: int = 2):
+    """`pipe_continue` on `data` x `pipe` ranks: losses, and data rank 0's BatchNorm state after."""
     from tests.fixtures import deepspeed_pipe_model as dpm
 
-    mesh = fs.Mesh(data=data, pipe=2)
-    plan = fs.zero(1) | fs.pipeline(dpm.MICRO_BATCHES, schedule="1f1b", partition="uniform")
-    return pipe_continue(name, mesh, plan, data)[0]
+    mesh = fs.Mesh(data=data, pipe=pipe)
+    plan = fs.zero(1) | fs.pipeline(dpm.MICRO_BATCHES, schedule="1f1b", partition="uniform") if pipe > 1 else fs.zero(1)
+    losses, _, _, after = pipe_continue(name, mesh, plan, data)
+    return losses, after if mesh.coordinate("data") == 0 else None
 
 
 def test_deepspeed_pipeline_checkpoints_continue_as_fspeed_pipelines(world2, world4):
-    for losses in world2.run(pipelined_continue, "pipe2_zero0", 1):  # every stage reports the loss
+    for losses, _ in world2.run(pipelined_continue, "pipe2_zero0", 1):  # every stage reports the loss
         assert losses == pytest.approx(recorded_as("pipe2_zero0"), rel=1e-5, abs=1e-6)
-    # 2 data ranks: each BatchNorm normalises its own rows, as in DeepSpeed's run
-    for losses in world4.run(pipelined_continue, "pipe2_data2_zero1", 2):
+    # 2 data ranks: each BatchNorm normalises its own rows, as in DeepSpeed's run; the running statistics
+    # are data rank 0's (DDP's semantics: broadcast from it at each step), in a pipeline as without one
+    piped = world4.run(pipelined_continue, "pipe2_data2_zero1", 2)
+    for losses, _ in piped:
         assert losses == pytest.approx(recorded_as("pipe2_data2_zero1"), rel=1e-5, abs=1e-6)
+    plain_losses, plain = world2.run(pipelined_continue, "pipe2_data2_zero1", 2, 1)[0]
+    assert plain_losses == pytest.approx(recorded_as("pipe2_data2_zero1"), rel=1e-5, abs=1e-6)
+    for _, after in piped:
+        if after is not None:
+            for k, v in plain.items():
+                torch.testing.assert_close(after[k], v, rtol=1e-5, atol=1e-6)
 
 
 def test_a_zero1_pipeline_checkpoint_converts_without_the_model(tmp_path):
