@@ -12,6 +12,11 @@ waited for before the next engine runs:
     fspeed ZeRO-0      fs.zero(0) (all-reduce, as DDP)
     DDP                DistributedDataParallel, AdamW fused
     DeepSpeed ZeRO-3   deepspeed.initialize (the [bench] extra; skipped when not installed)
+    fspeed ZeRO-3, module's ops / fspeed ZeRO-1, module's ops   the same with functionalize(fused_ops=False)
+
+fspeed's engines run as users get them: GPT-2's Python tanh-GELU (`gelu_new`) computes as torch's
+fused kernel (`fspeed.models.fused_ops`); the "module's ops" engines (and the `_same_ops` figures)
+run the module's own ops, as the PyTorch engines do: those ratios are the runtimes' alone.
 
 and, on one process first, fspeed without a plan against an eager loop with fused AdamW, with where
 fspeed's step time goes: `grad_and_value` of the loss (forward + backward through
@@ -28,7 +33,8 @@ Then, on one process, the module's own loss against `fs.causal_lm_loss` (its out
 loss) at this vocabulary and at GPT-2's 50257: bytes kept for backward and step time.
 
 Last lines: hf_zero3_step_time_vs_fsdp2, hf_zero1_step_time_vs_ddp, hf_step_time_vs_deepspeed,
-hf_step_time_vs_eager, hf_step_time_vs_eager_with_no_decay_groups (biases and norms exempt from
+hf_step_time_vs_eager, their _same_ops twins (fspeed with the module's own ops: zero3, zero1, eager),
+hf_step_time_vs_eager_with_no_decay_groups (biases and norms exempt from
 weight decay on both sides), hf_dispatch_bound_step_time_vs_eager (a 12-layer GPT-2 of width 64 on one
 row of 128 tokens, where per-op Python dispatch is the step, as on a launch-bound GPU) (each
 fspeed's median step time over the other's; lower is better), then per vocabulary
@@ -52,8 +58,10 @@ from pathlib import Path
 import torch
 
 VOCAB, SEQ, MICRO = 8192, 128, 4
+SAME = ", module's ops"  # an fspeed engine with functionalize(fused_ops=False): the ops the others run
 # the headline ratios: each the median over steps of the two engines' times in that step (the same round)
-PAIRS = (("fspeed ZeRO-3", "FSDP2"), ("fspeed ZeRO-1", "DDP"), ("fspeed ZeRO-0", "DDP"), ("fspeed ZeRO-3", "DeepSpeed ZeRO-3"))
+PAIRS = (("fspeed ZeRO-3", "FSDP2"), ("fspeed ZeRO-1", "DDP"), ("fspeed ZeRO-0", "DDP"), ("fspeed ZeRO-3", "DeepSpeed ZeRO-3"),
+         ("fspeed ZeRO-3" + SAME, "FSDP2"), ("fspeed ZeRO-1" + SAME, "DDP"))
 
 
 def build_gpt2(layers: int, width: int, vocab: int = VOCAB):
@@ -83,11 +91,12 @@ def batch_for(step: int, rows: int, rank: int = 0, vocab: int = VOCAB) -> dict:
 # ------------------------------------------------------------------------------ one process
 
 
-def one_process(args, loss_fn=lm_loss, no_decay: bool = False) -> dict:
+def one_process(args, loss_fn=lm_loss, no_decay: bool = False, fused_ops: bool = True) -> dict:
     """fspeed (no plan) against an eager loop with fused AdamW, alternating; and fspeed's phases.
     `loss_fn`: fspeed's (the eager loop always takes the module's own loss). `no_decay`: biases and
     norms exempt from weight decay (0.1), as fine-tuning recipes do: `adamw(mask=fs.optim.no_decay())`
-    against torch's AdamW with the same two param groups."""
+    against torch's AdamW with the same two param groups. `fused_ops`: functionalize's (False: the
+    module's own ops, as the eager loop runs them)."""
     import fspeed as fs
 
     torch.set_num_threads(args.threads)
@@ -103,7 +112,7 @@ def one_process(args, loss_fn=lm_loss, no_decay: bool = False) -> dict:
                                 lr=1e-4, fused=True)
     else:
         opt = torch.optim.AdamW(eager.parameters(), lr=1e-4, fused=True)
-    model = fs.functionalize(module, loss_fn)
+    model = fs.functionalize(module, loss_fn, fused_ops=fused_ops)
     fs_opt = fs.optim.adamw(1e-4, weight_decay=0.1, mask=fs.optim.no_decay()) if no_decay else fs.optim.adamw(1e-4)
     state = fs.init_train_state(model.init(), fs_opt, model=model)
     step = fs.make_train_step(model.loss, fs_opt)
@@ -233,8 +242,8 @@ def worker(args) -> None:
     base = build_gpt2(args.layers, args.width)
     engines = {}
 
-    def fspeed_engine(stage):
-        model = fs.functionalize(copy.deepcopy(base), lm_loss)
+    def fspeed_engine(stage, fused_ops=True):
+        model = fs.functionalize(copy.deepcopy(base), lm_loss, fused_ops=fused_ops)
         opt = fs.optim.adamw(1e-4)
         plan = fs.zero(stage, param_persistence_threshold=0 if stage == 3 else 100_000,
                        reduce_bucket_size=2_000_000, allgather_bucket_size=2_000_000, overlap_comm=True)
@@ -271,6 +280,8 @@ def worker(args) -> None:
     engines["fspeed ZeRO-1"] = fspeed_engine(1)
     engines["fspeed ZeRO-0"] = fspeed_engine(0)
     engines["DDP"] = torch_engine(lambda m: DistributedDataParallel(m))
+    engines["fspeed ZeRO-3" + SAME] = fspeed_engine(3, fused_ops=False)
+    engines["fspeed ZeRO-1" + SAME] = fspeed_engine(1, fused_ops=False)
     try:
         import deepspeed
 
@@ -342,6 +353,7 @@ def main(args) -> None:
     import fspeed as fs
 
     single = one_process(args)
+    single_same = one_process(args, fused_ops=False)
     single_fused = one_process(args, fs.causal_lm_loss)
     single_groups = one_process(args, no_decay=True)
     fused = fused_head(args)
@@ -353,6 +365,8 @@ def main(args) -> None:
     print("\none process, alternating:")
     print(f"  {'fspeed (functionalize, no plan)':<38}{single['times']['fspeed'] * ms:>9.1f} ms")
     print(f"  {'eager loop, AdamW fused':<38}{single['times']['eager'] * ms:>9.1f} ms")
+    print(f"  then, alternating again: fspeed with the module's own ops (fused_ops=False: its Python GELU, as the "
+          f"eager loop runs it) {single_same['times']['fspeed'] * ms:.1f} ms, eager {single_same['times']['eager'] * ms:.1f} ms")
 
     print(f"  then, alternating again: fspeed with fs.causal_lm_loss (head fused) "
           f"{single_fused['times']['fspeed'] * ms:.1f} ms, eager {single_fused['times']['eager'] * ms:.1f} ms")
@@ -374,12 +388,16 @@ def main(args) -> None:
     for name, (a, b) in zip(("hf_zero3_step_time_vs_fsdp2", "hf_zero1_step_time_vs_ddp", "hf_zero0_step_time_vs_ddp"),
                             PAIRS):
         print(f"{name}={paired[f'{a} / {b}']:.3f}  # {ranks[a] / ranks[b]:.3f}")
+    for name, (a, b) in zip(("hf_zero3_step_time_vs_fsdp2_same_ops", "hf_zero1_step_time_vs_ddp_same_ops"), PAIRS[4:]):
+        print(f"{name}={paired[f'{a} / {b}']:.3f}  # {ranks[a] / ranks[b]:.3f}; fspeed with fused_ops=False")
     if "DeepSpeed ZeRO-3" in ranks:
         print(f"hf_step_time_vs_deepspeed={paired['fspeed ZeRO-3 / DeepSpeed ZeRO-3']:.3f}  "
               f"# {ranks['fspeed ZeRO-3'] / ranks['DeepSpeed ZeRO-3']:.3f}")
     else:
         print("hf_step_time_vs_deepspeed=nan  (DeepSpeed not installed: pip install -e '.[bench]')")
     print(f"hf_step_time_vs_eager={single['paired']:.3f}  # {single['times']['fspeed'] / single['times']['eager']:.3f}")
+    print(f"hf_step_time_vs_eager_same_ops={single_same['paired']:.3f}  "
+          f"# {single_same['times']['fspeed'] / single_same['times']['eager']:.3f}; fspeed with fused_ops=False")
     print(f"hf_step_time_vs_eager_with_causal_lm_loss={single_fused['paired']:.3f}  "
           f"# {single_fused['times']['fspeed'] / single_fused['times']['eager']:.3f}; the head fused, eager's not")
     print(f"hf_step_time_vs_eager_with_no_decay_groups={single_groups['paired']:.3f}  "

@@ -127,6 +127,19 @@ def torch_loop(module: nn.Module, loss_fn, batches, grad_accum: int, lr: float =
     return module
 
 
+def with_fused_gelu(module: nn.Module) -> nn.Module:
+    """A copy of `module` whose Python tanh-GELUs are torch's fused one: what `functionalize`
+    computes by default (`fspeed.models.fused_ops`), for plain loops to compare with."""
+    from fspeed.models.fused_ops import fused_forward
+
+    module = copy.deepcopy(module)
+    for path, sub in list(module.named_modules()):
+        if path and fused_forward(sub) is not None:
+            parent, _, name = path.rpartition(".")
+            setattr(module.get_submodule(parent) if parent else module, name, nn.GELU(approximate="tanh"))
+    return module
+
+
 def call(module: nn.Module, batch):
     return module(**batch) if isinstance(batch, dict) else module(batch[0])
 

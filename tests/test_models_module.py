@@ -9,11 +9,12 @@ from torch import nn
 
 import fspeed as fs
 from tests.hf_models import (MODELS, call, cnn_batch, cnn_loss, hf_gpt2, hf_llama, lm_batch, lm_loss, small_cnn,
-                             split, torch_loop)
+                             split, torch_loop, with_fused_gelu)
 
 
-def train_fspeed(module, loss_fn, batches, grad_accum, precision=None, seed=0, lr=1e-3, clip=0.0, **plan):
-    model = fs.functionalize(module, loss_fn)
+def train_fspeed(module, loss_fn, batches, grad_accum, precision=None, seed=0, lr=1e-3, clip=0.0, fused_ops=True,
+                 **plan):
+    model = fs.functionalize(module, loss_fn, fused_ops=fused_ops)
     opt = fs.optim.adamw(lr, weight_decay=0.0)
     if clip:
         opt = fs.optim.chain(fs.optim.clip_by_global_norm(clip), opt)
@@ -58,13 +59,15 @@ def test_units_are_the_repeated_blocks_or_patterns():
     assert not llama.init_buffers()  # rotary tables are constants (non-persistent), not state
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "cnn"])
-def test_trains_like_a_plain_torch_loop(name):
+@pytest.mark.parametrize("name,fused_ops", [("gpt2", True), ("gpt2", False), ("llama", True), ("cnn", True)])
+def test_trains_like_a_plain_torch_loop(name, fused_ops):
+    """By default GPT-2's Python tanh-GELU computes as torch's fused kernel (not bit-equal: compared with
+    a loop whose module has that kernel); with fused_ops=False, the module's own ops."""
     build, loss_fn, make_batch = MODELS[name]
     module = build()
     batches = [make_batch(8, seed) for seed in range(3)]
-    reference = torch_loop(module, loss_fn, batches, grad_accum=2, clip=1.0)
-    _, state, _ = train_fspeed(module, loss_fn, batches, grad_accum=2, clip=1.0)
+    reference = torch_loop(with_fused_gelu(module) if fused_ops else module, loss_fn, batches, grad_accum=2, clip=1.0)
+    _, state, _ = train_fspeed(module, loss_fn, batches, grad_accum=2, clip=1.0, fused_ops=fused_ops)
     assert_params_close(state, reference)
     for path, value in reference.state_dict().items():  # BatchNorm statistics, counters included
         if path in fs.tree_paths(state.buffers) or name == "cnn" and "running" in path:

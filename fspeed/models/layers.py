@@ -33,6 +33,7 @@ from torch import nn
 
 from ..pytree import PyTree, subtree
 from ..rng import layer_generators
+from .fused_ops import fused_forwards
 from .model import Model
 from .module import FP32_MODULES, TP_AXES, Slots, fp32_forward, nested
 from .module_tp import explain_failure, logical_axes_of, styles_of, tp_forward
@@ -138,7 +139,8 @@ class TiedLayer:
 
 def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
                inputs: Callable[[Any], Any] = lambda batch: batch["inputs"], name: str = "sequential",
-               tp_plan: Optional[Mapping[str, str]] = None, fp32_modules: tuple[type, ...] = FP32_MODULES) -> Model:
+               tp_plan: Optional[Mapping[str, str]] = None, fp32_modules: tuple[type, ...] = FP32_MODULES,
+               fused_ops: bool = True) -> Model:
     """A `Model` from a list of layers, DeepSpeed's `PipelineModule(layers=..., loss_fn=...)` in functional
     form: each entry is an `nn.Module` (its parameters under `"<index>."`), a `TiedLayer` (its
     parameters once, under `"tied.<key>."`), or a parameter-free callable `x -> y` (a reshape).
@@ -156,7 +158,8 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
     paths as the parameters', `"3.self_attn.q_proj"`, `"tied.embed"`); under
     `fs.tensor_slicing(fs.models.module_tp_rules)` those modules compute on their slices, in a pipeline
     or not. Each layer is a unit under a plan (`ops.call`: ZeRO-3 gathers it for its call only; a
-    `TiedLayer`'s module is taken once per micro-batch).
+    `TiedLayer`'s module is taken once per micro-batch). `fused_ops`: Hugging Face's Python tanh-GELUs
+    compute as torch's fused kernel (`fspeed.models.fused_ops`), as in `functionalize`.
     """
     entries: list[tuple[str, str, Optional[nn.Module], Callable]] = []  # (layer name, prefix, module, call)
     owners: dict[str, nn.Module] = {}
@@ -200,6 +203,7 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
                   for path, style in styles.items() if _within(path, prefix)]
         norms = {m: fp32_forward(m, types.MethodType(type(m).forward, m), Slots(m))
                  for m in (module.modules() if module is not None else ()) if isinstance(m, fp32_modules)}
+        fused = fused_forwards(module) if fused_ops else {}
 
         state_names = states.get(prefix, [])
 
@@ -210,7 +214,7 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
                 cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
                 x = tuple(cast(t) for t in x) if isinstance(x, tuple) else cast(x)
             in_fp32 = norms if dtype is not None and dtype != torch.float32 else {}
-            with _seeded(seed), _computing(sliced, in_fp32, ops):
+            with _seeded(seed), _computing(sliced, {**fused, **in_fp32}, ops):
                 return torch.func.functional_call(caller, {f"inner.{k}": v for k, v in {**named, **state}.items()},
                                                   (x,), strict=False, tie_weights=False)
 
@@ -227,7 +231,7 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
             seed = seed_of(rng)  # drawn here, so a recompute of the call draws the same masks
             state = _state_of(buffers, prefix, state_names)
             if not owns and not state:
-                with _seeded(seed):
+                with _seeded(seed), _computing((), fused, ops):
                     return call(module, x)
             run_here = functools.partial(run, seed=seed, ops=ops, state=state)
             if not owns:  # state without parameters (a BatchNorm without affine weights)
@@ -336,14 +340,14 @@ def _styles(seen: Mapping[str, nn.Module], entries: list, modules: Sequence[Any]
 
 
 @contextlib.contextmanager
-def _computing(sliced: Sequence[tuple[nn.Module, str, str]], in_fp32: Mapping[nn.Module, Callable],
+def _computing(sliced: Sequence[tuple[nn.Module, str, str]], computes: Mapping[nn.Module, Callable],
                ops: Any) -> Iterator[None]:
     """For one call: the sliced submodules (module, style, path) compute through `ops`
-    (`module_tp.tp_forward`) when the ops slice; the `in_fp32` ones by their fp32 forwards
-    (`module.fp32_forward`)."""
+    (`module_tp.tp_forward`) when the ops slice; the `computes` ones by their given forwards (fp32
+    ones, `module.fp32_forward`; fused ones, `fused_ops`)."""
     sliced = sliced if set(ops.tensor_axes) & TP_AXES else []
-    overrides = {m: tp_forward(m, style, ops, path) for m, style, path in sliced}
-    overrides.update(in_fp32)
+    overrides = dict(computes)
+    overrides.update({m: tp_forward(m, style, ops, path) for m, style, path in sliced})
     if not overrides:
         yield
         return

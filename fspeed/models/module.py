@@ -44,6 +44,7 @@ from torch import nn
 
 from ..pytree import PyTree, tree_flatten_with_paths
 from .causal_lm import FusedHead, labels_of, output_head
+from .fused_ops import fused_forwards
 from .model import LogicalAxes, Model
 from .module_tp import MODULE_TP_RULES, explain_failure, logical_axes_of, styles_of, tp_forward, tp_plan_from
 from .ops import DENSE
@@ -124,8 +125,10 @@ class ModuleLoss:
     """`loss` (and, with `loss_fn=None`, `apply`) of a functionalized module (module docstring)."""
 
     def __init__(self, module: nn.Module, loss_fn: Optional[Callable], units: dict[str, str],
-                 fp32_modules: tuple[type, ...], name: str, tp_styles: Optional[dict[str, str]] = None):
+                 fp32_modules: tuple[type, ...], name: str, tp_styles: Optional[dict[str, str]] = None,
+                 fused_ops: bool = True):
         self.module, self.loss_fn, self.units, self.name = module, loss_fn, units, name
+        self.fused = fused_forwards(module) if fused_ops else {}  # fspeed.models.fused_ops
         self.tp_styles = dict(tp_styles or {})
         self.fp32_modules = fp32_modules
         self.state_names = set(module.state_dict().keys())
@@ -319,7 +322,7 @@ class ModuleLoss:
             from ..activation_checkpointing import Remat  # noqa: PLC0415 (it imports the models package)
 
             hf_remat = Remat()  # Hugging Face's own checkpointing: full, on every flagged layer
-        computes = {}
+        computes = dict(self.fused)
         if sliced or (dtype is not None and dtype != torch.float32 and self.fp32_modules):
             for path, m in modules.items():
                 fn = self._compute(path, m, ops, sliced, dtype)
@@ -588,6 +591,7 @@ def functionalize(
     units: Units = "auto",
     fp32_modules: tuple[type, ...] = FP32_MODULES,
     tp_plan: Union[str, dict, None] = None,
+    fused_ops: bool = True,
 ) -> Model:
     """A Model backed by `module` (see the module docstring).
 
@@ -599,6 +603,8 @@ def functionalize(
     blocks), or submodule path patterns (`"model.layers.*"`). `tp_plan`: submodule patterns ->
     tensor-slicing styles (`fspeed.models.module_tp`), or "auto" for a transformers model's own plan;
     it sets the logical axes that `fs.tensor_slicing(fs.models.module_tp_rules)` slices.
+    `fused_ops`: Hugging Face's Python tanh-GELUs compute as torch's fused kernel
+    (`fspeed.models.fused_ops`: the same function to about one ulp); False runs the module's own code.
     """
     if not any(True for _ in module.parameters()):
         raise ValueError(f"functionalize: {type(module).__name__} has no parameters")
@@ -611,7 +617,7 @@ def functionalize(
                              "({submodule pattern: style}, see fspeed.models.module_tp)")
     styles = styles_of(module, tp_plan) if tp_plan else {}
     axes = {**logical_axes_of(module, styles), **dict(logical_axes or {})}
-    core = ModuleLoss(module, loss_fn, unit_map, tuple(fp32_modules), name, styles)
+    core = ModuleLoss(module, loss_fn, unit_map, tuple(fp32_modules), name, styles, fused_ops)
 
     def init(generator: Optional[torch.Generator] = None) -> dict:
         return nested({n: p.detach().clone() for n, p in module.named_parameters()})
