@@ -34,6 +34,7 @@ loss) at this vocabulary and at GPT-2's 50257: bytes kept for backward and step 
 
 Last lines: hf_zero3_step_time_vs_fsdp2, hf_zero1_step_time_vs_ddp, hf_step_time_vs_deepspeed,
 hf_step_time_vs_eager, their _same_ops twins (fspeed with the module's own ops: zero3, zero1, eager),
+hf_fused_ops_kept_bytes_over_module_ops (activation memory, fused_ops on over off),
 hf_step_time_vs_eager_with_no_decay_groups (biases and norms exempt from
 weight decay on both sides), hf_dispatch_bound_step_time_vs_eager (a 12-layer GPT-2 of width 64 on one
 row of 128 tokens, where per-op Python dispatch is the step, as on a launch-bound GPU) (each
@@ -178,6 +179,29 @@ def fused_head(args, vocabs=(VOCAB, 50257), steps: int = 6) -> dict:
                     figures[name].append((kept, seconds))
         out[vocab] = {name: (statistics.median(k for k, _ in v), statistics.median(t for _, t in v))
                       for name, v in figures.items()}
+    return out
+
+
+def fused_ops_kept(args) -> dict:
+    """Bytes the forward keeps for backward (malloc's, at backward start), fspeed with fused_ops on and
+    off (the Python GELU keeps its intermediates), one step each after one to warm up."""
+    import fspeed as fs
+    from fspeed.activation_budget import bytes_kept_for_backward
+
+    torch.set_num_threads(args.threads)
+    fs.retain_freed_host_memory()
+    module = build_gpt2(args.layers, args.width)
+    out = {}
+    for fused_ops in (True, False):
+        model = fs.functionalize(module, lm_loss, fused_ops=fused_ops)
+        opt = fs.optim.adamw(1e-4)
+        box = {"state": fs.init_train_state(model.init(), opt, model=model)}
+        step = fs.make_train_step(model.loss, opt)
+
+        def run(step=step, box=box):
+            box["state"], _ = step(box["state"], batch_for(0, MICRO))
+        run()
+        out[fused_ops] = bytes_kept_for_backward(run)[0]
     return out
 
 
@@ -357,6 +381,7 @@ def main(args) -> None:
     single_fused = one_process(args, fs.causal_lm_loss)
     single_groups = one_process(args, no_decay=True)
     fused = fused_head(args)
+    kept_ops = fused_ops_kept(args)
     launched = launch(args)
     ranks, paired = launched["times"], launched["paired"]
     ms = 1e3
@@ -375,6 +400,8 @@ def main(args) -> None:
     for phase, t in single["phases"].items():
         print(f"    fspeed {phase:<48}{t * ms:>9.1f} ms")
     print(f"    eager forward + backward alone{'':<26}{single['eager_forward_backward'] * ms:>9.1f} ms")
+    print(f"\none process, kept for backward: fspeed {kept_ops[True] / 2**20:.1f} MiB, with the module's own ops "
+          f"(fused_ops=False) {kept_ops[False] / 2**20:.1f} MiB")
     print("\none process, the module's own loss against fs.causal_lm_loss (head fused with the loss), alternating:")
     print(f"  {'vocabulary':>10}  {'loss':<16}{'kept for backward':>18}{'step':>10}")
     for vocab, rows in fused.items():
@@ -403,6 +430,7 @@ def main(args) -> None:
     print(f"hf_step_time_vs_eager_with_no_decay_groups={single_groups['paired']:.3f}  "
           f"# {single_groups['times']['fspeed'] / single_groups['times']['eager']:.3f}")
     print(f"hf_dispatch_bound_step_time_vs_eager={dispatch['fspeed'] / dispatch['eager']:.3f}")
+    print(f"hf_fused_ops_kept_bytes_over_module_ops={kept_ops[True] / kept_ops[False]:.3f}")
     for vocab, rows in fused.items():
         (own_kept, own_t), (fused_kept, fused_t) = rows["own loss"], rows["causal_lm_loss"]
         print(f"hf_fused_head_kept_bytes_over_own_loss_vocab{vocab}={fused_kept / own_kept:.3f}")
