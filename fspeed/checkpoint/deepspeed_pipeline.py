@@ -73,23 +73,23 @@ def read_deepspeed_pipeline(path: Path, model: Optional[Any] = None):
         layers[int(m.group(1))] = read_deepspeed_file(p)
     optim = [(int(m.group(2)), int(m.group(1)), p) for p in path.iterdir() if (m := _OPTIM_FILE.match(p.name))]
     if optim:
-        zero, weights, avg, avg_sq, base, where = _zero12(path, stages, sorted(optim))
+        zero, weights, avg, avg_sq, base, where = _zero12(path, stages, sorted(optim))  # where: a file, for messages
     else:
         if model is None or getattr(model, "layers", None) is None:
             raise CheckpointError(
                 f"{path} is a ZeRO-0 pipeline checkpoint, whose optimizer files name no parameter: pass "
                 "model=fs.models.sequential(<the PipelineModule's layers>, ...) so each stage's entries can be "
                 "matched to its layers (fspeed-import-deepspeed cannot; use fs.checkpoint.import_deepspeed)")
-        zero, (weights, avg, avg_sq, base), where = 0, _zero0(path, stages, layers, model), stage_files
+        zero, (weights, avg, avg_sq, base), where = 0, _zero0(path, stages, layers, model), stage_files[0]
     buffers = _buffers(layers, weights, model)
     first = stages[0]
     counters = {"step": int(first.get("global_steps", 0)), "samples": int(first.get("global_samples", 0)),
-                "skipped_steps": int(first.get("skipped_steps", 0)), "adam_step": _adam_step(base, where[0])}
+                "skipped_steps": int(first.get("skipped_steps", 0)), "adam_step": _adam_step(base, where)}
 
     def named(table: dict) -> dict:
         return {fspeed_name(k): v for k, v in table.items()}
     return DeepSpeedState(zero, named(weights), named(avg), named(avg_sq), buffers, counters,
-                          _hparams(base, where[0]), first.get("ds_config") or {})
+                          _hparams(base, where), first.get("ds_config") or {})
 
 
 def _zero12(path: Path, stages: list[dict], optim: list[tuple[int, int, Path]]):
@@ -110,13 +110,13 @@ def _zero12(path: Path, stages: list[dict], optim: list[tuple[int, int, Path]]):
         value = states[0].get("zero_stage")
         zero = int(value.args[0]) if isinstance(value, DeepSpeedRecord) else int(value)
         if zero not in (1, 2):
-            raise CheckpointError(f"{files[0]}: ZeRO stage {zero} in a pipeline (DeepSpeed pipelines run 0-1, 2 with care)")
+            raise CheckpointError(f"{files[0]}: ZeRO stage {zero} in a pipeline checkpoint; allowed: 0-2")
         w, a, q, stage_base = _stage12(states, stage["param_shapes"], files[0])
         for name in w:
             if name not in weights:
                 weights[name], avg[name], avg_sq[name] = w[name], a[name], q[name]
         base = base or stage_base
-    return zero, weights, avg, avg_sq, base, [optim[0][2]]
+    return zero, weights, avg, avg_sq, base, optim[0][2]
 
 
 def _zero0(path: Path, stages: list[dict], layers: dict[int, dict], model: Any):
