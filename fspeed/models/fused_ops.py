@@ -1,7 +1,8 @@
 """Torch's fused kernels in place of Python compositions in third-party modules.
 
-Hugging Face's `gelu_new` activation (GPT-2, GPT-J, GPT-Neo, CodeGen, Phi...), and its `gelu_fast` and
-`gelu_accurate`, compute the tanh approximation of GELU in Python: eight elementwise kernels forward
+Hugging Face's `gelu_new` activation (GPT-2, GPT-J, GPT-Neo, CodeGen, Phi...), its `gelu_fast` and
+`gelu_accurate`, and BLOOM's `BloomGelu` compute the tanh approximation of GELU in Python: eight
+elementwise kernels forward
 and more backward, most of them keeping their output for backward. `F.gelu(x, approximate="tanh")`
 is the same formula in one kernel each way: Hugging Face's own `gelu_pytorch_tanh`, which its
 documentation calls equivalent and much faster, not bit-equal (the two agree to about one ulp).
@@ -26,6 +27,7 @@ GELU_TANH_CLASSES = frozenset({
     ("transformers.activations", "NewGELUActivation"),
     ("transformers.activations", "FastGELUActivation"),
     ("transformers.activations", "AccurateGELUActivation"),
+    ("transformers.models.bloom.modeling_bloom", "BloomGelu"),
 })
 
 
