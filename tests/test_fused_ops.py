@@ -79,3 +79,18 @@ def test_a_subclass_or_an_instance_forward_keeps_its_own():
     hooked.forward = lambda x: x  # e.g. a hub kernel or a hook's wrapper, set on the instance
     assert fused_forward(hooked) is None
     assert fused_forward(nn.GELU()) is None
+
+
+def test_traced_layers_trace_the_fused_kernel():
+    module = hf_gpt2(layers=2)
+    batch = lm_batch(2, 0)
+    fused = fs.models.traced_layers(module, batch)
+    own = fs.models.traced_layers(module, batch, fused_ops=False)
+    params = fused.init()
+    fused.loss(params, batch)  # the first call traces the evaluation graph (the trace runs decompositions)
+    ops = aten_ops(lambda: fused.loss(params, batch))
+    assert "aten::gelu" in ops and "aten::tanh" not in ops
+    own.loss(params, batch)
+    assert "aten::tanh" in aten_ops(lambda: own.loss(params, batch))
+    assert "forward" not in module.transformer.h[0].mlp.act.__dict__
+    torch.testing.assert_close(fused.loss(params, batch), own.loss(params, batch), rtol=1e-6, atol=0)

@@ -8,8 +8,8 @@ is the same formula in one kernel each way: Hugging Face's own `gelu_pytorch_tan
 documentation calls equivalent and much faster, not bit-equal (the two agree to about one ulp).
 
 A `functionalize`d module's (and a `sequential` layer list's) instances of those classes compute
-through it, unless `fused_ops=False`; the module itself is not changed (an instance forward is set
-for the call only, as for tensor slicing). Forward + backward of a 6-layer, 384-wide GPT-2 is about
+through it, and `traced_layers` traces them as it, unless `fused_ops=False`; the module itself is
+not changed (an instance forward is set for the call only, as for tensor slicing). Forward + backward of a 6-layer, 384-wide GPT-2 is about
 9% shorter on one CPU core (`benchmarks/your_model.py`); on a GPU, each removed kernel is a launch.
 The idea is Liger-Kernel's and Hugging Face's kernel hub's: a faster kernel chosen by class.
 """

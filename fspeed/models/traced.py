@@ -43,7 +43,8 @@ from torch import nn
 
 from ..pytree import PyTree, subtree
 from ..rng import layer_generators
-from .layers import Layer, LayerSequence, _seeded, seed_of
+from .fused_ops import fused_forwards
+from .layers import Layer, LayerSequence, _computing, _seeded, seed_of
 from .model import Model
 from .causal_lm import fused_tail, output_head
 from .module import _match, nested, output_loss, repeated_blocks
@@ -52,13 +53,15 @@ from .ops import DENSE
 
 def traced_layers(module: nn.Module, example: Any, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None, *,
                   split_before: Union[str, Sequence[str]] = "auto", call_kwargs: Optional[dict] = None,
-                  name: Optional[str] = None) -> Model:
+                  name: Optional[str] = None, fused_ops: bool = True) -> Model:
     """A `Model` with a layer sequence from `module`'s traced forward (module docstring).
 
     `example`: one micro-batch as training feeds it (a dict is passed as keyword arguments minus
     its "targets" key; otherwise `example[0]` positionally, as `functionalize` does). `loss_fn(outputs,
     batch)`: default the module's own loss (`outputs.loss`). `call_kwargs`: constants added to every
-    call (default for Hugging Face models: `use_cache=False`, whose cache export cannot return)."""
+    call (default for Hugging Face models: `use_cache=False`, whose cache export cannot return).
+    `fused_ops`: Hugging Face's Python tanh-GELUs are traced as torch's fused kernel
+    (`fspeed.models.fused_ops`), as `functionalize` computes them."""
     name = name or type(module).__name__
     persistent = [n for n in module.state_dict() if n not in dict(module.named_parameters(remove_duplicate=False))]
     if persistent:
@@ -91,7 +94,7 @@ def traced_layers(module: nn.Module, example: Any, loss_fn: Optional[Callable[[A
             seen.add(id(value))
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         _, out_spec = torch_pytree.tree_flatten(module(**kwargs))
-    tracer = _Tracer(module, kwargs, points, name, out_spec.num_leaves)
+    tracer = _Tracer(module, kwargs, points, name, out_spec.num_leaves, fused_forwards(module) if fused_ops else {})
     base = next(module.parameters()).dtype
     reference = tracer.graph(True, base)  # evaluation's graph and other dtypes' are traced when first run
     names = ["input", *points]
@@ -138,8 +141,9 @@ class _Tracer:
     differs between training and evaluation, and an exported graph asserts the dtypes it was traced
     with (a bf16 run needs a bf16 graph)."""
 
-    def __init__(self, module: nn.Module, kwargs: dict, points: list[str], name: str, outputs: int):
+    def __init__(self, module: nn.Module, kwargs: dict, points: list[str], name: str, outputs: int, fused: dict):
         self.module, self.kwargs, self.points, self.name, self.outputs = module, kwargs, points, name, outputs
+        self.fused = fused  # submodules traced as their fused forwards (`fused_ops`)
         self.canonical = _canonical_names(module)
         self.device = next(module.parameters()).device  # a graph makes its own tensors (positions, masks) here
         self.graphs: dict[tuple[bool, torch.dtype], _Graph] = {}
@@ -149,7 +153,8 @@ class _Tracer:
     def graph(self, train: bool, dtype: torch.dtype) -> _Graph:
         key = (train, dtype)
         if key not in self.graphs:
-            graph = _trace(self.module, self.kwargs, self.points, train, self.name, dtype)
+            with _computing((), self.fused, DENSE):
+                graph = _trace(self.module, self.kwargs, self.points, train, self.name, dtype)
             if dtype != next(self.module.parameters()).dtype:  # which crossing values are sizes: as traced first
                 reference = next(iter(self.graphs.values())).flow
                 for ours, theirs in zip(graph.flow.carried, reference.carried):
