@@ -5,7 +5,9 @@ Both trace the module's forward with `torch.export` and cut it into 2 stages at 
 gloo ranks of one thread each; 1F1B over 8 micro-batches; the same weights, data and loss (the
 logits' shifted cross-entropy, as Hugging Face's own loss); AdamW (fspeed's fused, torch's foreach).
 Steps alternate between the engines in the same processes (a barrier before each), so the shared
-machine's load falls on both alike. The first step's losses are printed side by side (equal math).
+machine's load falls on both alike. The first step's losses are printed side by side (equal math:
+fspeed traces with `fused_ops=False`, so both run GPT-2's own Python GELU and the ratio is the
+runtimes'; by default fspeed traces it as torch's fused kernel, `fspeed.models.fused_ops`).
 
     python benchmarks/pipeline_traced.py [--layers 8] [--width 256] [--rows 8] [--micro 8] [--steps 8]
 
@@ -68,8 +70,8 @@ def measure(args: argparse.Namespace) -> dict:
     example = {"input_ids": batch["input_ids"][:args.rows]}
 
     t0 = time.perf_counter()
-    model = fs.models.traced_layers(copy.deepcopy(base), example,
-                                    lambda out, b: shifted_loss(out.logits, b["labels"]))
+    model = fs.models.traced_layers(copy.deepcopy(base), example,  # the module's own ops, as torch traces them
+                                    lambda out, b: shifted_loss(out.logits, b["labels"]), fused_ops=False)
     trace_s = time.perf_counter() - t0
     mesh, plan = fs.Mesh(pipe=2), fs.pipeline(args.micro, "1f1b")
     opt = fs.optim.adamw(1e-4)
