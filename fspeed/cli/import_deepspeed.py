@@ -4,7 +4,10 @@
     fspeed-train checkpoint.dir=ck checkpoint.resume=true ...                  # any layout
 
 Weights, fp32 masters, Adam moments and the counters carry over; DeepSpeed is not needed (its
-pickles are read with a restricted unpickler). See `fspeed.checkpoint.deepspeed_import`.
+pickles are read with a restricted unpickler). See `fspeed.checkpoint.deepspeed_import`. A
+`PipelineModule`'s checkpoint at ZeRO 1-2 converts too, in `fs.models.sequential`'s names; one at
+ZeRO 0 names no parameter in its optimizer files and needs the layer list
+(`fs.checkpoint.import_deepspeed(..., model=...)`, `fspeed.checkpoint.deepspeed_pipeline`).
 """
 
 from __future__ import annotations
