@@ -200,3 +200,56 @@ def test_pipeline_checkpoint_refusals(tmp_path):
         attempt([tied] + middle + [torch.nn.Linear(8, 8), fs.models.TiedLayer("embed", embedding, forward=dpm.head)])
     with pytest.raises(ck.CheckpointError, match="no split of the model's 10 layers into 2 stages"):
         attempt([tied] + middle + [lambda x: x])  # stage 1's optimizer holds the tied embedding: this has none there
+
+
+class LayerSpec:
+    """DeepSpeed's `deepspeed.pipe.LayerSpec`, as its attributes are (DeepSpeed is not a test dependency)."""
+
+    def __init__(self, typename, *module_args, **module_kwargs):
+        self.typename, self.module_args, self.module_kwargs = typename, module_args, module_kwargs
+
+    def build(self):
+        return self.typename(*self.module_args, **self.module_kwargs)
+
+
+class TiedLayerSpec(LayerSpec):
+    def __init__(self, key, typename, *module_args, forward_fn=None, tied_weight_attr=("weight",), **module_kwargs):
+        super().__init__(typename, *module_args, **module_kwargs)
+        self.key, self.forward_fn, self.tied_weight_attr = key, forward_fn, list(tied_weight_attr)
+
+
+def spec_layers(spec_types) -> list:
+    from tests.fixtures import deepspeed_pipe_model as dpm
+
+    layer, tied = spec_types
+    return [tied("embed", torch.nn.Embedding, dpm.VOCAB, dpm.WIDTH), layer(torch.nn.Linear, dpm.WIDTH, 32),
+            torch.nn.Tanh(), layer(torch.nn.Linear, 32, 24), torch.nn.Tanh(), dpm.Channels(),
+            layer(torch.nn.BatchNorm1d, 24), dpm.Channels(), layer(torch.nn.Linear, 24, dpm.WIDTH),
+            tied("embed", torch.nn.Embedding, dpm.VOCAB, dpm.WIDTH, forward_fn=dpm.head)]
+
+
+def deepspeed_spec_types():
+    deepspeed_pipe = pytest.importorskip("deepspeed.pipe")  # the [bench] extra: where it is installed
+    return deepspeed_pipe.LayerSpec, deepspeed_pipe.TiedLayerSpec
+
+
+@pytest.mark.parametrize("spec_types", [lambda: (LayerSpec, TiedLayerSpec), deepspeed_spec_types],
+                         ids=["stand-ins", "deepspeed"])
+def test_a_pipeline_modules_spec_list_is_a_sequential_list_and_takes_its_checkpoint(spec_types):
+    from tests.fixtures import deepspeed_pipe_model as dpm
+
+    model = fs.models.sequential(spec_layers(spec_types()), loss_fn=lambda y, b: dpm.loss_fn(y, b[1]),
+                                 inputs=lambda b: b[0])
+    assert sorted(fs.tree_paths(model.init())) == sorted(fs.tree_paths(pipe_model().init()))
+    opt = adamw()
+    state = import_deepspeed(FIXTURES / "pipe2_zero0", fs.init_train_state(model.init(), opt, model=model),
+                             model=model)
+    step = fs.make_train_step(model, opt, grad_accum=dpm.MICRO_BATCHES)
+    losses = []
+    for i in range(dpm.SAVE_AT, dpm.SAVE_AT + dpm.CONTINUE):
+        state, metrics = step(state, dpm.batch(i))
+        losses.append(float(metrics["loss"]))
+    assert losses == pytest.approx(recorded_as("pipe2_zero0"), rel=1e-5, abs=1e-6)
+    partly = [TiedLayerSpec("head", torch.nn.Linear, 8, 8, tied_weight_attr=["weight"]), torch.nn.Tanh()]
+    with pytest.raises(ValueError, match=r"TiedLayerSpec 'head' ties \['weight'\] of a module that also has \['bias'\]"):
+        fs.models.sequential(partly, loss_fn=lambda y, b: y.sum())

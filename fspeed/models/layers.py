@@ -144,6 +144,8 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
     """A `Model` from a list of layers, DeepSpeed's `PipelineModule(layers=..., loss_fn=...)` in functional
     form: each entry is an `nn.Module` (its parameters under `"<index>."`), a `TiedLayer` (its
     parameters once, under `"tied.<key>."`), or a parameter-free callable `x -> y` (a reshape).
+    DeepSpeed's own `LayerSpec` and `TiedLayerSpec` entries are built here (one module per tied key,
+    as `PipelineModule` builds them, in list order), so a PipelineModule's list is taken as it is.
 
     `loss_fn(y, micro_batch)` gives the loss of the last layer's output; `inputs(micro_batch)` what the
     first layer gets. Dropout in the modules draws from a generator per layer (`fspeed.rng`), so a
@@ -161,6 +163,7 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
     `TiedLayer`'s module is taken once per micro-batch). `fused_ops`: Hugging Face's Python tanh-GELUs
     compute as torch's fused kernel (`fspeed.models.fused_ops`), as in `functionalize`.
     """
+    modules = _built(modules)
     entries: list[tuple[str, str, Optional[nn.Module], Callable]] = []  # (layer name, prefix, module, call)
     owners: dict[str, nn.Module] = {}
     for i, entry in enumerate(modules):
@@ -272,6 +275,31 @@ def sequential(modules: Sequence[Union[nn.Module, TiedLayer, Callable]], *, loss
     axes = logical_axes_of(_as_tree(seen), styles) if styles else {}
     return Model(init, apply, model_loss, axes, name=name, units=units, layers=seq,
                  init_buffers=init_buffers if states else None)
+
+
+def _built(modules: Sequence[Any]) -> list[Any]:
+    """`modules` with DeepSpeed's `LayerSpec`s built and its `TiedLayerSpec`s as `TiedLayer`s over one
+    module per key (recognised by class name: DeepSpeed need not be importable here)."""
+    tied: dict[str, nn.Module] = {}
+    out = []
+    for i, entry in enumerate(modules):
+        kinds = {c.__name__ for c in type(entry).__mro__}
+        if "TiedLayerSpec" in kinds:
+            if entry.key not in tied:
+                tied[entry.key] = entry.build()
+            module = tied[entry.key]
+            untied = [n for n, _ in module.named_parameters()
+                      if not any(n == a or n.startswith(a + ".") for a in entry.tied_weight_attr)]
+            if untied:
+                raise ValueError(f"layer {i}: TiedLayerSpec {entry.key!r} ties {list(entry.tied_weight_attr)} of a module "
+                                 f"that also has {untied[:4]}; DeepSpeed keeps a copy of those per stage, a TiedLayer ties "
+                                 "the whole module: tie every parameter (tied_weight_attr) or split the module")
+            out.append(TiedLayer(entry.key, module, entry.forward_fn))
+        elif "LayerSpec" in kinds:
+            out.append(entry.build())
+        else:
+            out.append(entry)
+    return out
 
 
 def _fused_head(modules: Sequence[Any], entries: list, styles: Mapping[str, str]) -> Callable[..., torch.Tensor]:
