@@ -374,8 +374,8 @@ def _computing(sliced: Sequence[tuple[nn.Module, str, str]], computes: Mapping[n
     (`module_tp.tp_forward`) when the ops slice; the `computes` ones by their given forwards (fp32
     ones, `module.fp32_forward`; fused ones, `fused_ops`)."""
     sliced = sliced if set(ops.tensor_axes) & TP_AXES else []
-    overrides = dict(computes)
-    overrides.update({m: tp_forward(m, style, ops, path) for m, style, path in sliced})
+    overrides = {m: tp_forward(m, style, ops, path) for m, style, path in sliced}
+    overrides.update(computes)
     if not overrides:
         yield
         return
