@@ -81,6 +81,13 @@ def test_a_subclass_or_an_instance_forward_keeps_its_own():
     assert fused_forward(nn.GELU()) is None
 
 
+def test_a_class_whose_forward_was_patched_keeps_the_patch(monkeypatch):
+    activations = quiet_transformers().activations
+    assert fused_forward(activations.NewGELUActivation()) is not None
+    monkeypatch.setattr(activations.NewGELUActivation, "forward", lambda self, x: x)  # e.g. a kernel library's
+    assert fused_forward(activations.NewGELUActivation()) is None
+
+
 def test_traced_layers_trace_the_fused_kernel():
     module = hf_gpt2(layers=2)
     batch = lm_batch(2, 0)

@@ -38,11 +38,16 @@ def gelu_tanh(input: torch.Tensor) -> torch.Tensor:
 
 def fused_forward(module: nn.Module) -> Optional[Callable[..., torch.Tensor]]:
     """The fused computation of `module`, or None: by its exact class (a subclass may compute
-    otherwise), and not where an instance forward is already set (a hook's wrapper, a hub kernel)."""
+    otherwise) while that class's forward is its own, and not where a forward is set on the instance
+    (a hook's wrapper, a hub kernel) or on the class (a patch)."""
     cls = type(module)
-    if (cls.__module__, cls.__name__) in GELU_TANH_CLASSES and "forward" not in module.__dict__:
-        return gelu_tanh
-    return None
+    if (cls.__module__, cls.__name__) not in GELU_TANH_CLASSES or "forward" in module.__dict__:
+        return None
+    forward = cls.__dict__.get("forward")
+    if getattr(forward, "__qualname__", "") != f"{cls.__name__}.forward" or \
+            getattr(forward, "__module__", "") != cls.__module__:
+        return None
+    return gelu_tanh
 
 
 def fused_forwards(module: Optional[nn.Module]) -> dict[nn.Module, Callable[..., torch.Tensor]]:
