@@ -314,7 +314,10 @@ def main() -> None:
         failures += activation_memory.gpu_check(device=device, **sizes)
     if "hf" in run:
         print()
-        your_model.gpu_one_process(device=device, **({} if gpu else dict(layers=2, width=128, rows=4, steps=2)))
+        hf_sizes = {} if gpu else dict(layers=2, width=128, rows=4, steps=2)
+        your_model.gpu_one_process(device=device, **hf_sizes)
+        your_model.gpu_one_process(device=device, headline="gpu_hf_step_time_vs_eager_same_ops", fused_ops=False,
+                                   **hf_sizes)  # the module's own ops: the runtime's ratio alone
 
     if "engine" in run:
         print()

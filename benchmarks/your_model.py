@@ -206,17 +206,18 @@ def fused_ops_kept(args) -> dict:
 
 
 def gpu_one_process(layers: int = 12, width: int = 768, rows: int = 32, steps: int = 12,
-                    device: str = "cuda", headline: str = "gpu_hf_step_time_vs_eager") -> dict:
+                    device: str = "cuda", headline: str = "gpu_hf_step_time_vs_eager", fused_ops: bool = True) -> dict:
     """On one GPU (the device check, `sparse_attention_gpu.py`): the same comparison as `one_process`
     with the module and data on `device`, fp32 with TF32 matmuls; prints the ratio as `headline`.
-    On the CPU with a tiny model it measures the per-step dispatch a launch-bound GPU step pays."""
+    On the CPU with a tiny model it measures the per-step dispatch a launch-bound GPU step pays.
+    `fused_ops`: functionalize's (False: the module's own ops, as the eager loop runs them)."""
     import fspeed as fs
 
     torch.backends.cuda.matmul.allow_tf32 = True
     module = build_gpt2(layers, width).to(device)
     eager = copy.deepcopy(module)
     opt = torch.optim.AdamW(eager.parameters(), lr=1e-4, fused=True)
-    model = fs.functionalize(module, lm_loss)
+    model = fs.functionalize(module, lm_loss, fused_ops=fused_ops)
     fs_opt = fs.optim.adamw(1e-4)
     state = {"s": fs.init_train_state(model.init(), fs_opt, model=model, device=device)}
     step = fs.make_train_step(model.loss, fs_opt)
@@ -243,7 +244,8 @@ def gpu_one_process(layers: int = 12, width: int = 768, rows: int = 32, steps: i
     med = {k: statistics.median(v) for k, v in times.items()}
     params = sum(p.numel() for p in module.parameters())
     print(f"Hugging Face GPT-2 ({params / 1e6:.0f}M parameters, {layers} layers, width {width}), {rows} x {SEQ} tokens "
-          f"on {device}: fspeed {med['fspeed'] * 1e3:.1f} ms, eager loop with fused AdamW {med['eager'] * 1e3:.1f} ms")
+          f"on {device}: fspeed{'' if fused_ops else ' (fused_ops=False)'} {med['fspeed'] * 1e3:.1f} ms, eager loop "
+          f"with fused AdamW {med['eager'] * 1e3:.1f} ms")
     print(f"{headline}={med['fspeed'] / med['eager']:.3f}")
     return med
 
@@ -374,6 +376,8 @@ def main(args) -> None:
     print("dispatch-bound (each op tiny, as on a GPU whose step is launch-bound):")
     dispatch = gpu_one_process(layers=12, width=64, rows=1, steps=30, device="cpu",
                                headline="hf_dispatch_bound_step_time_vs_eager")
+    dispatch_same = gpu_one_process(layers=12, width=64, rows=1, steps=30, device="cpu",
+                                    headline="hf_dispatch_bound_step_time_vs_eager_same_ops", fused_ops=False)
     import fspeed as fs
 
     single = one_process(args)
@@ -430,6 +434,7 @@ def main(args) -> None:
     print(f"hf_step_time_vs_eager_with_no_decay_groups={single_groups['paired']:.3f}  "
           f"# {single_groups['times']['fspeed'] / single_groups['times']['eager']:.3f}")
     print(f"hf_dispatch_bound_step_time_vs_eager={dispatch['fspeed'] / dispatch['eager']:.3f}")
+    print(f"hf_dispatch_bound_step_time_vs_eager_same_ops={dispatch_same['fspeed'] / dispatch_same['eager']:.3f}")
     print(f"hf_fused_ops_kept_bytes_over_module_ops={kept_ops[True] / kept_ops[False]:.3f}")
     for vocab, rows in fused.items():
         (own_kept, own_t), (fused_kept, fused_t) = rows["own loss"], rows["causal_lm_loss"]
