@@ -253,3 +253,40 @@ def test_a_pipeline_modules_spec_list_is_a_sequential_list_and_takes_its_checkpo
     partly = [TiedLayerSpec("head", torch.nn.Linear, 8, 8, tied_weight_attr=["weight"]), torch.nn.Tanh()]
     with pytest.raises(ValueError, match=r"TiedLayerSpec 'head' ties \['weight'\] of a module that also has \['bias'\]"):
         fs.models.sequential(partly, loss_fn=lambda y, b: y.sum())
+
+
+def ds_engine_config(micro_rows: int, accum: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro_rows, "gradient_accumulation_steps": accum,
+            "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": dict(HPARAMS)}}
+
+
+def test_a_deepspeed_users_load_checkpoint_takes_deepspeeds_own_checkpoint(tmp_path):
+    """engine.load_checkpoint(ds_dir) as a DeepSpeed user resumes: the loop continues with DeepSpeed's
+    recorded losses, for a module (ZeRO 1) and a PipelineModule's layer list (ZeRO 0, one process)."""
+    engine, *_ = fs.initialize(model=mlp(7), config=ds_engine_config(ROWS, 1), loss_fn=loss_fn)
+    path, client = engine.load_checkpoint(FIXTURES / "zero1")
+    assert path.endswith("global_step3") and client == {} and engine.global_steps == SAVE_AT
+    losses = []
+    for i in range(SAVE_AT, SAVE_AT + CONTINUE):
+        loss = engine(batch(i))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(engine.metrics["loss"]))
+    assert losses == pytest.approx(recorded(1), rel=1e-5, abs=1e-6)
+
+    from tests.fixtures import deepspeed_pipe_model as dpm
+
+    piped, *_ = fs.initialize(model=pipe_model(), config=ds_engine_config(dpm.ROWS // dpm.MICRO_BATCHES,
+                                                                          dpm.MICRO_BATCHES))
+    piped.load_checkpoint(FIXTURES / "pipe2_zero0", tag="global_step3")
+    losses = [piped.train_batch(batch=dpm.batch(i)) for i in range(dpm.SAVE_AT, dpm.SAVE_AT + dpm.CONTINUE)]
+    assert losses == pytest.approx(recorded_as("pipe2_zero0"), rel=1e-5, abs=1e-6)
+    with pytest.raises(ValueError, match="load_optimizer_states=False.*fspeed-import-deepspeed"):
+        piped.load_checkpoint(FIXTURES / "pipe2_zero0", load_optimizer_states=False)
+    # what the user saved beside DeepSpeed's own entries comes back as its client_state
+    import shutil
+    shutil.copytree(FIXTURES / "zero0", tmp_path / "zero0")
+    states = tmp_path / "zero0" / "global_step3" / "mp_rank_00_model_states.pt"
+    torch.save({**torch.load(states, weights_only=False), "epoch": 7}, states)
+    engine, *_ = fs.initialize(model=mlp(7), config=ds_engine_config(ROWS, 1), loss_fn=loss_fn)
+    assert engine.load_checkpoint(tmp_path / "zero0")[1] == {"epoch": 7}

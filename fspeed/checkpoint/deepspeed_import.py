@@ -39,6 +39,7 @@ import torch
 from ..train_state import TrainState
 from .deepspeed_pipeline import is_pipeline_checkpoint, read_deepspeed_pipeline
 from .errors import CheckpointError
+from .meta import META_FILE
 from .slices import Box
 from .universal import SHARED, ChunkReader, fill_slot, global_shape, state_slots
 
@@ -103,6 +104,36 @@ def resolve_deepspeed_dir(path: str | os.PathLike) -> Path:
     if not list(path.glob("*model_states.pt")):
         raise CheckpointError(f"{path} holds no DeepSpeed checkpoint (no *model_states.pt, no 'latest' file)")
     return path
+
+
+# what DeepSpeed's engine writes into a model-states file itself; a user's `client_state` is the rest
+_DEEPSPEED_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+    "checkpoint_parallel_dimensions", "ds_config", "ds_version",
+})
+
+
+def find_deepspeed_checkpoint(load_dir: str | os.PathLike, tag: Optional[str] = None) -> Optional[Path]:
+    """The DeepSpeed checkpoint's tag directory that `load_dir` (and `tag`, else its `latest`) names,
+    or None where it holds none (an fspeed checkpoint, say): what `Engine.load_checkpoint` asks."""
+    path = Path(load_dir) / tag if tag else Path(load_dir)
+    try:
+        path = resolve_deepspeed_dir(path)
+    except (CheckpointError, OSError):
+        return None
+    return None if (path / META_FILE).exists() else path
+
+
+def deepspeed_client_state(path: str | os.PathLike) -> dict:
+    """The entries a DeepSpeed user saved with `save_checkpoint(client_state=...)`: those of the first
+    model-states file that DeepSpeed's engine does not write itself (it returns them from its load)."""
+    path = resolve_deepspeed_dir(path)
+    first = sorted(path.glob("*model_states.pt"), key=lambda p: (not p.name.startswith(("mp_rank_00", "zero_pp_rank_0_")),
+                                                                 p.name))
+    stored = read_deepspeed_file(first[0])
+    return {k: v for k, v in stored.items() if k not in _DEEPSPEED_KEYS} if isinstance(stored, dict) else {}
 
 
 class DeepSpeedState:
@@ -338,5 +369,6 @@ def convert_deepspeed(source: str | os.PathLike, out: str | os.PathLike, tag: Op
     return save_checkpoint(out, state, tag=tag)
 
 
-__all__ = ["DeepSpeedRecord", "DeepSpeedState", "convert_deepspeed", "import_deepspeed", "read_deepspeed",
+__all__ = ["DeepSpeedRecord", "DeepSpeedState", "convert_deepspeed", "deepspeed_client_state",
+           "find_deepspeed_checkpoint", "import_deepspeed", "read_deepspeed",
            "read_deepspeed_file", "template_optimizer"]
