@@ -37,7 +37,8 @@ hf_step_time_vs_eager, their _same_ops twins (fspeed with the module's own ops: 
 hf_fused_ops_kept_bytes_over_module_ops (activation memory, fused_ops on over off),
 hf_step_time_vs_eager_with_no_decay_groups (biases and norms exempt from
 weight decay on both sides), hf_dispatch_bound_step_time_vs_eager (a 12-layer GPT-2 of width 64 on one
-row of 128 tokens, where per-op Python dispatch is the step, as on a launch-bound GPU) (each
+row of 128 tokens, where per-op Python dispatch is the step, as on a launch-bound GPU) and its
+_same_ops twin (each
 fspeed's median step time over the other's; lower is better), then per vocabulary
 hf_fused_head_kept_bytes_over_own_loss_vocabV and hf_fused_head_step_time_over_own_loss_vocabV.
 """
