@@ -185,7 +185,8 @@ class Engine:
         """DeepSpeed's load_checkpoint: (path, client_state). A checkpoint DeepSpeed saved (ZeRO 0-3, a
         PipelineModule's too, given this engine's model of its layers) is imported
         (`fs.checkpoint.import_deepspeed`): a DeepSpeed user's resume runs unchanged."""
-        from .checkpoint.deepspeed_import import deepspeed_client_state, find_deepspeed_checkpoint  # noqa: PLC0415
+        from .checkpoint.deepspeed_import import (  # noqa: PLC0415
+            fill_from_deepspeed, find_deepspeed_checkpoint, read_deepspeed)
 
         found = find_deepspeed_checkpoint(load_dir, tag)
         if found is not None:
@@ -193,8 +194,9 @@ class Engine:
                 raise ValueError(f"load_checkpoint({str(load_dir)!r}, load_optimizer_states=False): importing a DeepSpeed "
                                  "checkpoint takes its Adam moments too; convert it once (fspeed-import-deepspeed "
                                  f"{load_dir} <dir>) and load that with load_optimizer_states=False")
-            self.state = checkpoint.import_deepspeed(found, self.state, model=self.model)
-            return str(found), deepspeed_client_state(found)
+            ds = read_deepspeed(found, self.model)  # one read: the state and the client's entries
+            self.state = fill_from_deepspeed(ds, self.state)
+            return str(found), ds.client_state
         self.state, client = checkpoint.load_checkpoint(load_dir, self.state, tag=tag,
                                                         load_optimizer_states=load_optimizer_states,
                                                         mesh=self.mesh if self.plan is not None else None)

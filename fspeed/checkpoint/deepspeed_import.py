@@ -126,23 +126,38 @@ def find_deepspeed_checkpoint(load_dir: str | os.PathLike, tag: Optional[str] = 
     return None if (path / META_FILE).exists() else path
 
 
-def deepspeed_client_state(path: str | os.PathLike) -> dict:
-    """The entries a DeepSpeed user saved with `save_checkpoint(client_state=...)`: those of the first
-    model-states file that DeepSpeed's engine does not write itself (it returns them from its load)."""
-    path = resolve_deepspeed_dir(path)
-    first = sorted(path.glob("*model_states.pt"), key=lambda p: (not p.name.startswith(("mp_rank_00", "zero_pp_rank_0_")),
-                                                                 p.name))
-    stored = read_deepspeed_file(first[0])
-    return {k: v for k, v in stored.items() if k not in _DEEPSPEED_KEYS} if isinstance(stored, dict) else {}
-
-
 class DeepSpeedState:
-    """Full tensors by parameter name (`weights`, `exp_avg`, `exp_avg_sq`) and the counters."""
+    """Full tensors by parameter name (`weights`, `exp_avg`, `exp_avg_sq`) and the counters, read
+    from the tag directory `where` (set by `read_deepspeed`). `client_state`: the entries a DeepSpeed
+    user saved with `save_checkpoint(client_state=...)`, those of the first model-states file that
+    DeepSpeed's engine does not write itself (its load returns them)."""
 
     def __init__(self, stage: int, weights: dict, exp_avg: dict, exp_avg_sq: dict, buffers: dict, counters: dict,
-                 hparams: dict, config: dict):
+                 hparams: dict, config: dict, client_state: dict):
         self.stage, self.weights, self.exp_avg, self.exp_avg_sq = stage, weights, exp_avg, exp_avg_sq
         self.buffers, self.counters, self.hparams, self.config = buffers, counters, hparams, config
+        self.client_state = client_state
+        self.where: Optional[Path] = None
+
+
+def client_state_of(model_states: dict) -> dict:
+    """What a model-states file holds beside DeepSpeed's own entries (`DeepSpeedState.client_state`)."""
+    return {k: v for k, v in model_states.items() if k not in _DEEPSPEED_KEYS}
+
+
+def counters_of(model_states: dict) -> dict:
+    """The run's counters as a model-states file records them."""
+    return {"step": int(model_states.get("global_steps", 0)), "samples": int(model_states.get("global_samples", 0)),
+            "skipped_steps": int(model_states.get("skipped_steps", 0))}
+
+
+def zero_optimizer_states(files: list[Path]) -> tuple[list[dict], int]:
+    """The ZeRO optimizer states of `files` (one per data rank, in rank order) and their ZeRO stage."""
+    states = [r.get("optimizer_state_dict") if isinstance(r, dict) else None for r in map(read_deepspeed_file, files)]
+    if any(not isinstance(s, dict) for s in states):
+        raise CheckpointError(f"{files[0]} is not a DeepSpeed ZeRO optimizer-states file")
+    value = states[0].get("zero_stage")
+    return states, int(value.args[0]) if isinstance(value, DeepSpeedRecord) else int(value)
 
 
 def _rank_of(name: str) -> int:
@@ -155,8 +170,12 @@ def read_deepspeed(path: str | os.PathLike, model: Optional[Any] = None) -> Deep
     A pipeline's (`PipelineModule`, per-layer files) is read by `deepspeed_pipeline`, in the names of
     `fs.models.sequential` over the same layers; `model` (that model) is needed at ZeRO 0."""
     path = resolve_deepspeed_dir(path)
-    if is_pipeline_checkpoint(path):
-        return read_deepspeed_pipeline(path, model)
+    ds = read_deepspeed_pipeline(path, model) if is_pipeline_checkpoint(path) else _read_data_parallel(path)
+    ds.where = path
+    return ds
+
+
+def _read_data_parallel(path: Path) -> DeepSpeedState:
     model_files = sorted(path.glob("*model_states.pt"), key=lambda p: _rank_of(p.name))
     if any("mp_rank_" in p.name and not p.name.endswith("mp_rank_00_model_states.pt") for p in model_files):
         raise CheckpointError(f"{path} was saved with tensor (model) parallelism (mp_rank > 0); importing it is not "
@@ -165,20 +184,14 @@ def read_deepspeed(path: str | os.PathLike, model: Optional[Any] = None) -> Deep
     if not isinstance(model, dict) or "module" not in model:
         raise CheckpointError(f"{model_files[0]} is not a DeepSpeed model-states file (no 'module')")
     config = model.get("ds_config") or {}
-    counters = {"step": int(model.get("global_steps", 0)), "samples": int(model.get("global_samples", 0)),
-                "skipped_steps": int(model.get("skipped_steps", 0))}
+    counters = counters_of(model)
     buffer_names = set(model.get("buffer_names") or [])
     module = model["module"]
     buffers = {n: t for n, t in module.items() if n in buffer_names and t.numel()}
     optim_files = sorted(path.glob("*optim_states.pt"), key=lambda p: _rank_of(p.name))
     if not optim_files:
         return _stage0(path, model, module, buffer_names, buffers, counters, config)
-    ranks = [read_deepspeed_file(f) for f in optim_files]
-    states = [r.get("optimizer_state_dict") if isinstance(r, dict) else None for r in ranks]
-    if any(not isinstance(s, dict) for s in states):
-        raise CheckpointError(f"{optim_files[0]} is not a DeepSpeed ZeRO optimizer-states file")
-    stage_value = states[0].get("zero_stage")
-    stage = int(stage_value.args[0]) if isinstance(stage_value, DeepSpeedRecord) else int(stage_value)
+    states, stage = zero_optimizer_states(optim_files)
     shapes: dict[str, tuple] = {}
     for group in model.get("param_shapes") or []:
         shapes.update({n: tuple(s) for n, s in group.items()})
@@ -189,9 +202,10 @@ def read_deepspeed(path: str | os.PathLike, model: Optional[Any] = None) -> Deep
     elif stage in (1, 2):
         weights, avg, avg_sq, base = _stage12(states, model.get("param_shapes"), optim_files[0])
     else:
-        raise CheckpointError(f"{optim_files[0]}: unknown ZeRO stage {stage_value!r}")
+        raise CheckpointError(f"{optim_files[0]}: unknown ZeRO stage {stage!r}")
     counters["adam_step"] = _adam_step(base, optim_files[0])
-    return DeepSpeedState(stage, weights, avg, avg_sq, buffers, counters, _hparams(base, optim_files[0]), config)
+    return DeepSpeedState(stage, weights, avg, avg_sq, buffers, counters, _hparams(base, optim_files[0]), config,
+                          client_state_of(model))
 
 
 def _hparams(optimizer_state: dict, where: Path) -> dict:
@@ -236,7 +250,8 @@ def _stage0(path: Path, model: dict, module: dict, buffer_names: set, buffers: d
         weights[name] = module[name].float()
         avg[name], avg_sq[name] = _moments(optimizer, index, str(path))
     counters["adam_step"] = _adam_step(optimizer, path)
-    return DeepSpeedState(0, weights, avg, avg_sq, buffers, counters, _hparams(optimizer, path), config)
+    return DeepSpeedState(0, weights, avg, avg_sq, buffers, counters, _hparams(optimizer, path), config,
+                          client_state_of(model))
 
 
 def _stage12(states: list[dict], param_shapes: list, where: Path):
@@ -298,10 +313,14 @@ def import_deepspeed(source: str | os.PathLike, template: TrainState, model: Opt
     DeepSpeed's module names: `functionalize` the same module; for a `PipelineModule`'s checkpoint,
     `fs.models.sequential` over the same layer list (`TiedLayer` for `TiedLayerSpec`), which `model`
     must be at ZeRO 0 (`deepspeed_pipeline`). Raises CheckpointError naming what does not fit."""
+    return fill_from_deepspeed(read_deepspeed(source, model), template)
+
+
+def fill_from_deepspeed(ds: DeepSpeedState, template: TrainState) -> TrainState:
+    """`template` filled from the checkpoint `read_deepspeed` gave (`import_deepspeed` after its read)."""
     from .state_io import _replace_scalars, state_entries
 
-    ds = read_deepspeed(source, model)
-    where = resolve_deepspeed_dir(source)
+    where = ds.where
     sources: dict[str, dict[str, torch.Tensor]] = {}
     slots, _ = state_slots(template)
     problems = []
@@ -365,10 +384,10 @@ def convert_deepspeed(source: str | os.PathLike, out: str | os.PathLike, tag: Op
     ds = read_deepspeed(source)
     params = {name: torch.zeros(t.shape) for name, t in ds.weights.items()}
     template = init_train_state(params, template_optimizer(ds), buffers=dict(ds.buffers))
-    state = import_deepspeed(source, template)
+    state = fill_from_deepspeed(ds, template)
     return save_checkpoint(out, state, tag=tag)
 
 
-__all__ = ["DeepSpeedRecord", "DeepSpeedState", "convert_deepspeed", "deepspeed_client_state",
-           "find_deepspeed_checkpoint", "import_deepspeed", "read_deepspeed",
-           "read_deepspeed_file", "template_optimizer"]
+__all__ = ["DeepSpeedRecord", "DeepSpeedState", "client_state_of", "convert_deepspeed", "counters_of",
+           "fill_from_deepspeed", "find_deepspeed_checkpoint", "import_deepspeed", "read_deepspeed",
+           "read_deepspeed_file", "template_optimizer", "zero_optimizer_states"]

@@ -48,7 +48,7 @@ def fspeed_name(ds_name: str) -> str:
 def read_deepspeed_pipeline(path: Path, model: Optional[Any] = None):
     """The checkpoint in the tag directory `path` (module docstring) as a `DeepSpeedState`, in
     fspeed's names. `model`: the `fs.models.sequential` model of the same layers (needed at ZeRO 0)."""
-    from .deepspeed_import import DeepSpeedState, _adam_step, _hparams, read_deepspeed_file
+    from .deepspeed_import import DeepSpeedState, _adam_step, _hparams, client_state_of, counters_of, read_deepspeed_file
 
     numbered = [(int(m.group(1)), p) for p in path.iterdir() if (m := _STAGE_FILE.match(p.name))]
     stage_files = [p for _, p in sorted(numbered)]
@@ -83,18 +83,17 @@ def read_deepspeed_pipeline(path: Path, model: Optional[Any] = None):
         zero, (weights, avg, avg_sq, base), where = 0, _zero0(path, stages, layers, model), stage_files[0]
     buffers = _buffers(layers, weights, model)
     first = stages[0]
-    counters = {"step": int(first.get("global_steps", 0)), "samples": int(first.get("global_samples", 0)),
-                "skipped_steps": int(first.get("skipped_steps", 0)), "adam_step": _adam_step(base, where)}
+    counters = {**counters_of(first), "adam_step": _adam_step(base, where)}
 
     def named(table: dict) -> dict:
         return {fspeed_name(k): v for k, v in table.items()}
     return DeepSpeedState(zero, named(weights), named(avg), named(avg_sq), buffers, counters,
-                          _hparams(base, where), first.get("ds_config") or {})
+                          _hparams(base, where), first.get("ds_config") or {}, client_state_of(first))
 
 
 def _zero12(path: Path, stages: list[dict], optim: list[tuple[int, int, Path]]):
     """Weights and moments from each stage's ZeRO-1/2 partitions (a tied parameter from its first stage)."""
-    from .deepspeed_import import DeepSpeedRecord, _stage12, read_deepspeed_file
+    from .deepspeed_import import _stage12, zero_optimizer_states
 
     weights: dict = {}
     avg: dict = {}
@@ -104,11 +103,7 @@ def _zero12(path: Path, stages: list[dict], optim: list[tuple[int, int, Path]]):
         files = [p for st, _, p in optim if st == s]
         if not files or not stage.get("param_shapes"):
             raise CheckpointError(f"{path}: pipeline stage {s} has no ZeRO optimizer files or no 'param_shapes'")
-        states = [read_deepspeed_file(p).get("optimizer_state_dict") for p in files]
-        if any(not isinstance(st, dict) for st in states):
-            raise CheckpointError(f"{files[0]} is not a DeepSpeed ZeRO optimizer-states file")
-        value = states[0].get("zero_stage")
-        zero = int(value.args[0]) if isinstance(value, DeepSpeedRecord) else int(value)
+        states, zero = zero_optimizer_states(files)
         if zero not in (1, 2):
             raise CheckpointError(f"{files[0]}: ZeRO stage {zero} in a pipeline checkpoint; allowed: 0-2")
         w, a, q, stage_base = _stage12(states, stage["param_shapes"], files[0])
