@@ -35,7 +35,7 @@ from ..pytree import PyTree, subtree
 from ..rng import layer_generators
 from .fused_ops import fused_forwards
 from .model import Model
-from .module import FP32_MODULES, TP_AXES, Slots, fp32_forward, nested
+from .module import FP32_MODULES, TP_AXES, Slots, fp32_forward, nested, restore_forwards, set_forwards
 from .module_tp import explain_failure, logical_axes_of, styles_of, tp_forward
 from .ops import DENSE
 
@@ -379,9 +379,7 @@ def _computing(sliced: Sequence[tuple[nn.Module, str, str]], computes: Mapping[n
     if not overrides:
         yield
         return
-    before = {m: m.__dict__.get("forward") for m in overrides}
-    for m, forward in overrides.items():
-        m.__dict__["forward"] = forward
+    before = set_forwards(overrides)
     try:
         yield
     except (RuntimeError, ValueError, TypeError) as err:
@@ -389,11 +387,7 @@ def _computing(sliced: Sequence[tuple[nn.Module, str, str]], computes: Mapping[n
             raise explain_failure(err) from err
         raise
     finally:
-        for m, forward in before.items():
-            if forward is None:
-                del m.__dict__["forward"]
-            else:
-                m.__dict__["forward"] = forward
+        restore_forwards(before)
 
 
 def _state_of(buffers: Optional[PyTree], prefix: str, names: Sequence[str]) -> dict[str, torch.Tensor]:

@@ -37,7 +37,7 @@ import inspect
 import types
 import weakref
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -468,9 +468,7 @@ class _Installed:
             self.modes = {m: m.training for m in self.all_modules}
             if any(mode != self.train for mode in self.modes.values()):
                 self.module.train(self.train)
-            self.own = {m: m.__dict__.get("forward", _MISSING) for m in self.overrides}
-            for m, forward in self.overrides.items():
-                m.__dict__["forward"] = forward  # an instance attribute, as `m.forward = ...` sets
+            self.own = set_forwards(self.overrides)
             for layer in self.hf_layers:
                 layer.gradient_checkpointing = False
         self.depth += 1
@@ -479,16 +477,30 @@ class _Installed:
     def __exit__(self, *exc) -> None:
         self.depth -= 1
         if self.depth == 0:
-            for m, own in self.own.items():
-                if own is _MISSING:
-                    m.__dict__.pop("forward", None)
-                else:
-                    m.__dict__["forward"] = own
+            restore_forwards(self.own)
             for layer in self.hf_layers:
                 layer.gradient_checkpointing = True
             for m, mode in self.modes.items():
                 if m.training != mode:
                     m.training = mode
+
+
+def set_forwards(overrides: Mapping[nn.Module, Callable]) -> dict:
+    """Each module's forward set on the instance (as `m.forward = ...` sets it); returns what each
+    instance had, for `restore_forwards`."""
+    before = {m: m.__dict__.get("forward", _MISSING) for m in overrides}
+    for m, forward in overrides.items():
+        m.__dict__["forward"] = forward
+    return before
+
+
+def restore_forwards(before: Mapping[nn.Module, Any]) -> None:
+    """Undo `set_forwards`: each instance's own forward back, or none."""
+    for m, own in before.items():
+        if own is _MISSING:
+            m.__dict__.pop("forward", None)
+        else:
+            m.__dict__["forward"] = own
 
 
 def _within(name: str, path: str) -> bool:
@@ -657,4 +669,4 @@ def to_module(params: PyTree, module: nn.Module, buffers: Optional[PyTree] = Non
 
 
 __all__ = ["FP32_MODULES", "ModuleLoss", "Slots", "fp32_forward", "functionalize", "nested", "repeated_blocks",
-           "to_module", "unit_of_parameters"]
+           "restore_forwards", "set_forwards", "to_module", "unit_of_parameters"]
