@@ -10,7 +10,7 @@ perf_counter is the machine's monotonic clock). The theory (`bubble_fraction`) t
 free communication. Step time: a whole `train_step` (schedule, gradient delivery, AdamW) against
 torch's `schedule.step` + `torch.optim.AdamW(foreach=True)`, alternating step by step in one run.
 
-    python benchmarks/pipeline.py [--layers 8] [--d-model 256] [--seq 128] [--rows 8] [--steps 8]
+    python benchmarks/pipeline.py [--layers 8] [--d-model 256] [--seq 128] [--rows 8] [--steps 8] [--bubble-steps 16]
 
 A micro-batch of 8 x 128 tokens by default (about 7 minutes with DeepSpeed): at 4 x 64 the
 per-operation Python cost of zero bubble's split backward is a visible share of these small layers.
@@ -78,7 +78,7 @@ def measure_bubbles(args: argparse.Namespace, micro_batches: int) -> dict:
             runs[(name, m, v)] = (PipelineExecutor(state.layout, mesh, model.layers, torch.float32), state.params)
     micro = split_micro_batches(make_batch(args, micro_batches), micro_batches)
     steps: dict = {key: [] for key in runs}
-    for i in range(args.warmup + args.steps):
+    for i in range(args.warmup + args.bubble_steps):
         for key, (executor, params) in runs.items():
             executor.timeline = []
             dist.barrier()
@@ -163,6 +163,7 @@ def bubble_rows(results: dict) -> list[dict]:
         simulated = simulate(ran, per_stage["F"], per_stage["B"], per_stage["W"])
         stage_busy = [sum(per_stage[k][r] for k in "FBW") * m * v for r in range(len(per_rank))]
         rows.append({"schedule": name, "micro": m, "virtual": v, "measured": statistics.median(fractions),
+                     "quartiles": statistics.quantiles(fractions, n=4)[::2] if len(fractions) > 1 else fractions * 2,
                      "theory": theory, "simulated": simulated.bubble_fraction, "span": statistics.median(spans),
                      "kinds": kinds, "imbalance": max(stage_busy) / min(stage_busy) - 1, "ran": ran,
                      "busier": stage_busy.index(max(stage_busy)), "per_stage": per_stage})
@@ -205,7 +206,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rows", type=int, default=8, help="rows per micro-batch")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per step-time measurement")
+    parser.add_argument("--bubble-steps", type=int, default=16,
+                        help="timed steps per schedule for the bubbles (a median over steps: noise comes in stretches)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-deepspeed", action="store_true")
     args = parser.parse_args()
@@ -247,7 +250,8 @@ def main() -> None:
     holds = "the embedding and blocks" if one_f["busier"] == 0 else "blocks, the head and the loss"
     print(f"\n  1F1B, 8 micro-batches: the stages' work differs by {one_f['imbalance']:.1%} (stage {one_f['busier']}, "
           f"{holds}, is the busier), which alone leaves a bubble of {one_f['simulated']:.3f}; measured over that: "
-          f"{one_f['measured'] / one_f['simulated']:.3f}")
+          f"{one_f['measured'] / one_f['simulated']:.3f}; the steps' quartiles over theory: "
+          f"{one_f['quartiles'][0] / one_f['theory']:.3f} and {one_f['quartiles'][1] / one_f['theory']:.3f}")
     print(f"pipeline_bubble_over_theory={one_f['measured'] / one_f['theory']:.3f}")
     print(f"pipeline_bubble_over_sim={one_f['measured'] / one_f['simulated']:.3f}")
     print(f"pipeline_step_time_vs_torch={ratios[8][0]:.3f}")

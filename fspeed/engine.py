@@ -208,13 +208,15 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
                model_parameters: Optional[Sequence] = None, optimizer: Optional[GradientTransformation] = None,
                lr_scheduler: Any = None, training_data: Any = None, collate_fn: Optional[Callable] = None,
                overrides: Sequence[str] = (), tp_plan: Union[str, dict, None] = None,
-               mesh: Optional[Mesh] = None) -> tuple[Engine, GradientTransformation, Any, Any]:
+               mesh: Optional[Mesh] = None, fused_ops: bool = True) -> tuple[Engine, GradientTransformation, Any, Any]:
     """DeepSpeed's `initialize` (module docstring): returns (engine, optimizer, training data
     loader or None, lr schedule). `config` is a ds_config (a dict or a JSON path) or None (fspeed's
     defaults); `overrides` are fspeed's Hydra keys on top. `loss_fn(outputs, batch)` is an
     `nn.Module`'s loss (default: `outputs.loss`, as a Hugging Face model given labels returns, or a
     scalar output; a Model has its own). `model_parameters`: torch-style parameter groups
-    (`deepspeed_groups`); `lr_scheduler`: the config's scheduler is used (an object is refused)."""
+    (`deepspeed_groups`); `lr_scheduler`: the config's scheduler is used (an object is refused).
+    `fused_ops`: an `nn.Module`'s Python tanh-GELUs run as torch's fused kernel (`functionalize`'s
+    argument; False runs the module's own ops)."""
     from .config.build import (  # noqa: PLC0415
         apply_activation_checkpointing, build_device, build_lr_schedule, build_optimizer, build_precision,
         build_zero_config,
@@ -241,16 +243,19 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
         if device is not None:
             module.to(device)  # with every buffer, as DeepSpeed moves the module to its device
         if pipe > 1 and tensor > 1:  # sliced stages: a Llama-family module's own layers and tp_plan
-            model = sliceable_layers(module, loss_fn)
+            model = sliceable_layers(module, loss_fn, fused_ops=fused_ops)
             into_module = lambda params, into, buffers: decoder_layers_to_module(params, into)  # noqa: E731
         elif pipe > 1:  # stages need layers: the module's forward, traced on one micro-batch and cut at its blocks
             example = _example_micro_batch(training_data, collate_fn, run.batch.micro_batch_size, pipe)
-            model = traced_layers(module, example, loss_fn or output_loss)
+            model = traced_layers(module, example, loss_fn or output_loss, fused_ops=fused_ops)
         else:
             model = functionalize(module, loss_fn or output_loss, tp_plan=tp_plan if tp_plan is not None else
-                                  ("auto" if tensor > 1 else None))
+                                  ("auto" if tensor > 1 else None), fused_ops=fused_ops)
     elif loss_fn is not None:
         raise ValueError("initialize: loss_fn is for nn.Modules; an fspeed Model brings its own loss")
+    elif not fused_ops:
+        raise ValueError("initialize: fused_ops=False is for nn.Modules; an fspeed Model was built with its own ops "
+                         "(pass fused_ops=False where you built it: fs.functionalize, sequential, traced_layers)")
     if run.curriculum.enabled and run.curriculum.curriculum_type != "seqlen":
         raise ValueError(f"initialize: curriculum.curriculum_type={run.curriculum.curriculum_type} chooses samples, "
                          "which the engine's loader does not: build fs.data.loader(..., sampler=fs.data."

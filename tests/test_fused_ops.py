@@ -101,3 +101,15 @@ def test_traced_layers_trace_the_fused_kernel():
     assert "aten::tanh" in aten_ops(lambda: own.loss(params, batch))
     assert "forward" not in module.transformer.h[0].mlp.act.__dict__
     torch.testing.assert_close(fused.loss(params, batch), own.loss(params, batch), rtol=1e-6, atol=0)
+
+
+def test_initialize_takes_fused_ops_for_a_module_and_refuses_it_for_a_model():
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    batch = lm_batch(2, 0)
+    engines = {fused: fs.initialize(model=hf_gpt2(layers=2), config=config, fused_ops=fused)[0]
+               for fused in (True, False)}
+    ops = {fused: aten_ops(lambda e=engine: e.eval_batch(batch)) for fused, engine in engines.items()}
+    assert "aten::gelu" in ops[True] and "aten::tanh" not in ops[True]
+    assert "aten::tanh" in ops[False] and "aten::gelu" not in ops[False]
+    with pytest.raises(ValueError, match="fused_ops=False is for nn.Modules"):
+        fs.initialize(model=fs.functionalize(hf_gpt2(layers=2), lm_loss), config=config, fused_ops=False)

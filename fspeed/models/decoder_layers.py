@@ -69,10 +69,11 @@ class DecoderBlock(nn.Module):
 
 
 def decoder_layers(module: nn.Module, *, loss_fn: Callable[[Any, Any], torch.Tensor] = causal_lm_loss,
-                   name: Optional[str] = None) -> Model:
+                   name: Optional[str] = None, fused_ops: bool = True) -> Model:
     """The layers of `module` (module docstring), a `Model` whose layer list the pipeline cuts and
     whose tp_plan `fs.tensor_slicing(fs.models.module_tp_rules)` slices. `loss_fn(logits, batch)`:
-    `causal_lm_loss` by default (the head fused with it, on batches with "input_ids" and "labels")."""
+    `causal_lm_loss` by default (the head fused with it, on batches with "input_ids" and "labels").
+    `fused_ops`: `sequential`'s (Python tanh-GELUs as torch's fused kernel; False: the module's own ops)."""
     kind = type(module).__name__
     model_type = getattr(getattr(module, "config", None), "model_type", None)
     if model_type not in MODEL_TYPES:
@@ -111,7 +112,7 @@ def decoder_layers(module: nn.Module, *, loss_fn: Callable[[Any, Any], torch.Ten
         plan[str(len(entries) - 1)] = "colwise" if fused else "colwise_gather_output"
     _check_against(module, parts["embed_tokens"], blocks, parts["norm"], head)
     return sequential(entries, loss_fn=loss_fn, inputs=lambda batch: batch["input_ids"],
-                      name=name or f"{kind}-layers", tp_plan=plan)
+                      name=name or f"{kind}-layers", tp_plan=plan, fused_ops=fused_ops)
 
 
 def _window(config: Any, i: int) -> Optional[int]:
@@ -170,7 +171,7 @@ def decoder_layers_to_module(params: PyTree, module: nn.Module) -> nn.Module:
     return to_module(nested(renamed), module)
 
 
-def sliceable_layers(module: nn.Module, loss_fn: Optional[Callable] = None) -> Model:
+def sliceable_layers(module: nn.Module, loss_fn: Optional[Callable] = None, *, fused_ops: bool = True) -> Model:
     """What `fs.initialize` and fspeed-train pipeline a module as when they also tensor-slice it:
     `decoder_layers(module)`, its loss `causal_lm_loss` of the head's logits (a causal LM's own);
     a `loss_fn` of the module's outputs does not fit them and is refused, as other modules are."""
@@ -183,4 +184,4 @@ def sliceable_layers(module: nn.Module, loss_fn: Optional[Callable] = None) -> M
                          f"fs.models.decoder_layers builds for Hugging Face model types {list(MODEL_TYPES)}; "
                          f"{type(module).__name__} is not one: pass fs.models.sequential([...], loss_fn=..., "
                          "tp_plan=...) as the model, or set parallel.tensor=1")
-    return decoder_layers(module)
+    return decoder_layers(module, fused_ops=fused_ops)
