@@ -12,7 +12,7 @@ torch's `schedule.step` + `torch.optim.AdamW(foreach=True)`, alternating step by
 
     python benchmarks/pipeline.py [--layers 8] [--d-model 256] [--seq 128] [--rows 8] [--steps 8] [--bubble-steps 16]
 
-A micro-batch of 8 x 128 tokens by default (about 7 minutes with DeepSpeed): at 4 x 64 the
+A micro-batch of 8 x 128 tokens by default (about 5 minutes with DeepSpeed): at 4 x 64 the
 per-operation Python cost of zero bubble's split backward is a visible share of these small layers.
 
 Last lines: pipeline_bubble_over_theory (1F1B, 8 micro-batches), pipeline_bubble_over_sim (the same
