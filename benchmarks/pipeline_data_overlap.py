@@ -5,8 +5,9 @@ With `overlap_comm`, a stage's buckets are reduced over `data` as their paramete
 final: the first stage's during its last backward, parameter by parameter as autograd completes
 them; a later stage's once its last backward has sent the gradient the previous stage waits for;
 a tied parameter's after the stages' sums are added. Without it the whole stage gradient is
-reduced after the schedule. The model is benchmarks/pipeline.py's GPT (8 blocks, width 256, vocab
-256, untied), 4 micro-batches of 4 x 128 tokens per data rank, AdamW, ZeRO 0 and 1, 500K-element
+reduced after the schedule. (ZeRO-2: each bucket reduced onto the rank that owns its partition,
+in the buffer the stage summed in, as ZeRO-1's.) The model is benchmarks/pipeline.py's GPT (8 blocks, width 256, vocab
+256, untied), 4 micro-batches of 4 x 128 tokens per data rank, AdamW, ZeRO 0-2, 500K-element
 reduce buckets (the default, 5e8, makes a stage one bucket, reduced once the stage is done).
 Four ranks share this machine's two cores, so gloo's communication threads take CPU from the
 stages' compute: a GPU's network engine would not.
@@ -15,8 +16,8 @@ stages' compute: a GPU's network engine would not.
 
 Per ZeRO stage: the median step time (slowest rank) of each mode, and the median time the first
 stage's ranks waited for gradient reductions in a step. Last lines:
-pipeline_data_overlap_step_time_vs_after_zero{0,1} (overlapped / after, median of paired steps)
-and pipeline_data_overlap_first_stage_wait_vs_after_zero{0,1}.
+pipeline_data_overlap_step_time_vs_after_zero{0,1,2} (overlapped / after, median of paired steps)
+and pipeline_data_overlap_first_stage_wait_vs_after_zero{0,1,2}.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def main() -> None:
           f"1 thread; {args.schedule}, {args.micro} micro-batches of {args.rows} rows per data rank", flush=True)
     results = {}
     with GlooWorld(4, timeout_s=1200) as world:
-        for stage in (0, 1):
+        for stage in (0, 1, 2):
             results[stage] = world.run(measure, args, stage)
             print(f"  measured ZeRO-{stage}", flush=True)
     print(f"\n{'ZeRO':>5}{'overlapped ms':>15}{'after ms':>10}{'ratio':>8}{'first-stage wait ms':>21}{'after':>8}")

@@ -535,10 +535,21 @@ def _reductions_during_the_schedule(stage: int, schedule: str, overlap: bool = T
             state.params.buffer.clone())
 
 
-@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero2_in_a_pipeline_reduces_the_stage_sums_in_place_like_one_process(world4, precision):
+    """PP2 x DP2, ZeRO-2 with overlap_comm and small buckets: a stage sums its gradient in the
+    buffer the sink lends, whose partition-aligned buckets are reduced onto their owners (in bf16
+    the sums are not the parameters' .grad, so they all go after the schedule)."""
+    plan = fs.zero(2, overlap_comm=True, reduce_bucket_size=1000) | fs.pipeline(4, "1f1b")
+    tolerance = dict(rtol=1e-5, atol=1e-6) if precision == "fp32" else dict(rtol=2e-2, atol=2e-3)
+    assert_trains_like_one_process(gpt3_layers, plan, make_batch=batch, world_size=4, pipe=2, world=world4,
+                                   steps=2, optimizer=sgd, precision=precision, **tolerance)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "interleaved_1f1b"])
 def test_the_data_reduction_starts_during_the_last_backward(world4, stage, schedule):
-    """PP2 x DP2, ZeRO 0 and 1 with overlap_comm: the buckets of the parameters whose sums are final
+    """PP2 x DP2, ZeRO 0-2 with overlap_comm: the buckets of the parameters whose sums are final
     are reduced over `data` while the schedule goes on (the first stage's during its last backward
     or weight pass), not all after it; the tied embedding's waits for the other stage's sum.
     Without overlap_comm all go after the schedule. (Equality with one process: the property test

@@ -435,7 +435,11 @@ class _PackedBuckets:
 
 class PartitionGrads(GradSink):
     """Stage 2: gradients go through packed buckets straight to their owners' partitions; only
-    this rank's fp32 partition accumulator and the buckets exist (module docstring)."""
+    this rank's fp32 partition accumulator and the buckets exist (module docstring).
+
+    A pipeline stage sums its micro-batches' gradients itself, in a full local-order buffer the
+    sink lends for the step (`buffer_for_summed`); its partition-aligned buckets are then reduced
+    onto their owners in place, as ZeRO-1's are, with overlap_comm while the schedule goes on."""
 
     def __init__(self, layout: Layout, comm: AxisComm, dtype: torch.dtype, device: torch.device):
         super().__init__(layout, comm, dtype, device)
@@ -443,6 +447,53 @@ class PartitionGrads(GradSink):
         self.acc = torch.zeros(self.part, dtype=dtype, device=device)
         size = max(1, min(self.bucket, layout.local.numel))
         self.buckets = _PackedBuckets(size, dtype, device, self.overlap, self._launch, self._apply)
+        local = layout.local
+        ranges, members = _aligned_ranges(local.offsets, local.sizes, self.bucket,
+                                          [k * self.part for k in range(1, comm.size)])
+        self.summed_buckets = _InPlaceBuckets([(a, b, a // self.part) for a, b in ranges], members,
+                                              self._launch_summed, self.overlap)
+        self.summed: Optional[torch.Tensor] = None  # the step's lent buffer, while a summed step runs
+        self.summing, self.final = False, set()
+
+    def buffer_for_summed(self) -> torch.Tensor:
+        """A local-order buffer for this step's gradient, summed outside the sink (a pipeline
+        stage's), then `deliver_in_place`; the same one until then, dropped after it."""
+        if self.summed is None:
+            self.summed = torch.empty(self.layout.local.numel, dtype=self.dtype, device=self.device)
+        return self.summed
+
+    def begin_summed(self, reduce: bool) -> Optional[Callable[[Sequence[int]], None]]:
+        """As `AccumulatedGrads.begin_summed`: `final(params)` reduces the buckets those sums
+        complete onto their owners while the rest is still being summed (with overlap_comm)."""
+        self.begin_step(reduce, 1)
+        self.begin_micro(0)
+        self.summed_buckets.reset()
+        self.summing, self.final = True, set()
+        return self._final if self.reduce and self.comm.size > 1 and self.overlap else None
+
+    def _final(self, params: Sequence[int]) -> None:
+        new = [p for p in params if p not in self.final]
+        self.final.update(new)
+        self.summed_buckets.arrived(new)
+
+    def _launch_summed(self, lo: int, hi: int, owner: int) -> Pending:
+        return self.comm.start_reduce(self.summed[lo:hi], owner)
+
+    def deliver_in_place(self, reduce: bool) -> None:
+        """The step's gradient, summed in `buffer_for_summed()`: the buckets `final` did not launch
+        are reduced, then this rank's partition of the sums is its accumulator."""
+        if not self.summing:
+            self.begin_summed(reduce)
+        self.summing = False
+        for unit in reversed(self.layout.units):
+            self._first_delivery(unit.index)
+            if self.reduce and self.comm.size > 1:
+                self._final(self.order(unit.index))
+        self.summed_buckets.flush()
+        lo = min(self.comm.rank * self.part, self.summed.numel())
+        hi = min(lo + self.part, self.summed.numel())
+        self.acc[:hi - lo].copy_(self.summed[lo:hi])  # past the local numel: padding, zero since begin_step
+        self.summed = None
 
     def _launch(self, buf: torch.Tensor, records: list) -> list[Pending]:
         pendings, start = [], 0

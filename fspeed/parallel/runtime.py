@@ -34,7 +34,7 @@ from ..flat import Flat, FlatLayout, LooseGrads
 from ..precision import Precision
 from ..pytree import PyTree, tensor_leaves, tree_map, tree_unflatten
 from .comm import AxisComm, GatherInFlight
-from .grads import SINKS, AccumulatedGrads, GradSink, ShardGrads
+from .grads import SINKS, AccumulatedGrads, GradSink, PartitionGrads, ShardGrads
 from .layout import Layout
 from .offload import (
     HostDeviceCopies, check_optimizer_for_offload, compute_device, copy_to, host_buffer, offloads_optimizer,
@@ -274,8 +274,9 @@ class ParallelRuntime:
 
     def summed_grad_buffer(self) -> Optional[torch.Tensor]:
         """Where a gradient summed outside the sink (a pipeline stage's) may be summed directly:
-        the sink's own accumulator (stages 0 and 1), so `deliver_summed` copies nothing; else None."""
-        return self.sink.buffer_for_summed() if isinstance(self.sink, AccumulatedGrads) else None
+        the sink's own accumulator (stages 0 and 1) or a buffer it lends for the step (stage 2),
+        so `deliver_summed` copies nothing; else None."""
+        return self.sink.buffer_for_summed() if isinstance(self.sink, (AccumulatedGrads, PartitionGrads)) else None
 
     def begin_summed(self, reduce: bool) -> Optional[Callable[[Sequence[int]], None]]:
         """Before a gradient is summed in `summed_grad_buffer()`: `final(params)` (local parameter
