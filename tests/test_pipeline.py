@@ -502,7 +502,7 @@ def _in_flight(schedule: str, micro: int):
     return mesh.coordinate("pipe"), seen[0].peak_in_flight
 
 
-def _reductions_during_the_schedule(stage: int, schedule: str, overlap: bool = True):
+def _reductions_during_the_schedule(stage: int, schedule: str, overlap: bool = True, precision: str = "fp32"):
     """(this rank's stage, the data-axis reductions issued before its schedule ended, all of them,
     the elements whose reduction was issued then) in a step of PP2 x DP2."""
     from fspeed.parallel import pipeline_runtime
@@ -513,7 +513,9 @@ def _reductions_during_the_schedule(stage: int, schedule: str, overlap: bool = T
     plan = fs.zero(stage, reduce_bucket_size=4096, overlap_comm=overlap) | fs.pipeline(4, schedule,
                                                                                        virtual_stages=virtual)
     opt = fs.optim.sgd(1e-2)
-    state = fs.init_train_state(model.init(torch.Generator().manual_seed(0)), opt, plan=plan, mesh=mesh, model=model)
+    precision_kw = {"precision": getattr(fs.precision, precision)()}
+    state = fs.init_train_state(model.init(torch.Generator().manual_seed(0)), opt, plan=plan, mesh=mesh, model=model,
+                                **precision_kw)
     step = fs.make_train_step(model, opt, plan=plan, mesh=mesh)
     state, _ = step(state, batch(8, 0))
     original, ended = pipeline_runtime.PipelineExecutor.step, []
@@ -563,6 +565,20 @@ def test_the_data_reduction_starts_during_the_last_backward(world4, stage, sched
     for (pipe_rank, early, total, _, params), (*_, want) in zip(after, overlapped):
         assert total > 1 and early == 0, (pipe_rank, early, total)
         torch.testing.assert_close(params, want, rtol=0, atol=0)  # the same sums, reduced earlier
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "interleaved_1f1b"])
+def test_with_16_bit_parameters_the_data_reduction_also_starts_in_the_schedule(world4, precision, schedule):
+    """bf16 / fp16 parameters, fp32 sums (not the parameters' .grad: backward's gradients are
+    added after each action): each chunk's buckets go once its last backward's are added."""
+    overlapped = world4.run(_reductions_during_the_schedule, 1, schedule, True, precision)
+    for pipe_rank, early, total, elements, _ in overlapped:
+        assert total > 1 and 0 < early < total and elements >= 12 * 32 * 32, (pipe_rank, early, total, elements)
+    after = world4.run(_reductions_during_the_schedule, 1, schedule, False, precision)
+    for (pipe_rank, early, total, _, params), (*_, want) in zip(after, overlapped):
+        assert early == 0, (pipe_rank, early, total)
+        torch.testing.assert_close(params, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

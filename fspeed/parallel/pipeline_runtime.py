@@ -193,12 +193,13 @@ class PipelineExecutor:
         `layer_rng(m, i)`: a generator of its own (or None) for layer i on micro-batch m (a
         checkpointed group keeps each layer's to replay it). `into`: the buffer to sum them in (the
         gradient sink's own, `ParallelRuntime.summed_grad_buffer`), zeroed before the first backward.
-        `final(params)`: called with parameters (local indices) as their sums become final, where
-        backward sums in `into` itself (`ParallelRuntime.begin_summed`: their reduction over `data`
-        starts while the schedule goes on): during the first piece's last backward as autograd
-        completes each; after a later piece's last backward, once the gradient the previous stage
-        waits for is sent; after the last weight pass under zero bubble; never for a tied parameter
-        (another stage's sum is added after the schedule). `buffers`: the model's state (every
+        `final(params)`: called with parameters (local indices) as their sums in `into` become final
+        (`ParallelRuntime.begin_summed`: their reduction over `data` starts while the schedule goes
+        on): during the first piece's last backward as autograd completes each, where backward sums
+        in `into` itself (each parameter's .grad its view: the dtypes match), else after that
+        backward's gradients are added; after a later piece's last backward, once the gradient the
+        previous stage waits for is sent; after the last weight pass under zero bubble; never for a
+        tied parameter (another stage's sum is added after the schedule). `buffers`: the model's state (every
         layer's; a stage's layers update theirs, then each stage sends them to the others,
         `_share_state`)."""
         if len(micro_batches) != self.micro_batches:
@@ -237,7 +238,7 @@ class PipelineExecutor:
         scanned = self._post_ahead(actions, -1, -1, signature)  # the last action whose receive is posted or passed
         # per action: the parameters whose sums are final after it (only where backward sums in place)
         index_of = {id(leaf): p for p, leaf in enumerate(leaves)}
-        final_after = self._final_after(index_of, chunk_leaves, actions) if final is not None and in_place else {}
+        final_after = self._final_after(index_of, chunk_leaves, actions) if final is not None else {}
         spent: dict[str, list[float]] = {"F": [], "B": [], "W": []}  # seconds of each action's compute, by kind
         for i, action in enumerate(actions):
             m, c = action.micro, action.chunk
