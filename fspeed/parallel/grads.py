@@ -228,7 +228,44 @@ def _aligned_ranges(offsets: Sequence[int], sizes: Sequence[int], bucket: int,
     return ranges, members
 
 
-class AccumulatedGrads(GradSink):
+class _SummedInPlace:
+    """For the sinks that reduce a pipeline stage's gradient where the stage summed it, in a buffer
+    of theirs (`buffer_for_summed`; stages 0-2): the summed step's start, its `final` and the
+    delivery of every unit. `summed_buckets`: their in-place buckets over that buffer."""
+
+    summed_buckets: _InPlaceBuckets
+
+    def begin_summed(self, reduce: bool) -> Optional[Callable[[Sequence[int]], None]]:
+        """Begin a step whose gradient is summed in `buffer_for_summed()` (a pipeline stage's, over
+        its micro-batches). Returns `final(params)`, for the summing to call as parameters' sums
+        become final: their buckets are reduced while the rest is still being summed. None when
+        nothing is reduced (one data rank, or a step that keeps the local gradient) or without
+        `overlap_comm` (DeepSpeed's reduction after backward: a reduction waited for as it starts
+        would hold up what the stage runs next)."""
+        self.begin_step(reduce, 1)
+        self.begin_micro(0)
+        self.summed_buckets.reset()
+        self.summing, self.final = True, set()
+        return self._final if self.reduce and self.comm.size > 1 and self.overlap else None
+
+    def _final(self, params: Sequence[int]) -> None:
+        new = [p for p in params if p not in self.final]
+        self.final.update(new)
+        self.summed_buckets.arrived(new)
+
+    def _deliver_summed(self, reduce: bool) -> None:
+        """Every unit delivered (last unit first, as backward would) and its buckets launched; those
+        `final` launched already are not launched again."""
+        if not self.summing:
+            self.begin_summed(reduce)
+        self.summing = False
+        for unit in reversed(self.layout.units):
+            self._first_delivery(unit.index)
+            if self.reduce and self.comm.size > 1:
+                self._final(self.order(unit.index))
+
+
+class AccumulatedGrads(_SummedInPlace, GradSink):
     """Stages 0 and 1: one full accumulation buffer; buckets of it are all-reduced (stage 0) or
     reduced onto their owner (stage 1) on the last micro-batch, as gradients complete them.
 
@@ -256,6 +293,7 @@ class AccumulatedGrads(GradSink):
         ranges, members = _aligned_ranges(local.offsets, local.sizes, self.bucket, cuts)
         owned = [(a, b, a // self.part if self.stage1 else -1) for a, b in ranges]
         self.buckets = _InPlaceBuckets(owned, members, self._launch, self.overlap)
+        self.summed_buckets = self.buckets  # a summed step's too: the stage sums in the accumulator
         self.summing, self.final = False, set()  # a summed step begun (`begin_summed`); its final parameters
 
     def _launch(self, lo: int, hi: int, owner: int) -> Pending:
@@ -315,34 +353,10 @@ class AccumulatedGrads(GradSink):
         stage's) to be written straight into (then `deliver_in_place`); None for the loose sink."""
         return None if self.loose else self.acc[:self.layout.local.numel]
 
-    def begin_summed(self, reduce: bool) -> Optional[Callable[[Sequence[int]], None]]:
-        """Begin a step whose gradient is summed in `buffer_for_summed()` (a pipeline stage's, over
-        its micro-batches). Returns `final(params)`, for the summing to call as parameters' sums
-        become final: their buckets are reduced while the rest is still being summed. None when
-        nothing is reduced (one data rank, or a step that keeps the local gradient) or without
-        `overlap_comm` (DeepSpeed's reduction after backward: a reduction waited for as it starts
-        would hold up what the stage runs next)."""
-        self.begin_step(reduce, 1)
-        self.begin_micro(0)
-        self.summing, self.final = True, set()
-        return self._final if self.reduce and self.comm.size > 1 and self.overlap else None
-
-    def _final(self, params: Sequence[int]) -> None:
-        new = [p for p in params if p not in self.final]
-        self.final.update(new)
-        self.buckets.arrived(new)
-
     def deliver_in_place(self, reduce: bool) -> None:
         """The step's gradient, summed in `buffer_for_summed()` already, as its one micro-batch:
-        every unit delivered (last unit first, as backward would) and reduced where it lies, no copy;
-        the buckets `begin_summed`'s `final` launched already are not launched again."""
-        if not self.summing:
-            self.begin_summed(reduce)
-        self.summing = False
-        for unit in reversed(self.layout.units):
-            self._first_delivery(unit.index)
-            if self.reduce and self.comm.size > 1:
-                self._final(self.order(unit.index))
+        reduced where it lies, no copy."""
+        self._deliver_summed(reduce)
 
     def finish(self) -> Flat | LooseGrads:
         if self.loose:
@@ -433,7 +447,7 @@ class _PackedBuckets:
             self._complete(self.in_flight.popleft())
 
 
-class PartitionGrads(GradSink):
+class PartitionGrads(_SummedInPlace, GradSink):
     """Stage 2: gradients go through packed buckets straight to their owners' partitions; only
     this rank's fp32 partition accumulator and the buckets exist (module docstring).
 
@@ -462,33 +476,13 @@ class PartitionGrads(GradSink):
             self.summed = torch.empty(self.layout.local.numel, dtype=self.dtype, device=self.device)
         return self.summed
 
-    def begin_summed(self, reduce: bool) -> Optional[Callable[[Sequence[int]], None]]:
-        """As `AccumulatedGrads.begin_summed`: `final(params)` reduces the buckets those sums
-        complete onto their owners while the rest is still being summed (with overlap_comm)."""
-        self.begin_step(reduce, 1)
-        self.begin_micro(0)
-        self.summed_buckets.reset()
-        self.summing, self.final = True, set()
-        return self._final if self.reduce and self.comm.size > 1 and self.overlap else None
-
-    def _final(self, params: Sequence[int]) -> None:
-        new = [p for p in params if p not in self.final]
-        self.final.update(new)
-        self.summed_buckets.arrived(new)
-
     def _launch_summed(self, lo: int, hi: int, owner: int) -> Pending:
         return self.comm.start_reduce(self.summed[lo:hi], owner)
 
     def deliver_in_place(self, reduce: bool) -> None:
         """The step's gradient, summed in `buffer_for_summed()`: the buckets `final` did not launch
         are reduced, then this rank's partition of the sums is its accumulator."""
-        if not self.summing:
-            self.begin_summed(reduce)
-        self.summing = False
-        for unit in reversed(self.layout.units):
-            self._first_delivery(unit.index)
-            if self.reduce and self.comm.size > 1:
-                self._final(self.order(unit.index))
+        self._deliver_summed(reduce)
         self.summed_buckets.flush()
         lo = min(self.comm.rank * self.part, self.summed.numel())
         hi = min(lo + self.part, self.summed.numel())
