@@ -236,7 +236,7 @@ class PipelineExecutor:
         losses: list[torch.Tensor] = []
         actions = self.schedule.actions[self.stage]
         scanned = self._post_ahead(actions, -1, -1, signature)  # the last action whose receive is posted or passed
-        # per action: the parameters whose sums are final after it (only where backward sums in place)
+        # per action: the parameters whose sums are final after it (their reduction over data may start)
         index_of = {id(leaf): p for p, leaf in enumerate(leaves)}
         final_after = self._final_after(index_of, chunk_leaves, actions) if final is not None else {}
         spent: dict[str, list[float]] = {"F": [], "B": [], "W": []}  # seconds of each action's compute, by kind
