@@ -6,9 +6,10 @@ final: the first stage's during its last backward, parameter by parameter as aut
 them; a later stage's once its last backward has sent the gradient the previous stage waits for;
 a tied parameter's after the stages' sums are added. Without it the whole stage gradient is
 reduced after the schedule. (ZeRO-2: each bucket reduced onto the rank that owns its partition,
-in the buffer the stage summed in, as ZeRO-1's.) The model is benchmarks/pipeline.py's GPT (8 blocks, width 256, vocab
-256, untied), 4 micro-batches of 4 x 128 tokens per data rank, AdamW, ZeRO 0-2, 500K-element
-reduce buckets (the default, 5e8, makes a stage one bucket, reduced once the stage is done).
+in the buffer the stage summed in, as ZeRO-1's.) The model is benchmarks/pipeline.py's GPT (8
+blocks, width 256, vocab 256, untied), 4 micro-batches of 4 x 128 tokens per data rank, AdamW,
+ZeRO 0-2, 500K-element reduce buckets (the default, 5e8, makes a stage one bucket, reduced once
+the stage is done).
 Four ranks share this machine's two cores, so gloo's communication threads take CPU from the
 stages' compute: a GPU's network engine would not.
 
