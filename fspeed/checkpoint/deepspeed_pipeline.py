@@ -72,6 +72,7 @@ def read_deepspeed_pipeline(path: Path, model: Optional[Any] = None):
                                   "only data x pipeline checkpoints are imported")
         layers[int(m.group(1))] = read_deepspeed_file(p)
     optim = [(int(m.group(2)), int(m.group(1)), p) for p in path.iterdir() if (m := _OPTIM_FILE.match(p.name))]
+    known = _buffer_names(model)  # (the model's buffers, built once)
     if optim:
         zero, weights, avg, avg_sq, base, where = _zero12(path, stages, sorted(optim))  # where: a file, for messages
     else:
@@ -80,8 +81,8 @@ def read_deepspeed_pipeline(path: Path, model: Optional[Any] = None):
                 f"{path} is a ZeRO-0 pipeline checkpoint, whose optimizer files name no parameter: pass "
                 "model=fs.models.sequential(<the PipelineModule's layers>, ...) so each stage's entries can be "
                 "matched to its layers (fspeed-import-deepspeed cannot; use fs.checkpoint.import_deepspeed)")
-        zero, (weights, avg, avg_sq, base), where = 0, _zero0(path, stages, layers, model), stage_files[0]
-    buffers = _buffers(layers, weights, model)
+        zero, (weights, avg, avg_sq, base), where = 0, _zero0(path, stages, layers, model, known), stage_files[0]
+    buffers = _buffers(layers, weights, known)
     first = stages[0]
     counters = {**counters_of(first), "adam_step": _adam_step(base, where)}
 
@@ -114,14 +115,14 @@ def _zero12(path: Path, stages: list[dict], optim: list[tuple[int, int, Path]]):
     return zero, weights, avg, avg_sq, base, optim[0][2]
 
 
-def _zero0(path: Path, stages: list[dict], layers: dict[int, dict], model: Any):
+def _zero0(path: Path, stages: list[dict], layers: dict[int, dict], model: Any, known: Optional[set[str]]):
     """Weights from the layer files; each stage's positional Adam state matched to its layers: the
     stage bounds are those under which the stage's parameter order (module docstring) has the shapes
     of its optimizer entries."""
     from .deepspeed_import import _moments
 
     seq = model.layers.layers
-    buffer_names = _buffer_names(model)
+    buffer_names = known or set()
     prefixes = []
     for i, layer in enumerate(seq):
         if len(layer.uses) > 1:
@@ -185,16 +186,17 @@ def _zero0(path: Path, stages: list[dict], layers: dict[int, dict], model: Any):
     return weights, avg, avg_sq, optimizers[0][0]
 
 
-def _buffer_names(model: Optional[Any]) -> set[str]:
+def _buffer_names(model: Optional[Any]) -> Optional[set[str]]:
+    """The model's buffer names, or None where no model (or one without buffers) says."""
     if model is None or model.init_buffers is None:
-        return set()
+        return None
     return set(tree_flatten_with_paths(model.init_buffers())[0])
 
 
-def _buffers(layers: dict[int, dict], weights: dict, model: Optional[Any]) -> dict[str, torch.Tensor]:
+def _buffers(layers: dict[int, dict], weights: dict, known: Optional[set[str]]) -> dict[str, torch.Tensor]:
     """The module state (BatchNorm statistics) in the layer files, by fspeed name: the model's buffers
-    where it is given, else each file's entries that are no parameter (a tied module's file: none)."""
-    known = _buffer_names(model)
+    (`known`) where it names them, else each file's entries that are no parameter (a tied module's
+    file: none)."""
     out = {}
     for i, state in sorted(layers.items()):
         regular = any(f"{i}.{k}" in weights for k in state)
@@ -202,8 +204,7 @@ def _buffers(layers: dict[int, dict], weights: dict, model: Optional[Any]) -> di
                                              for k in state)
         for k, t in state.items():
             name = f"{i}.{k}"
-            if (name in known if model is not None and model.init_buffers is not None
-                    else not tied and name not in weights) and t.numel():
+            if (name in known if known is not None else not tied and name not in weights) and t.numel():
                 out[name] = t
     return out
 

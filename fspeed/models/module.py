@@ -37,7 +37,7 @@ import inspect
 import types
 import weakref
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
