@@ -7,18 +7,24 @@ cut uniformly: stage 0 = embed + blocks 0..L/2-1, stage 1 = the rest + head. Bub
 records the start and end of each schedule action's compute (receives excluded); over a step,
 bubble = 1 - busy / (stages * span), span = first start to last end over both stages (one clock:
 perf_counter is the machine's monotonic clock). The theory (`bubble_fraction`) takes F = B = W and
-free communication. Step time: a whole `train_step` (schedule, gradient delivery, AdamW) against
-torch's `schedule.step` + `torch.optim.AdamW(foreach=True)`, alternating step by step in one run.
+free communication. 1F1B runs twice: as fspeed runs it by default (`input_grad_first`: the B's the
+previous stage waits for, those after a stage's last forward, send the input's gradient before
+computing the weights') and with each backward whole (`input_grad_first=False`), as DeepSpeed and
+torch run it. Step time: a whole `train_step` (schedule, gradient delivery, AdamW) against torch's
+`schedule.step` + `torch.optim.AdamW(foreach=True)`, in turn step by step in one run.
 
     python benchmarks/pipeline.py [--layers 8] [--d-model 256] [--seq 128] [--rows 8] [--steps 8] [--bubble-steps 16]
 
 A micro-batch of 8 x 128 tokens by default (about 5 minutes with DeepSpeed): at 4 x 64 the
 per-operation Python cost of zero bubble's split backward is a visible share of these small layers.
 
-Last lines: pipeline_bubble_over_theory (1F1B, 8 micro-batches), pipeline_bubble_over_sim (the same
-over the bubble the stages' measured, unequal costs leave), pipeline_step_time_vs_torch (1F1B,
-8 micro-batches, fspeed / torch, median), zero_bubble_over_1f1b (4 micro-batches, step span),
-pipeline_step_time_vs_deepspeed (or the reason it did not run).
+Last lines (1F1B, 8 micro-batches unless said): pipeline_bubble_over_theory (fspeed's 1F1B against its
+theory), pipeline_bubble_over_theory_whole_backward (each backward whole, against its theory),
+pipeline_bubble_over_sim (fspeed's 1F1B over the bubble the stages' measured, unequal costs leave),
+pipeline_step_time_vs_torch (fspeed / torch, median of steps in turn), ..._whole_backward (the same
+with each backward whole), zero_bubble_over_1f1b (4 micro-batches, step span, against 1F1B with each
+backward whole: the issue's figure, theory 0.867), zero_bubble_over_1f1b_input_grad_first (against
+fspeed's 1F1B, theory 0.929), pipeline_step_time_vs_deepspeed (or the reason it did not run).
 """
 
 from __future__ import annotations
@@ -42,8 +48,14 @@ from fspeed.testing import GlooWorld
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_deepspeed import LayersModule  # noqa: E402 (the same layers-as-module for every engine)
 
-SCHEDULE_RUNS = (("gpipe", 4, 1), ("1f1b", 4, 1), ("zero_bubble", 4, 1), ("interleaved_1f1b", 4, 2),
-                 ("gpipe", 8, 1), ("1f1b", 8, 1), ("zero_bubble", 8, 1), ("interleaved_1f1b", 8, 2))
+# (schedule, micro-batches, virtual stages, input_grad_first): fspeed's default sends the cooldown's input
+# gradients first; "1f1b" with False runs each backward whole, as DeepSpeed and torch do (the issue's 1F1B)
+SCHEDULE_RUNS = tuple((name, m, v, first) for m in (4, 8) for name, v, first in (
+    ("gpipe", 1, True), ("1f1b", 1, True), ("1f1b", 1, False), ("zero_bubble", 1, True), ("interleaved_1f1b", 2, True)))
+
+
+def label(name: str, first: bool) -> str:
+    return name if first else f"{name} whole B"
 
 
 def model_config(args: argparse.Namespace) -> fs.models.GPTConfig:
@@ -57,10 +69,11 @@ def make_batch(args: argparse.Namespace, micro_batches: int) -> dict:
     return {"inputs": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}
 
 
-def fspeed_setup(args: argparse.Namespace, schedule: str, micro_batches: int, virtual: int):
+def fspeed_setup(args: argparse.Namespace, schedule: str, micro_batches: int, virtual: int, first: bool = True):
     model = fs.models.gpt(model_config(args))
     mesh = fs.Mesh(data=1, pipe=2)
-    plan = fs.pipeline(micro_batches, schedule=schedule, partition="uniform", virtual_stages=virtual)
+    plan = fs.pipeline(micro_batches, schedule=schedule, partition="uniform", virtual_stages=virtual,
+                       input_grad_first=first)
     opt = fs.optim.adamw(1e-4)
     state = fs.init_train_state(model.init(torch.Generator().manual_seed(0)), opt, plan=plan, mesh=mesh, model=model)
     return model, mesh, state, fs.make_train_step(model, opt, plan=plan, mesh=mesh)
@@ -72,10 +85,11 @@ def measure_bubbles(args: argparse.Namespace, micro_batches: int) -> dict:
     last end (rank-local results)."""
     fs.retain_freed_host_memory()
     runs = {}
-    for name, m, v in SCHEDULE_RUNS:
+    for name, m, v, first in SCHEDULE_RUNS:
         if m == micro_batches:
-            model, mesh, state, _ = fspeed_setup(args, name, m, v)
-            runs[(name, m, v)] = (PipelineExecutor(state.layout, mesh, model.layers, torch.float32), state.params)
+            model, mesh, state, _ = fspeed_setup(args, name, m, v, first)
+            runs[(name, m, v, first)] = (PipelineExecutor(state.layout, mesh, model.layers, torch.float32),
+                                         state.params)
     micro = split_micro_batches(make_batch(args, micro_batches), micro_batches)
     steps: dict = {key: [] for key in runs}
     for i in range(args.warmup + args.bubble_steps):
@@ -121,13 +135,15 @@ def torch_pipeline_step(schedule, opt: torch.optim.Optimizer, inputs: torch.Tens
 
 
 def compare_step_time(args: argparse.Namespace, micro_batches: int) -> dict:
-    """fspeed's train_step and torch's 1F1B step + AdamW, alternating; seconds per step on this rank."""
+    """fspeed's train_step (its default 1F1B, and with each backward whole) and torch's 1F1B step +
+    AdamW, in turn; seconds per step on this rank."""
     fs.retain_freed_host_memory()
     _, mesh, state, step = fspeed_setup(args, "1f1b", micro_batches, 1)
+    _, _, whole_state, whole_step = fspeed_setup(args, "1f1b", micro_batches, 1, first=False)
     bounds = list(state.layout.pipeline.bounds)
     schedule, opt = torch_setup(args, micro_batches, bounds)
     batch = make_batch(args, micro_batches)
-    times = {"fspeed": [], "torch": []}
+    times: dict = {"fspeed": [], "fspeed_whole": [], "torch": []}
     losses = {}
     for i in range(args.warmup + args.steps):
         dist.barrier()
@@ -138,31 +154,35 @@ def compare_step_time(args: argparse.Namespace, micro_batches: int) -> dict:
         torch_loss = torch_pipeline_step(schedule, opt, batch["inputs"], batch["targets"])
         dist.barrier()
         t2 = time.perf_counter()
+        whole_state, _ = whole_step(whole_state, batch)
+        dist.barrier()
+        t3 = time.perf_counter()
         if i == 0:
             losses = {"fspeed": float(metrics["loss"]), "torch": torch_loss}
         if i >= args.warmup:
             times["fspeed"].append(t1 - t0)
             times["torch"].append(t2 - t1)
+            times["fspeed_whole"].append(t3 - t2)
     return {"times": times, "losses": losses, "bounds": bounds}
 
 
 def bubble_rows(results: dict) -> list[dict]:
     rows = []
-    for (name, m, v), per_rank in results.items():
+    for (name, m, v, first), per_rank in results.items():
         fractions, spans = [], []
         for k in range(len(per_rank[0])):
             stages = [r[k] for r in per_rank]
             span = max(s["end"] for s in stages) - min(s["start"] for s in stages)
             fractions.append(1 - sum(sum(s["busy"].values()) for s in stages) / (len(stages) * span))
             spans.append(span)
-        theory = bubble_fraction(name, 2, m, v)
+        theory = bubble_fraction(name, 2, m, v, first)
         kinds = {k: statistics.median(st[n]["busy"][k] for st in per_rank for n in range(len(st))) for k in "FBW"}
         # one chunk of one micro-batch on each stage (rank r is stage r): the stages' own costs
         per_stage = {k: [statistics.median(step["busy"][k] for step in st) / (m * v) for st in per_rank] for k in "FBW"}
         ran = per_rank[0][-1]["schedule"]  # zero bubble's, re-planned after its first step
         simulated = simulate(ran, per_stage["F"], per_stage["B"], per_stage["W"])
         stage_busy = [sum(per_stage[k][r] for k in "FBW") * m * v for r in range(len(per_rank))]
-        rows.append({"schedule": name, "micro": m, "virtual": v, "measured": statistics.median(fractions),
+        rows.append({"schedule": name, "first": first, "label": label(name, first), "micro": m, "virtual": v, "measured": statistics.median(fractions),
                      "quartiles": statistics.quantiles(fractions, n=4)[::2] if len(fractions) > 1 else fractions * 2,
                      "theory": theory, "simulated": simulated.bubble_fraction, "span": statistics.median(spans),
                      "kinds": kinds, "imbalance": max(stage_busy) / min(stage_busy) - 1, "ran": ran,
@@ -172,6 +192,8 @@ def bubble_rows(results: dict) -> list[dict]:
 
 def print_bubbles(rows: list[dict]) -> None:
     print("\nBubble per schedule (2 stages; busy = compute of the stage's actions, receives excluded)")
+    print("(whole B: each backward whole, as DeepSpeed and torch run 1F1B; fspeed's default sends the input's gradient\n"
+          " before computing the weights' in the B's the previous stage waits for, those after the stage's last F)")
     print("(theory: equal stages, F = B = W, free communication; sim: the schedule simulated with each stage's\n"
           " measured F, B, W costs, free communication: what the stages' unequal work alone leaves; imb: the\n"
           " busier stage's work over the other's, - 1; step ms: median first start to last end over both\n"
@@ -180,7 +202,7 @@ def print_bubbles(rows: list[dict]) -> None:
           f"{'imb':>6}{'step ms':>9}{'F ms':>8}{'B ms':>8}{'W ms':>8}")
     for r in rows:
         k = r["kinds"]
-        print(f"{r['schedule']:<18}{r['micro']:>6}{r['virtual']:>3}{r['measured']:>10.3f}{r['theory']:>9.3f}"
+        print(f"{r['label']:<18}{r['micro']:>6}{r['virtual']:>3}{r['measured']:>10.3f}{r['theory']:>9.3f}"
               f"{r['measured'] / r['theory']:>7.2f}{r['simulated']:>7.3f}{r['measured'] / r['simulated']:>6.2f}"
               f"{r['imbalance']:>6.1%}{r['span'] * 1e3:>9.1f}{k['F'] * 1e3:>8.1f}{k['B'] * 1e3:>8.1f}{k['W'] * 1e3:>8.1f}")
 
@@ -216,7 +238,7 @@ def main() -> None:
           f"{args.rows} rows per micro-batch; 2 gloo ranks x 1 thread", flush=True)
     bubbles = {}
     with GlooWorld(2, timeout_s=1200) as world:
-        for m in sorted({m for _, m, _ in SCHEDULE_RUNS}):
+        for m in sorted({run[1] for run in SCHEDULE_RUNS}):
             per_rank = world.run(measure_bubbles, args, m)
             bubbles.update({key: [r[key] for r in per_rank] for key in per_rank[0]})
             print(f"  measured every schedule with {m} micro-batches", flush=True)
@@ -226,46 +248,55 @@ def main() -> None:
     print_bubbles(rows)
 
     ds = {} if args.no_deepspeed else {m: deepspeed_times(args, m) for m in (4, 8)}
-    print("\nStep time, 1F1B (rank 0, medians; fspeed/torch: the median of the ratios of steps run in pairs;"
-          " DeepSpeed runs\nafterwards in its own launch; the same init, data and stages)")
-    print(f"{'micro':>6}{'fspeed ms':>11}{'torch ms':>10}{'fspeed/torch':>14}{'DeepSpeed ms':>14}{'fspeed/DS':>11}"
-          f"   first loss fspeed / torch")
+    print("\nStep time, 1F1B (rank 0, medians; fspeed/torch: the median of the ratios of steps run in turn;"
+          " whole B: fspeed\nwith input_grad_first=False; DeepSpeed runs afterwards in its own launch; the same init,"
+          " data and stages)")
+    print(f"{'micro':>6}{'fspeed ms':>11}{'whole B ms':>12}{'torch ms':>10}{'fspeed/torch':>14}{'whole B/torch':>15}"
+          f"{'DeepSpeed ms':>14}{'fspeed/DS':>11}   first loss fspeed / torch")
     ratios = {}
     for m, per_rank in compare.items():
         t = per_rank[0]["times"]
         ours, theirs = statistics.median(t["fspeed"]), statistics.median(t["torch"])
-        pair_ratio = statistics.median(a / b for a, b in zip(t["fspeed"], t["torch"]))  # steps ran in pairs
+        pair_ratio = statistics.median(a / b for a, b in zip(t["fspeed"], t["torch"]))  # steps ran in turn
+        whole_ratio = statistics.median(a / b for a, b in zip(t["fspeed_whole"], t["torch"]))
         ds_t, ds_note = ds.get(m, (None, "not run (--no-deepspeed)"))
         ds_ms = f"{statistics.median(ds_t) * 1e3:>14.1f}{ours / statistics.median(ds_t):>11.2f}" if ds_t else \
             f"{'-':>14}{'-':>11}"
         losses = per_rank[1]["losses"]
-        print(f"{m:>6}{ours * 1e3:>11.1f}{theirs * 1e3:>10.1f}{pair_ratio:>14.3f}{ds_ms}"
-              f"   {losses['fspeed']:.4f} / {losses['torch']:.4f}")
-        ratios[m] = (pair_ratio, ours / statistics.median(ds_t) if ds_t else None, ds_note)
-    for m, (_, _, note) in ratios.items():
+        print(f"{m:>6}{ours * 1e3:>11.1f}{statistics.median(t['fspeed_whole']) * 1e3:>12.1f}{theirs * 1e3:>10.1f}"
+              f"{pair_ratio:>14.3f}{whole_ratio:>15.3f}{ds_ms}   {losses['fspeed']:.4f} / {losses['torch']:.4f}")
+        ratios[m] = (pair_ratio, ours / statistics.median(ds_t) if ds_t else None, ds_note, whole_ratio)
+    for m, (_, _, note, _) in ratios.items():
         print(f"  DeepSpeed PipelineEngine, {m} micro-batches: {note}")
 
-    by = {(r["schedule"], r["micro"]): r for r in rows}
-    one_f = by[("1f1b", 8)]
+    by = {(r["schedule"], r["micro"], r["first"]): r for r in rows}
+    one_f, whole = by[("1f1b", 8, True)], by[("1f1b", 8, False)]
     holds = "the embedding and blocks" if one_f["busier"] == 0 else "blocks, the head and the loss"
     print(f"\n  1F1B, 8 micro-batches: the stages' work differs by {one_f['imbalance']:.1%} (stage {one_f['busier']}, "
           f"{holds}, is the busier), which alone leaves a bubble of {one_f['simulated']:.3f}; measured over that: "
           f"{one_f['measured'] / one_f['simulated']:.3f}; the steps' quartiles over theory: "
           f"{one_f['quartiles'][0] / one_f['theory']:.3f} and {one_f['quartiles'][1] / one_f['theory']:.3f}")
+    print(f"  1F1B with each backward whole (the issue's 1F1B, theory {whole['theory']:.3f}): measured "
+          f"{whole['measured']:.3f}, over theory {whole['measured'] / whole['theory']:.3f}, over sim "
+          f"{whole['measured'] / whole['simulated']:.3f}; step time over torch's {ratios[8][3]:.3f}")
     print(f"pipeline_bubble_over_theory={one_f['measured'] / one_f['theory']:.3f}")
+    print(f"pipeline_bubble_over_theory_whole_backward={whole['measured'] / whole['theory']:.3f}")
     print(f"pipeline_bubble_over_sim={one_f['measured'] / one_f['simulated']:.3f}")
     print(f"pipeline_step_time_vs_torch={ratios[8][0]:.3f}")
-    zb = by[("zero_bubble", 4)]
+    print(f"pipeline_step_time_vs_torch_whole_backward={ratios[8][3]:.3f}")
+    zb, whole4, first4 = by[("zero_bubble", 4, True)], by[("1f1b", 4, False)], by[("1f1b", 4, True)]
     costs = [zb["per_stage"][k] for k in "FBW"]
-    one = simulate(build_schedule("1f1b", 2, 4), *costs).makespan
+    one = simulate(build_schedule("1f1b", 2, 4, input_grad_first=False), *costs).makespan
     sim = simulate(zb["ran"], *costs).makespan / one
     h1 = simulate(build_schedule("zero_bubble", 2, 4), *costs).makespan / one
     print("  zero bubble, 4 micro-batches, as re-planned after its first step from the stages' measured times:")
     for stage, row in enumerate(zb["ran"].actions):
         print(f"    stage {stage} | " + " ".join(f"{a.kind}{a.micro}" for a in row))
-    print(f"  zero bubble over 1F1B simulated with zero bubble's measured F, B, W costs: {sim:.3f} as run, {h1:.3f} "
-          "as ZB-H1 (theory 0.867 takes F = B = W)")
-    print(f"zero_bubble_over_1f1b={by[('zero_bubble', 4)]['span'] / by[('1f1b', 4)]['span']:.3f}")
+    print(f"  zero bubble over 1F1B (each backward whole) simulated with zero bubble's measured F, B, W costs: {sim:.3f} "
+          f"as run, {h1:.3f} as ZB-H1 (theory 0.867 takes F = B = W); over fspeed's default 1F1B (theory 0.929): "
+          f"{zb['span'] / first4['span']:.3f} measured")
+    print(f"zero_bubble_over_1f1b={zb['span'] / whole4['span']:.3f}")
+    print(f"zero_bubble_over_1f1b_input_grad_first={zb['span'] / first4['span']:.3f}")
     ds8 = ratios[8][1]
     print(f"pipeline_step_time_vs_deepspeed={ds8:.3f}" if ds8 is not None else
           "pipeline_step_time_vs_deepspeed=nan")

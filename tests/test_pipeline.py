@@ -210,9 +210,9 @@ CASES = st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
 @settings(max_examples=8, deadline=None)
 @given(schedule=CASES, partition=st.sampled_from(["uniform", "parameters", "type:block", "explicit"]),
        pipe=st.sampled_from([2, 4]), n_layer=st.integers(2, 4), micro=st.integers(1, 4), stage=st.sampled_from([0, 1, 2]),
-       seed=st.integers(0, 3), interval=st.sampled_from([0, 0, 1, 2]), overlap=st.booleans())
+       seed=st.integers(0, 3), interval=st.sampled_from([0, 0, 1, 2]), overlap=st.booleans(), first=st.booleans())
 def test_every_schedule_and_partition_trains_like_one_process(world4, schedule, partition, pipe, n_layer, micro,
-                                                              stage, seed, interval, overlap):
+                                                              stage, seed, interval, overlap, first):
     virtual = 2 if schedule == "interleaved_1f1b" else 1
     pieces = pipe * virtual
     layers = n_layer + 2
@@ -225,7 +225,8 @@ def test_every_schedule_and_partition_trains_like_one_process(world4, schedule, 
                           for k in range(pieces))
     # overlap: small buckets, reduced over data as the stage's sums in them become final
     zero = fs.zero(stage, overlap_comm=True, reduce_bucket_size=1000) if overlap else fs.zero(stage)
-    plan = zero | fs.pipeline(micro, schedule, partition, virtual, activation_checkpoint_interval=interval)
+    plan = zero | fs.pipeline(micro, schedule, partition, virtual, activation_checkpoint_interval=interval,
+                              input_grad_first=first or schedule == "zero_bubble")
     assert_trains_like_one_process(BUILDERS[n_layer], plan,
                                    make_batch=batch, world_size=4, pipe=pipe, world=world4, steps=2, seed=seed,
                                    optimizer=sgd)
@@ -799,6 +800,60 @@ def test_a_pipelines_grad_norm_from_the_update_pass_counts_a_tied_copy_once(requ
         assert fused == (stage == 0) and not guarded  # ZeRO-1 on 2 data ranks sees a partition: read first
         assert norms == pytest.approx(ref_norms, rel=1e-6)  # fp32 norms per tensor against fp64 sums
         assert torch.equal(fs.Flat.from_tree(params).buffer, fs.Flat.from_tree(ref_params).buffer)
+
+
+def _input_grad_first(schedule: str, first: bool, layers: str):
+    """One step on pipe=2: (stage, the deferred linears, the order of this stage's gradient sends and
+    weight passes as ("send", micro) / ("W", linears), the early B's, the stage's gradient sum)."""
+    from fspeed.parallel.pipeline_runtime import PipelineExecutor
+    from fspeed.parallel.schedules import early_input_grads
+    from fspeed.train_step import split_micro_batches
+    mesh = fs.Mesh(pipe=2)
+    if layers == "gpt":
+        model, micro = gpt(4, tie=False), split_micro_batches(batch(8, 0), 4)
+    else:  # nn.Linear's own F.linear, through the torch-function mode
+        model = hf_llama_layers(layers=4)
+        micro = split_micro_batches(lm_batch(8, 0), 4)
+    plan = fs.pipeline(4, schedule=schedule, input_grad_first=first)
+    state = fs.init_train_state(model.init(torch.Generator().manual_seed(0)), fs.optim.sgd(0.1), plan=plan, mesh=mesh,
+                                model=model)
+    executor = PipelineExecutor(state.layout, mesh, model.layers, torch.float32)
+    events, send, weight_pass = [], executor._send, executor._weight_pass
+
+    def sending(kind, m, *args):
+        if kind == "grad":
+            events.append(("send", m))
+        return send(kind, m, *args)
+
+    def weights(store, acc_of):
+        events.append(("W", len(store)))
+        return weight_pass(store, acc_of)
+    executor._send, executor._weight_pass = sending, weights
+    _, grads = executor.step(state.params, micro, 0.25, lambda m, i: None)
+    stage = mesh.coordinate("pipe")
+    return stage, executor.deferred_linears, events, early_input_grads(executor.schedule, stage), grads.buffer
+
+
+@pytest.mark.parametrize("schedule, layers", [("1f1b", "gpt"), ("gpipe", "gpt"), ("1f1b", "llama")])
+def test_the_cooldowns_backwards_send_the_input_gradient_before_the_weights(world2, schedule, layers):
+    """With input_grad_first (the default), the last stage's B's after its last forward (1F1B: the
+    last one; gpipe: all) send the input's gradient, then add the linears' weight gradients; the
+    other B's, and every B with input_grad_first=False, run whole. The gradients are the same."""
+    on, off = world2.run(_input_grad_first, schedule, True, layers), world2.run(_input_grad_first, schedule, False,
+                                                                                 layers)
+    for (stage, deferred, events, early, g_on), (_, none, whole, late, g_off) in zip(on, off):
+        assert none == 0 and not late and all(kind == "send" for kind, _ in whole)
+        torch.testing.assert_close(g_on, g_off, rtol=1e-5, atol=1e-6)
+        if stage == 0:  # the first piece sends nothing back
+            assert deferred == 0 and not events and not early
+            continue
+        assert sorted(early) == [(m, 0) for m in ([3] if schedule == "1f1b" else range(4))]
+        passes = [i for i, (kind, _) in enumerate(events) if kind == "W"]
+        assert len(passes) == len(early) and deferred > 0
+        linears = 4 * (4 if layers == "gpt" else 7) // 2 + (layers == "gpt")  # blocks 2-3 (and the GPT's head)
+        assert deferred == linears * len(early), (deferred, linears)
+        for i in passes:   # each right after its own micro-batch's send
+            assert events[i - 1][0] == "send" and (events[i - 1][1], 0) in early
 
 
 def _receives_posted(schedule: str):

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fspeed.parallel.schedules import (
-    SCHEDULES, Action, Schedule, bubble_fraction, build_schedule, check_schedule, show_schedule, simulate,
-    zero_bubble_for_costs,
+    SCHEDULES, Action, Schedule, bubble_fraction, build_schedule, check_schedule, early_input_grads, show_schedule,
+    simulate, zero_bubble_for_costs,
 )
 
 
@@ -39,10 +39,11 @@ def piece(action, stage, stages):
 
 
 @settings(max_examples=150, deadline=None)
-@given(shapes())
-def test_every_schedule_is_complete_ordered_and_runs(shape):
+@given(shapes(), st.booleans())
+def test_every_schedule_is_complete_ordered_and_runs(shape, input_grad_first):
     name, stages, micro, virtual = shape
-    schedule = build_schedule(name, stages, micro, virtual)
+    input_grad_first = input_grad_first or name == "zero_bubble"
+    schedule = build_schedule(name, stages, micro, virtual, input_grad_first)
     check_schedule(schedule)
     assert (schedule.stages, schedule.micro_batches, schedule.virtual_stages) == (stages, micro, virtual)
     assert schedule.split_backward == (name == "zero_bubble")
@@ -65,15 +66,21 @@ def test_every_schedule_is_complete_ordered_and_runs(shape):
             assert schedule.in_flight(stage) <= stages - stage
             assert schedule.in_flight(stage) == min(stages - stage, micro)
 
-    # Every send is matched by its receive: the receiver starts only after the sender ends, each
-    # stage runs its list in order one action at a time, and the simulation finishes.
+    # Every send is matched by its receive: the receiver starts only after the sender sends (at its
+    # end; an early B's after its input-gradient part), each stage runs its list in order one action
+    # at a time, and the simulation finishes.
     timeline = simulate(schedule, forward=1.0, backward=1.5, weight=0.5)
-    finished = {}
+    finished, sent = {}, {}
     for stage, intervals in enumerate(timeline.busy):
         assert [a for _, _, a in intervals] == list(schedule.actions[stage])
         assert all(end0 <= start1 for (_, end0, _), (start1, _, _) in zip(intervals, intervals[1:]))
+        early = early_input_grads(schedule, stage)
         for start, end, action in intervals:
-            finished[(action.kind, action.micro, piece(action, stage, stages))] = (start, end)
+            key = (action.kind, action.micro, piece(action, stage, stages))
+            finished[key] = (start, end)
+            sent[key] = start + 1.5 if (action.kind, action.micro, action.chunk) in {("B", *e) for e in early} else end
+            if action.kind == "B" and not schedule.split_backward:
+                assert end - start == 2.0   # the whole backward: B + W
     last = stages * virtual - 1
     for (kind, m, k), (start, _) in finished.items():
         if kind == "F" and k > 0:
@@ -81,7 +88,7 @@ def test_every_schedule_is_complete_ordered_and_runs(shape):
         if kind == "B":
             assert start >= finished[("F", m, k)][1]
             if k < last:
-                assert start >= finished[("B", m, k + 1)][1]
+                assert start >= sent[("B", m, k + 1)]
         if kind == "W":
             assert start >= finished[("B", m, k)][1]
     assert timeline.makespan == max(end for _, end in finished.values())
@@ -89,36 +96,60 @@ def test_every_schedule_is_complete_ordered_and_runs(shape):
 
 def test_simulated_bubble_equals_the_theory_for_every_shape():
     for name, stages, micro, virtual in all_shapes():
-        timeline = simulate(build_schedule(name, stages, micro, virtual))
-        theory = bubble_fraction(name, stages, micro, virtual)
-        assert abs(timeline.bubble_fraction - theory) < 1e-9, (name, stages, micro, virtual)
+        for first in (True, False) if name != "zero_bubble" else (True,):
+            timeline = simulate(build_schedule(name, stages, micro, virtual, first))
+            theory = bubble_fraction(name, stages, micro, virtual, first)
+            assert abs(timeline.bubble_fraction - theory) < 1e-9, (name, stages, micro, virtual, first)
 
 
 def test_theory_matches_the_literature():
-    # GPipe / 1F1B: (p - 1) / (m + p - 1) of the step idle.
-    assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 11)
-    assert bubble_fraction("gpipe", 4, 8) == bubble_fraction("1f1b", 4, 8)
+    # GPipe / 1F1B, each backward whole: (p - 1) / (m + p - 1) of the step idle.
+    assert bubble_fraction("1f1b", 4, 8, input_grad_first=False) == pytest.approx(3 / 11)
+    assert bubble_fraction("gpipe", 4, 8, input_grad_first=False) == pytest.approx(3 / 11)
     # Megatron: bubble over ideal time (p - 1) / (v m); as a share of the step r / (1 + r).
     ratio = (4 - 1) / (2 * 8)
-    assert bubble_fraction("interleaved_1f1b", 4, 8, 2) == pytest.approx(ratio / (1 + ratio))
+    assert bubble_fraction("interleaved_1f1b", 4, 8, 2, input_grad_first=False) == pytest.approx(ratio / (1 + ratio))
     # ZB-H1: idle per stage (p - 1)(F + B - W) against 1F1B's (p - 1)(F + B + W).
     assert bubble_fraction("zero_bubble", 4, 8) == pytest.approx(3 / (3 * 8 + 3))
+    # the input's gradient first in the cooldown: (p - 1)(F + B) idle, between the two
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+        assert bubble_fraction(name, 4, 8, v) == pytest.approx(6 / (3 * v * 8 + 6))
+    assert bubble_fraction("zero_bubble", 4, 8) < bubble_fraction("1f1b", 4, 8) < \
+        bubble_fraction("1f1b", 4, 8, input_grad_first=False)
 
 
 def test_zero_bubble_beats_1f1b_at_two_stages_four_micro_batches():
-    one_f_one_b = simulate(build_schedule("1f1b", 2, 4))
+    one_f_one_b = simulate(build_schedule("1f1b", 2, 4, input_grad_first=False))
+    early = simulate(build_schedule("1f1b", 2, 4))
     zero_bubble = simulate(build_schedule("zero_bubble", 2, 4))
     assert one_f_one_b.makespan == 15.0   # 12 units of work + (p - 1)(F + B + W)
+    assert early.makespan == 14.0         # 12 units of work + (p - 1)(F + B): stage 0's last B waits for B only
     assert zero_bubble.makespan == 13.0   # 12 units of work + (p - 1)(F + B - W)
     assert zero_bubble.makespan <= 0.92 * one_f_one_b.makespan
 
 
+def test_only_the_cooldowns_backwards_send_the_input_gradient_first():
+    """The B's after a stage's last forward, on every piece but the first (which sends nothing)."""
+    one_f_one_b = build_schedule("1f1b", 3, 4)   # stage s: p - s - 1 warmup F's, so p - s B's after the last F
+    assert [sorted(early_input_grads(one_f_one_b, s)) for s in range(3)] == [[], [(2, 0), (3, 0)], [(3, 0)]]
+    assert sorted(early_input_grads(build_schedule("1f1b", 4, 8), 1)) == [(5, 0), (6, 0), (7, 0)]
+    assert sorted(early_input_grads(build_schedule("gpipe", 2, 3), 1)) == [(0, 0), (1, 0), (2, 0)]
+    interleaved = build_schedule("interleaved_1f1b", 2, 2, 2)   # stage 0's chunk 1 is piece 2: it sends
+    assert (1, 1) in early_input_grads(interleaved, 0) and all(c == 1 for _, c in early_input_grads(interleaved, 0))
+    for schedule in (build_schedule("1f1b", 3, 4, input_grad_first=False), build_schedule("zero_bubble", 3, 4)):
+        assert all(not early_input_grads(schedule, s) for s in range(3))
+    with pytest.raises(ValueError, match="zero_bubble's B computes the input's gradient alone"):
+        build_schedule("zero_bubble", 2, 4, input_grad_first=False)
+
+
 def test_a_slower_stage_sets_the_pace():
     """Per-stage costs: with the last stage 1.5x slower, 1F1B's step is its 2 x 1.5 x m units plus the
-    first stage's F before it and B after it; the idle share grows from 0.2 to 2/7."""
-    timeline = simulate(build_schedule("1f1b", 2, 4), [1, 1.5], [0.5, 0.75], [0.5, 0.75])
+    first stage's F before it and B after it; the idle share grows from 0.2 to 2/7. Sending the input
+    gradient first, stage 0's last B waits for the last stage's B part only (0.75 units less)."""
+    timeline = simulate(build_schedule("1f1b", 2, 4, input_grad_first=False), [1, 1.5], [0.5, 0.75], [0.5, 0.75])
     assert timeline.makespan == 1 + 2 * 1.5 * 4 + 1 and timeline.bubble_fraction == pytest.approx(2 / 7)
-    assert simulate(build_schedule("1f1b", 2, 4), [1, 1], 0.5, 0.5).makespan == 10.0
+    assert simulate(build_schedule("1f1b", 2, 4), [1, 1.5], [0.5, 0.75], [0.5, 0.75]).makespan == 1 + 12 + 1 - 0.75
+    assert simulate(build_schedule("1f1b", 2, 4, input_grad_first=False), [1, 1], 0.5, 0.5).makespan == 10.0
     with pytest.raises(ValueError, match="forward has 3 costs for 2 stages"):
         simulate(build_schedule("1f1b", 2, 4), [1, 1, 1])
 
@@ -149,7 +180,8 @@ def test_show_schedule_prints_rows_and_bubbles():
     text = show_schedule(build_schedule("1f1b", 2, 4))
     assert "stage 0 | F0 F1 B0 F2 B1 F3 B2 B3" in text
     assert "stage 1 | F0 B0 F1 B1 F2 B2 F3 B3" in text
-    assert "theory 0.2000, simulated 0.2000" in text
+    assert "theory 0.1429, simulated 0.1429" in text   # 2 (p - 1) / (3 m + 2 (p - 1)): the input's gradient first
+    assert "theory 0.2000, simulated 0.2000" in show_schedule(build_schedule("1f1b", 2, 4, input_grad_first=False))
     assert str(build_schedule("1f1b", 2, 4)) == text
     assert "F0.1" in show_schedule(build_schedule("interleaved_1f1b", 2, 2, 2))
     zero_bubble = show_schedule(build_schedule("zero_bubble", 2, 4))
@@ -286,8 +318,10 @@ def test_zero_bubble_idles_the_papers_bound_at_any_costs(forward, backward, weig
         work = micro * (forward + backward + weight)
         timeline = simulate(build_schedule("zero_bubble", stages, micro), forward, backward, weight)
         assert timeline.makespan == pytest.approx(work + idle)
-        one_f_one_b = simulate(build_schedule("1f1b", stages, micro), forward, backward, weight)
+        one_f_one_b = simulate(build_schedule("1f1b", stages, micro, input_grad_first=False), forward, backward, weight)
         assert one_f_one_b.makespan == pytest.approx(work + (stages - 1) * (forward + backward + weight))
+        early = simulate(build_schedule("1f1b", stages, micro), forward, backward, weight)
+        assert early.makespan == pytest.approx(work + (stages - 1) * (forward + backward))
 
 
 @settings(max_examples=60, deadline=None)
@@ -317,7 +351,7 @@ def test_zero_bubble_for_costs_is_never_slower_than_zb_h1_and_keeps_its_order(st
 
 def test_zero_bubble_for_costs_fills_the_waits_where_w_is_cheap():
     """Unit costs: ZB-H1 itself. The benchmark's measured costs (F, B, W = 62/67, 73, 45 ms): the W's
-    fill the waits, 802 against ZB-H1's 830 and 1F1B's 920."""
+    fill the waits, 802 against ZB-H1's 830 and 1F1B's 920 (875 sending the input gradient first)."""
     for stages, micro in [(2, 4), (3, 5), (4, 8)]:
         assert zero_bubble_for_costs(stages, micro) == build_schedule("zero_bubble", stages, micro)
     costs = ([62.0, 67.0], 73.0, 45.0)
@@ -326,7 +360,8 @@ def test_zero_bubble_for_costs_fills_the_waits_where_w_is_cheap():
         "F0 F1 B0 F2 W0 B1 F3 B2 W1 W2 B3 W3", "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3"]
     assert simulate(schedule, *costs).makespan == 802.0
     assert simulate(build_schedule("zero_bubble", 2, 4), *costs).makespan == 830.0
-    assert simulate(build_schedule("1f1b", 2, 4), *costs).makespan == 920.0
+    assert simulate(build_schedule("1f1b", 2, 4, input_grad_first=False), *costs).makespan == 920.0
+    assert simulate(build_schedule("1f1b", 2, 4), *costs).makespan == 875.0   # stage 0's last B waits 45 less
 
 
 def test_1f1b_is_deepspeeds_train_schedule():

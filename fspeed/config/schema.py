@@ -604,11 +604,16 @@ class PipelineSection(ValidatedConfig):
     partition: str = "parameters"  # uniform | parameters | type:<regex> | profile | explicit counts "3,4,4,3"
     virtual_stages: int = setting(1, POSITIVE)  # model chunks per stage (interleaved_1f1b: >= 2)
     activation_checkpoint_interval: int = setting(0, NON_NEGATIVE)  # DeepSpeed's: checkpoint groups of k layers
+    input_grad_first: bool = True  # the cooldown's backwards send the input's gradient before the weights'
 
     def relation_problems(self) -> list[Problem]:
         if (self.schedule == "interleaved_1f1b") != (self.virtual_stages > 1):
             return [Problem("virtual_stages", "must be >= 2 with schedule interleaved_1f1b and 1 otherwise",
                             self.virtual_stages)]
+        if self.schedule == "zero_bubble" and not self.input_grad_first:
+            return [Problem("input_grad_first", "must be true with schedule zero_bubble (its B is the input's "
+                            "gradient alone); false applies to gpipe, 1f1b and interleaved_1f1b",
+                            self.input_grad_first)]
         return []
 
     def to_library(self, micro_batches: int, remat=None):
@@ -619,7 +624,7 @@ class PipelineSection(ValidatedConfig):
         if partition and partition[0].isdigit():
             partition = tuple(int(c) for c in partition.split(","))
         return pipeline(micro_batches, self.schedule, partition, self.virtual_stages,
-                        self.activation_checkpoint_interval, remat)
+                        self.activation_checkpoint_interval, remat, self.input_grad_first)
 
 
 KINDS: dict[str, dict[str, type]] = {"optimizer": OPTIMIZERS, "scheduler": SCHEDULERS, "precision": PRECISIONS}
@@ -720,8 +725,8 @@ class RunConfig(ValidatedConfig):
         pipe, p = self.parallel.pipe, self.pipeline
         if pipe == 1:
             changed = [k for k in ("micro_batches", "activation_checkpoint_interval") if getattr(p, k)]
-            changed += [k for k, default in (("schedule", "1f1b"), ("partition", "parameters"), ("virtual_stages", 1))
-                        if getattr(p, k) != default]
+            changed += [k for k, default in (("schedule", "1f1b"), ("partition", "parameters"), ("virtual_stages", 1),
+                                             ("input_grad_first", True)) if getattr(p, k) != default]
             if changed:
                 return [Problem(f"pipeline.{changed[0]}", "applies to pipeline stages, and parallel.pipe is 1",
                                 getattr(p, changed[0]), hint="set parallel.pipe > 1, or leave the pipeline section")]

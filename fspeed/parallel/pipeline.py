@@ -95,6 +95,7 @@ class Pipeline:
     virtual_stages: int = 1
     activation_checkpoint_interval: int = 0
     remat: Any = None  # a `fspeed.Remat` for the checkpointed groups (None: full recompute)
+    input_grad_first: bool = True  # the cooldown's B's send the input's gradient before the weights' (schedules)
     name: str = "pipeline"
     phase: int = COMPUTE
 
@@ -115,7 +116,8 @@ class Pipeline:
 
         stages = int(mesh_sizes.get("pipe", 1))
         pieces = stages * self.virtual_stages
-        build_schedule(self.schedule, stages, self.micro_batches, self.virtual_stages)  # its errors, before training
+        build_schedule(self.schedule, stages, self.micro_batches, self.virtual_stages,
+                       self.input_grad_first)  # its errors, before training
         seq = layers.layers
         uses = [_params_used(layer, paths) for layer in seq]
         used = {p for u in uses for p in u}
@@ -142,18 +144,24 @@ class Pipeline:
         extra = f", virtual_stages={self.virtual_stages}" if self.virtual_stages != 1 else ""
         if self.activation_checkpoint_interval:
             extra += f", activation_checkpoint_interval={self.activation_checkpoint_interval}"
+        if not self.input_grad_first:
+            extra += ", input_grad_first=False"
         return f"pipeline(micro_batches={self.micro_batches}, schedule={self.schedule!r}, " \
                f"partition={self.partition!r}{extra})"
 
 
 def pipeline(micro_batches: int, schedule: str = "1f1b", partition: Partition = "parameters",
-             virtual_stages: int = 1, activation_checkpoint_interval: int = 0, remat: Any = None) -> Plan:
+             virtual_stages: int = 1, activation_checkpoint_interval: int = 0, remat: Any = None,
+             input_grad_first: bool = True) -> Plan:
     """Pipeline parallelism over `pipe` (module docstring): `micro_batches` per step (the gradient
     accumulation), a schedule of `fspeed.parallel.schedules.SCHEDULES`, a partition method, model
     chunks per stage (`virtual_stages`, interleaved_1f1b). `activation_checkpoint_interval=k`
     (DeepSpeed's) checkpoints each run of k consecutive layers of a stage that has parameters: only
     its input is kept and it is recomputed in backward, with `remat`'s policy (a `fspeed.Remat`;
-    default full recompute; its `every` is not used here)."""
+    default full recompute; its `every` is not used here). `input_grad_first` (gpipe, 1f1b,
+    interleaved_1f1b): the backwards of the cooldown, which the previous stage waits for, send
+    the input's gradient before computing the weights' (`fspeed.parallel.schedules`); False runs
+    each backward whole, as DeepSpeed and torch.distributed.pipelining do. Same numbers either way."""
     from .schedules import SCHEDULES  # noqa: PLC0415 (kept light: schedules are pure data)
 
     if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
@@ -167,6 +175,12 @@ def pipeline(micro_batches: int, schedule: str = "1f1b", partition: Partition = 
                          f"got {schedule!r}")
     if schedule == "interleaved_1f1b" and virtual_stages < 2:
         raise ValueError("schedule='interleaved_1f1b' needs virtual_stages >= 2 (model chunks per stage)")
+    if not isinstance(input_grad_first, bool):
+        raise ValueError(f"pipeline(input_grad_first={input_grad_first!r}) must be True or False")
+    if schedule == "zero_bubble" and not input_grad_first:
+        raise ValueError("pipeline(schedule='zero_bubble', input_grad_first=False): zero bubble's B computes the "
+                         "input's gradient alone and always sends it first; input_grad_first=False applies to "
+                         "gpipe, 1f1b and interleaved_1f1b")
     if not isinstance(activation_checkpoint_interval, int) or activation_checkpoint_interval < 0:
         raise ValueError(f"pipeline(activation_checkpoint_interval={activation_checkpoint_interval!r}) must be an "
                          "integer >= 0 (0: no checkpointing)")
@@ -179,7 +193,8 @@ def pipeline(micro_batches: int, schedule: str = "1f1b", partition: Partition = 
             raise ValueError(f"pipeline(partition={partition!r}): explicit layer counts must be positive integers")
     else:
         _check_method(partition)
-    return Plan((Pipeline(micro_batches, schedule, partition, virtual_stages, activation_checkpoint_interval, remat),))
+    return Plan((Pipeline(micro_batches, schedule, partition, virtual_stages, activation_checkpoint_interval, remat,
+                          input_grad_first),))
 
 
 def show_schedule(plan: Union[Plan, "Schedule"], mesh: Any = None) -> str:
@@ -198,7 +213,8 @@ def show_schedule(plan: Union[Plan, "Schedule"], mesh: Any = None) -> str:
     sizes = getattr(mesh, "sizes", mesh)
     if not isinstance(sizes, Mapping) or "pipe" not in sizes:
         raise ValueError(f"show_schedule(plan, mesh): mesh must be a Mesh or sizes with a 'pipe' entry, got {mesh!r}")
-    return show(build_schedule(pipe.schedule, int(sizes["pipe"]), pipe.micro_batches, pipe.virtual_stages))
+    return show(build_schedule(pipe.schedule, int(sizes["pipe"]), pipe.micro_batches, pipe.virtual_stages,
+                               pipe.input_grad_first))
 
 
 def partition_layers(method: Partition, layers: Sequence[Any], param_counts: Sequence[int], pieces: int) -> list[int]:

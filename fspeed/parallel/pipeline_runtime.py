@@ -43,7 +43,7 @@ from ..pytree import PyTree, subtree, tensor_leaves, tree_flatten_with_paths, tr
 from .comm import AxisComm, Pending
 from .layout import Layout
 from .mesh import AXES, process_group
-from .schedules import Action, Schedule, build_schedule, zero_bubble_for_costs
+from .schedules import Action, Schedule, build_schedule, early_input_grads, zero_bubble_for_costs
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool,
            torch.uint8)
@@ -155,7 +155,8 @@ class PipelineExecutor:
         self.layout, self.plan, self.layers = layout, plan, layers
         self.comm: AxisComm = mesh.comm("pipe")
         self.stage, self.stages, self.pieces = plan.stage, plan.stages, plan.stages * plan.virtual_stages
-        self.schedule: Schedule = build_schedule(pipe.schedule, plan.stages, pipe.micro_batches, plan.virtual_stages)
+        self.schedule: Schedule = build_schedule(pipe.schedule, plan.stages, pipe.micro_batches, plan.virtual_stages,
+                                                 pipe.input_grad_first)
         self.micro_batches = pipe.micro_batches
         self.grad_dtype = grad_dtype
         self.mesh = mesh
@@ -228,6 +229,7 @@ class PipelineExecutor:
         signature = tuple((tuple(t.shape), t.dtype) for t in tree_flatten_with_paths(micro_batches[0])[1]
                           if isinstance(t, torch.Tensor))
         split = self.schedule.split_backward
+        early = early_input_grads(self.schedule, self.stage)  # B's that send x's gradient, then run their W
         chunk_weights = [{id(t) for t in leaves_c} for leaves_c in chunk_leaves]
         saved: dict[tuple[int, int], tuple] = {}
         deferred: dict[tuple[int, int], list] = {}
@@ -259,9 +261,10 @@ class PipelineExecutor:
                 start = time.perf_counter()
                 store: list = []
                 ops, mode = self.ops, None
-                if split and self.linear_via_ops[k]:
+                defer = split or (m, c) in early
+                if defer and self.linear_via_ops[k]:
                     ops = self._wrapped(_DeferringOps(chunk_weights[c], store))
-                elif split:
+                elif defer:
                     mode = functools.partial(_DeferWeightGrads, chunk_weights[c], store)
                 with torch.enable_grad():
                     y = self._forward(tree, x, k, m, micro_batches[m], layer_rng, ops, mode)
@@ -312,16 +315,13 @@ class PipelineExecutor:
                     gx = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads_x, xs)]
                     sends += self._send("grad", m, k - 1, gx, signature, mailbox)
                 if not split:
-                    deferred.pop((m, c))
+                    store = deferred.pop((m, c))
+                    if (m, c) in early:  # its weight gradients, now that the input's is on its way
+                        self._weight_pass(store, acc_of)
             else:  # "W": the deferred weight gradients
                 scanned = self._post_ahead(actions, i, scanned, signature)
                 start = time.perf_counter()
-                store = deferred.pop((m, c))
-                self.deferred_linears += len(store)
-                with torch.no_grad():
-                    for key, shape, a, b in store:
-                        _add_weight_grad(acc_of[key].view(shape), a, b)
-                store.clear()  # the graph's nodes still hold the list; its tensors go now
+                self._weight_pass(deferred.pop((m, c)), acc_of)
             if i in final_after:  # (also those backward gave no gradient, and after a weight pass)
                 final(final_after[i])
             end = time.perf_counter()
@@ -335,6 +335,14 @@ class PipelineExecutor:
         if self.replan:
             self._replan(spent)
         return losses, Flat(acc, local)
+
+    def _weight_pass(self, store: list, acc_of: dict) -> None:
+        """Add the weight gradients a backward deferred (`_DeferredLinear`) into their sums."""
+        self.deferred_linears += len(store)
+        with torch.no_grad():
+            for key, shape, a, b in store:
+                _add_weight_grad(acc_of[key].view(shape), a, b)
+        store.clear()  # the graph's nodes still hold the list; its tensors go now
 
     def _share_state(self, buffers: Optional[PyTree]) -> None:
         """Each layer's state (BatchNorm statistics), updated by this step's forwards on the stage

@@ -23,6 +23,15 @@ Schedules (p stages, m micro-batches, v virtual stages):
   `zero_bubble_for_costs` places the W's for given per-stage costs instead (what the runtime
   re-plans to after a first step with ZB-H1): where W is cheaper than B, W's that fill the waits
   beat trailing each B by s of them.
+
+Input gradient first (`input_grad_first`, the default for the unsplit schedules): a B that the
+previous stage waits for with nothing else to run, the B's after a stage's last forward (the
+cooldown; all of gpipe's) on every piece but the first, sends its input's gradient before it
+computes its weights' (the runtime defers the linears' weight GEMMs to the end of the B). Same
+actions, order, numbers and memory; the cooldown's chain of B's shortens by the W's, so the
+theoretical bubble is 2(p - 1) / (3 v m + 2(p - 1)) instead of (p - 1) / (v m + p - 1)
+(`bubble_fraction`). Only the cooldown's B's: the others' upstream stage has forwards to run, and
+the deferral costs a B a few percent on small layers.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ class Schedule:
     virtual_stages: int
     split_backward: bool
     actions: tuple[tuple[Action, ...], ...]
+    input_grad_first: bool = True  # unsplit schedules: the cooldown's B's send the input's gradient first
 
     def in_flight(self, stage: int) -> int:
         """The most forwards on `stage` whose B has not run yet: its activation memory, in micro-batches
@@ -211,16 +221,23 @@ def _interleaved(stages: int, micro_batches: int, virtual_stages: int, stage: in
     return order + [nth("B", k) for k in range(total - warmup, total)]
 
 
-def build_schedule(name: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
-    """The schedule `name` for this shape, checked (ValueError naming the bad value otherwise)."""
+def build_schedule(name: str, stages: int, micro_batches: int, virtual_stages: int = 1,
+                   input_grad_first: bool = True) -> Schedule:
+    """The schedule `name` for this shape, checked (ValueError naming the bad value otherwise).
+    `input_grad_first` (unsplit schedules; module docstring): the cooldown's B's send the input's
+    gradient before computing the weights'. zero_bubble's B is the input's gradient alone."""
     _check_shape(name, stages, micro_batches, virtual_stages)
+    if name == "zero_bubble" and not input_grad_first:
+        raise ValueError("zero_bubble's B computes the input's gradient alone (its W the weights'): it always sends "
+                         "the input's gradient first; input_grad_first=False applies to gpipe, 1f1b and "
+                         "interleaved_1f1b")
     if name == "interleaved_1f1b":
         per_stage = [_interleaved(stages, micro_batches, virtual_stages, s) for s in range(stages)]
     else:
         build = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zero_bubble": _zero_bubble_h1}[name]
         per_stage = [build(stages, micro_batches, s) for s in range(stages)]
     schedule = Schedule(name, stages, micro_batches, virtual_stages, name == "zero_bubble",
-                        tuple(tuple(actions) for actions in per_stage))
+                        tuple(tuple(actions) for actions in per_stage), input_grad_first)
     check_schedule(schedule)
     return schedule
 
@@ -241,9 +258,24 @@ def _needs(action: Action, stage: int, stages: int, pieces: int) -> list[tuple[s
     return [("B", action.micro, piece)]
 
 
+def early_input_grads(schedule: Schedule, stage: int) -> frozenset[tuple[int, int]]:
+    """The (micro, chunk) of the unsplit B's on `stage` that send their input's gradient before
+    computing their weights' (module docstring): with `input_grad_first`, the B's after the stage's
+    last forward, on pieces after the first (the first piece sends no gradient)."""
+    if schedule.split_backward or not schedule.input_grad_first:
+        return frozenset()
+    actions = schedule.actions[stage]
+    last_forward = max((i for i, a in enumerate(actions) if a.kind == "F"), default=-1)
+    return frozenset((a.micro, a.chunk) for a in actions[last_forward + 1:]
+                     if a.kind == "B" and a.chunk * schedule.stages + stage > 0)
+
+
 def _execute(schedule: Schedule, cost: dict[str, list[float]]) -> tuple[tuple[tuple[float, float, Action], ...], ...]:
-    """Run every stage's list in order, each action once its inputs are done; ValueError on deadlock."""
+    """Run every stage's list in order, each action once its inputs are done; ValueError on deadlock.
+    `cost`: per stage, F, B (the input's gradient) and W (the weights'); an unsplit B takes B + W,
+    and its gradient is sent after B + W, or after B where it goes first (`early_input_grads`)."""
     stages, pieces = schedule.stages, schedule.stages * schedule.virtual_stages
+    early = [early_input_grads(schedule, s) for s in range(stages)]
     done: dict[tuple[str, int, int], float] = {}
     next_index, free_at = [0] * stages, [0.0] * stages
     busy: list[list[tuple[float, float, Action]]] = [[] for _ in range(stages)]
@@ -257,8 +289,11 @@ def _execute(schedule: Schedule, cost: dict[str, list[float]]) -> tuple[tuple[tu
                 if any(key not in done for key in needs):
                     break
                 start = max([free_at[stage]] + [done[key] for key in needs])
-                free_at[stage] = start + cost[action.kind][stage]
-                done[(action.kind, action.micro, action.chunk * stages + stage)] = free_at[stage]
+                unsplit = action.kind == "B" and not schedule.split_backward
+                free_at[stage] = start + cost[action.kind][stage] + (cost["W"][stage] if unsplit else 0.0)
+                sent = start + cost["B"][stage] if unsplit and (action.micro, action.chunk) in early[stage] else \
+                    free_at[stage]
+                done[(action.kind, action.micro, action.chunk * stages + stage)] = sent
                 busy[stage].append((start, free_at[stage], action))
                 next_index[stage] += 1
                 progressed = True
@@ -322,19 +357,20 @@ def _per_stage(cost: Cost, name: str, stages: int) -> list[float]:
 
 
 def simulate(schedule: Schedule, forward: Cost = 1.0, backward: Cost = 1.0, weight: Cost = 1.0) -> Timeline:
-    """Time `schedule` with these per-chunk costs (an unsplit B costs backward + weight), free
-    communication. A cost is one number for every stage or one per stage (stages of unequal work)."""
+    """Time `schedule` with these per-chunk costs (an unsplit B costs backward + weight, its input's
+    gradient sent after backward where it goes first), free communication. A cost is one number for
+    every stage or one per stage (stages of unequal work)."""
     f, b, w = (_per_stage(c, f"simulate: {name}", schedule.stages)
                for c, name in ((forward, "forward"), (backward, "backward"), (weight, "weight")))
-    unsplit = b if schedule.split_backward else [x + y for x, y in zip(b, w)]
-    busy = _execute(schedule, {"F": f, "B": unsplit, "W": w})
+    busy = _execute(schedule, {"F": f, "B": b, "W": w})
     makespan = max((intervals[-1][1] for intervals in busy if intervals), default=0.0)
     work = sum(end - start for intervals in busy for start, end, _ in intervals)
     idle = 1.0 - work / (schedule.stages * makespan) if makespan > 0 else 0.0
     return Timeline(busy, makespan, idle)
 
 
-def bubble_fraction(name: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
+def bubble_fraction(name: str, stages: int, micro_batches: int, virtual_stages: int = 1,
+                    input_grad_first: bool = True) -> float:
     """The theoretical idle share of a step, 1 - busy / (stages * makespan), with F = B = W (one unit
     each; an unsplit backward is B + W, two units) and free communication.
 
@@ -344,15 +380,18 @@ def bubble_fraction(name: str, stages: int, micro_batches: int, virtual_stages: 
     (p - 1)(F + B - W) = p - 1 units against 3m busy (1F1B: (p - 1)(F + B + W)), so
     (p - 1) / (3 m + p - 1) for m >= p. With m < p the last stage alternates F and B, so the B's
     leave it two units apart and the step takes p - m units longer: idle = (2p - m - 1) units.
+    With `input_grad_first` (the default; gpipe, 1f1b, interleaved) each of the cooldown's p - 1
+    hops up the pipeline waits for B alone, not B + W: 2(p - 1) idle units against 3 v m busy,
+    2(p - 1) / (3 v m + 2(p - 1)).
     """
     _check_shape(name, stages, micro_batches, virtual_stages)
     p, m, v = stages, micro_batches, virtual_stages
-    if name == "interleaved_1f1b":
-        return (p - 1) / (v * m + p - 1)
     if name == "zero_bubble":
         idle = p - 1 + max(0, p - m)
         return idle / (3 * m + idle)
-    return (p - 1) / (m + p - 1)
+    if input_grad_first:
+        return 2 * (p - 1) / (3 * v * m + 2 * (p - 1))
+    return (p - 1) / (v * m + p - 1)
 
 
 def show_schedule(schedule: Schedule) -> str:
@@ -364,12 +403,14 @@ def show_schedule(schedule: Schedule) -> str:
     rows = [f"{f'stage {s}':<{head}} | " + " ".join(c.ljust(width) for c in row).rstrip()
             for s, row in enumerate(cells)]
     try:
-        theory = bubble_fraction(schedule.name, schedule.stages, schedule.micro_batches, schedule.virtual_stages)
+        theory = bubble_fraction(schedule.name, schedule.stages, schedule.micro_batches, schedule.virtual_stages,
+                                 schedule.input_grad_first)
         bubble = f"bubble: theory {theory:.4f}, simulated {simulate(schedule).bubble_fraction:.4f}"
     except ValueError as error:   # a hand-made schedule still prints, with what is wrong with it
         bubble = f"bubble: none ({error})"
     title = (f"{schedule.name}: {schedule.stages} stages x {schedule.micro_batches} micro-batches"
              + (f" x {schedule.virtual_stages} chunks" if chunked else "")
              + (", backward split into B (input grad) and W (weight grad)" if schedule.split_backward else ""))
-    unsplit = "" if schedule.split_backward else "; B here is B + W, 2 units"
+    unsplit = "" if schedule.split_backward else "; B here is B + W, 2 units" + (
+        ", the cooldown's sending the input's gradient after 1" if schedule.input_grad_first else "")
     return "\n".join([title, *rows, f"{bubble} (F = B = W = 1 unit{unsplit})"])
