@@ -7,7 +7,9 @@ A step on stage s executes `schedule.actions[s]` in order (`fspeed.parallel.sche
               non-blocking send), or, on the last piece, the loss is taken
     B(m, c)   the gradient of the chunk's output (received from the next piece's stage, or the loss's
               own), back through the chunk: the input's gradient is sent back, the parameters'
-              gradients are added into the stage's accumulator
+              gradients are added into the stage's accumulator; where the schedule's B goes
+              input gradient first (`schedules.early_input_grads`: the cooldown's), the
+              linears' weight gradients are left to the end of the B, after the send, as W's are
     W(m, c)   zero-bubble schedules only: B left every linear layer's weight gradient for later
               (`_DeferredLinear`: B computes the input's gradient, W the weight's, dW = dYᵀ X);
               after its first step, zero bubble re-plans where its W's go from the stages'
@@ -172,7 +174,8 @@ class PipelineExecutor:
         self.deferred_linears = 0  # weight gradients the weight passes computed (zero bubble), all steps
         self.posted: dict = {}  # receives posted ahead: (kind, micro, piece) -> (a tuple?, [(Pending, buffer)])
         self.timeline: Optional[list] = None  # a list: each step appends (action, start, end) of its compute,
-        # receives excluded (time.perf_counter, one clock for all processes of a machine; benchmarks/pipeline.py)
+        # receives excluded (time.perf_counter, one clock for all processes of a machine; benchmarks/pipeline.py);
+        # a B that sends its input's gradient first as two: B until it is sent, then W (its weight pass)
         # zero bubble: the first step's F, B and W times re-plan where the W's go (`_replan`)
         self.replan = self.schedule.split_backward and self.stages > 1
 
@@ -317,6 +320,7 @@ class PipelineExecutor:
                 if not split:
                     store = deferred.pop((m, c))
                     if (m, c) in early:  # its weight gradients, now that the input's is on its way
+                        sent = time.perf_counter()
                         self._weight_pass(store, acc_of)
             else:  # "W": the deferred weight gradients
                 scanned = self._post_ahead(actions, i, scanned, signature)
@@ -327,7 +331,10 @@ class PipelineExecutor:
             end = time.perf_counter()
             spent[action.kind].append(end - start)
             if self.timeline is not None:
-                self.timeline.append((action, start, end))
+                if action.kind == "B" and not split and (m, c) in early:  # its two parts, as zero bubble's
+                    self.timeline += [(action, start, sent), (Action("W", m, c), sent, end)]
+                else:
+                    self.timeline.append((action, start, end))
         for pending in sends:
             pending.wait()
         self._sum_tied(acc, acc_views)
