@@ -395,9 +395,12 @@ def bubble_fraction(name: str, stages: int, micro_batches: int, virtual_stages: 
 
 
 def show_schedule(schedule: Schedule) -> str:
-    """A per-stage table `stage 0 | F0 F1 B0 ...` and a line with the theoretical and simulated bubble."""
+    """A per-stage table `stage 0 | F0 F1 B0 ...` and a line with the theoretical and simulated bubble;
+    B* marks a B that sends its input's gradient before computing the weights' (`early_input_grads`)."""
     chunked = schedule.virtual_stages > 1
-    cells = [[_label(a, chunked) for a in actions] for actions in schedule.actions]
+    early = [{("B", *e) for e in early_input_grads(schedule, s)} for s in range(schedule.stages)]
+    cells = [[_label(a, chunked) + ("*" if tuple(a) in early[s] else "") for a in actions]
+             for s, actions in enumerate(schedule.actions)]
     width = max((len(c) for row in cells for c in row), default=1)
     head = len(f"stage {schedule.stages - 1}")
     rows = [f"{f'stage {s}':<{head}} | " + " ".join(c.ljust(width) for c in row).rstrip()
@@ -412,5 +415,5 @@ def show_schedule(schedule: Schedule) -> str:
              + (f" x {schedule.virtual_stages} chunks" if chunked else "")
              + (", backward split into B (input grad) and W (weight grad)" if schedule.split_backward else ""))
     unsplit = "" if schedule.split_backward else "; B here is B + W, 2 units" + (
-        ", the cooldown's sending the input's gradient after 1" if schedule.input_grad_first else "")
+        ", B* sends the input's gradient after 1" if any(early) else "")
     return "\n".join([title, *rows, f"{bubble} (F = B = W = 1 unit{unsplit})"])
