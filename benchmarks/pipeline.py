@@ -189,7 +189,8 @@ def bubble_rows(results: dict) -> list[dict]:
                 per_stage["W"][r], per_stage["B"][r] = w, whole - w
         simulated = simulate(ran, per_stage["F"], per_stage["B"], per_stage["W"])
         stage_busy = [sum(per_stage[k][r] for k in "FBW") * m * v for r in range(len(per_rank))]
-        rows.append({"schedule": name, "first": first, "label": label(name, first), "micro": m, "virtual": v, "measured": statistics.median(fractions),
+        rows.append({"schedule": name, "first": first, "label": label(name, first), "micro": m, "virtual": v,
+                     "measured": statistics.median(fractions),
                      "quartiles": statistics.quantiles(fractions, n=4)[::2] if len(fractions) > 1 else fractions * 2,
                      "theory": theory, "simulated": simulated.bubble_fraction, "span": statistics.median(spans),
                      "kinds": kinds, "imbalance": max(stage_busy) / min(stage_busy) - 1, "ran": ran,

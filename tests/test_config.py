@@ -410,6 +410,9 @@ def test_lr_schedules_follow_the_config(scheduler, count, expected):
     (("parallel.pipe=2", "activation_checkpointing.policy=full"), "pipeline stages do not run"),
     (("parallel.pipe=2", "pipeline.activation_checkpoint_interval=1", "activation_checkpointing.policy=full",
       "activation_checkpointing.every=2"), "activation_checkpointing.every = 2: is not used by pipeline stages"),
+    (("pipeline.input_grad_first=false",), "pipeline.input_grad_first = false: applies to pipeline stages"),
+    (("parallel.pipe=2", "pipeline.schedule=zero_bubble", "pipeline.input_grad_first=false"),
+     "pipeline.input_grad_first = false: must be true with schedule zero_bubble"),
 ])
 def test_pipeline_relations_are_checked(overrides, expected):
     assert expected in error_of(*overrides)
@@ -419,3 +422,12 @@ def test_a_pipeline_with_checkpointed_groups_composes():
     run = compose_run("parallel.pipe=2", "pipeline.micro_batches=4", "pipeline.activation_checkpoint_interval=2",
                       "activation_checkpointing.policy=full")
     assert run.batch.grad_accum == 4 and run.pipeline.activation_checkpoint_interval == 2
+
+
+def test_the_input_gradient_first_switch_reaches_the_plan():
+    from fspeed.parallel.schedules import build_schedule, early_input_grads
+    for value, expected in (("true", True), ("false", False)):
+        run = compose_run("parallel.pipe=2", "pipeline.micro_batches=4", f"pipeline.input_grad_first={value}")
+        pipe = run.pipeline.to_library(4).find("pipeline")
+        assert pipe.input_grad_first is expected
+        assert bool(early_input_grads(build_schedule("1f1b", 2, 4, 1, pipe.input_grad_first), 1)) is expected

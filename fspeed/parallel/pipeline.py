@@ -161,7 +161,8 @@ def pipeline(micro_batches: int, schedule: str = "1f1b", partition: Partition = 
     default full recompute; its `every` is not used here). `input_grad_first` (gpipe, 1f1b,
     interleaved_1f1b): the backwards of the cooldown, which the previous stage waits for, send
     the input's gradient before computing the weights' (`fspeed.parallel.schedules`); False runs
-    each backward whole, as DeepSpeed and torch.distributed.pipelining do. Same numbers either way."""
+    each backward whole, as DeepSpeed and torch.distributed.pipelining do. The gradients are the
+    same up to rounding (a deferred weight gradient is added into its sum by one GEMM)."""
     from .schedules import SCHEDULES  # noqa: PLC0415 (kept light: schedules are pure data)
 
     if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:

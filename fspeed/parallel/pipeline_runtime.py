@@ -171,7 +171,8 @@ class PipelineExecutor:
         self.remat = pipe.remat if pipe.remat is not None else Remat()
         self.tie_groups: Optional[list] = None  # created by the first step (every rank), not by evaluation
         self.peak_in_flight = 0  # the most micro-batches whose forward graph this stage held at once
-        self.deferred_linears = 0  # weight gradients the weight passes computed (zero bubble), all steps
+        self.deferred_linears = 0  # weight gradients the weight passes computed (zero bubble's W's and the
+        # input-gradient-first B's), all steps
         self.posted: dict = {}  # receives posted ahead: (kind, micro, piece) -> (a tuple?, [(Pending, buffer)])
         self.timeline: Optional[list] = None  # a list: each step appends (action, start, end) of its compute,
         # receives excluded (time.perf_counter, one clock for all processes of a machine; benchmarks/pipeline.py);

@@ -28,7 +28,8 @@ Input gradient first (`input_grad_first`, the default for the unsplit schedules)
 previous stage waits for with nothing else to run, the B's after a stage's last forward (the
 cooldown; all of gpipe's) on every piece but the first, sends its input's gradient before it
 computes its weights' (the runtime defers the linears' weight GEMMs to the end of the B). Same
-actions, order, numbers and memory; the cooldown's chain of B's shortens by the W's, so the
+actions, order and in-flight bound, the same gradients up to rounding (each weight gradient is
+added into its sum by one GEMM); the cooldown's chain of B's shortens by the W's, so the
 theoretical bubble is 2(p - 1) / (3 v m + 2(p - 1)) instead of (p - 1) / (v m + p - 1)
 (`bubble_fraction`). Only the cooldown's B's: the others' upstream stage has forwards to run, and
 the deferral costs a B a few percent on small layers.
