@@ -178,8 +178,11 @@ def test_orders_are_the_reference_ones():
 
 def test_show_schedule_prints_rows_and_bubbles():
     text = show_schedule(build_schedule("1f1b", 2, 4))
-    assert "stage 0 | F0 F1 B0 F2 B1 F3 B2 B3" in text
-    assert "stage 1 | F0 B0 F1 B1 F2 B2 F3 B3*" in text and "B* sends the input's gradient after 1" in text
+    rows = [line.split() for line in text.splitlines() if line.startswith("stage")]
+    assert rows == ["stage 0 | F0 F1 B0 F2 B1 F3 B2 B3".split(), "stage 1 | F0 B0 F1 B1 F2 B2 F3 B3*".split()]
+    assert "B* sends the input's gradient after 1" in text   # the last stage's last B: stage 0 waits for it
+    whole = show_schedule(build_schedule("1f1b", 2, 4, input_grad_first=False))
+    assert "stage 1 | F0 B0 F1 B1 F2 B2 F3 B3\n" in whole and "B*" not in whole
     assert "theory 0.1429, simulated 0.1429" in text   # 2 (p - 1) / (3 m + 2 (p - 1)): the input's gradient first
     assert "theory 0.2000, simulated 0.2000" in show_schedule(build_schedule("1f1b", 2, 4, input_grad_first=False))
     assert str(build_schedule("1f1b", 2, 4)) == text
