@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -292,6 +293,16 @@ def test_a_worker_whose_agent_is_gone_does_not_start(tmp_path):
     assert proc.returncode == 1 and "its torchrun agent (pid 1) is gone" in proc.stderr and not marker.exists()
     proc = subprocess.run([sys.executable, tether.__file__, "exec", "touch", str(marker)], timeout=60)
     assert proc.returncode == 0 and marker.exists()  # no agent to check: it just execs
+
+
+def test_a_worker_killed_by_a_signal_prints_its_python_stack():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
+    abort = [sys.executable, tether.__file__, "exec", sys.executable, "-c", "import os\ndef where(): os.abort()\nwhere()"]
+    proc = subprocess.run(abort, capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == -signal.SIGABRT
+    assert "Fatal Python error: Aborted" in proc.stderr and "in where" in proc.stderr
+    proc = subprocess.run(abort, capture_output=True, text=True, env={**env, "PYTHONFAULTHANDLER": ""}, timeout=60)
+    assert proc.returncode == -signal.SIGABRT and "Fatal Python error" not in proc.stderr  # the user's choice kept
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,10 @@ torchrun starts each worker in a session of its own, so a worker outlives an age
   the agent reads end-of-file and sends itself SIGTERM, which torchrun turns into a shutdown of
   its workers (SIGTERM, then SIGKILL after its timeout).
 
+A worker runs with Python's fault handler on (`PYTHONFAULTHANDLER=1` unless the user set it):
+a rank that dies of SIGSEGV, SIGABRT, SIGBUS or SIGFPE prints every thread's Python stack to its
+stderr, so the launcher's "killed by SIGABRT" comes with where it was.
+
 Outside Linux there is no parent-death signal: the worker tether then only execs the program,
 and the agent says so once.
 """
@@ -93,6 +97,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if die_with_parent() and agent is not None and os.getppid() != int(agent):
         sys.exit(f"fspeed: worker not started: its torchrun agent (pid {agent}) is gone")
     program = worker_argv(argv[0], argv[1], argv[2:])
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")  # a rank killed by a signal prints its Python stacks
     sys.stdout.flush()
     sys.stderr.flush()
     try:
