@@ -21,6 +21,8 @@ per-operation Python cost of zero bubble's split backward is a visible share of 
 Last lines (1F1B, 8 micro-batches unless said): pipeline_bubble_over_theory (1F1B with each backward
 whole, the issue's, against its theory), pipeline_bubble_over_sim (the same over the bubble the stages'
 measured, unequal costs leave), ..._input_grad_first (the same two for fspeed's default 1F1B),
+pipeline_transfer_lag_ms (1F1B with each backward whole: how long after its input was produced and
+its stage free an action that takes a transfer starts, the part of the bubble the transfers make),
 pipeline_step_time_vs_torch (fspeed's default / torch, median of steps in turn), ..._whole_backward
 (fspeed with each backward whole / torch), zero_bubble_over_1f1b (4 micro-batches, step span, against
 1F1B with each backward whole: the issue's figure, theory 0.867), zero_bubble_over_1f1b_input_grad_first
@@ -102,7 +104,8 @@ def measure_bubbles(args: argparse.Namespace, micro_batches: int) -> dict:
             if i >= args.warmup:
                 steps[key].append({"busy": {k: sum(e - s for a, s, e in t if a.kind == k) for k in "FBW"},
                                    "count": {k: sum(a.kind == k for a, _, _ in t) for k in "FBW"},
-                                   "start": t[0][1], "end": t[-1][2], "schedule": executor.schedule})
+                                   "start": t[0][1], "end": t[-1][2], "schedule": executor.schedule,
+                                   "actions": [(a.kind, a.micro, a.chunk, s, e) for a, s, e in t]})
     return steps
 
 
@@ -167,13 +170,32 @@ def compare_step_time(args: argparse.Namespace, micro_batches: int) -> dict:
     return {"times": times, "losses": losses, "bounds": bounds}
 
 
+def transfer_lag(stages: list[dict]) -> float:
+    """Of one step on 2 stages, one chunk each: the mean over the actions that take another stage's
+    output (stage 1's F's, stage 0's B's) of how long after it was both produced and wanted (the
+    producer's action ended, this stage's previous action ended) the action started: the transfer
+    and what surrounds it, which the theory and the simulation take as free."""
+    ends = {(r, kind, m): e for r, st in enumerate(stages) for kind, m, _, _, e in st["actions"]}
+    lags = []
+    for r, st in enumerate(stages):
+        previous = st["start"]
+        for kind, m, _, start, end in st["actions"]:
+            producer = (0, "F", m) if (r, kind) == (1, "F") else (1, "B", m) if (r, kind) == (0, "B") else None
+            if producer is not None:
+                lags.append(start - max(previous, ends[producer]))
+            previous = end
+    return statistics.fmean(lags) if lags else float("nan")
+
+
 def bubble_rows(results: dict) -> list[dict]:
     rows = []
     for (name, m, v, first), per_rank in results.items():
-        fractions, spans = [], []
+        fractions, spans, lags = [], [], []
         for k in range(len(per_rank[0])):
             stages = [r[k] for r in per_rank]
             span = max(s["end"] for s in stages) - min(s["start"] for s in stages)
+            if v == 1:
+                lags.append(transfer_lag(stages))
             fractions.append(1 - sum(sum(s["busy"].values()) for s in stages) / (len(stages) * span))
             spans.append(span)
         theory = bubble_fraction(name, 2, m, v, first)
@@ -193,6 +215,7 @@ def bubble_rows(results: dict) -> list[dict]:
                      "measured": statistics.median(fractions),
                      "quartiles": statistics.quantiles(fractions, n=4)[::2] if len(fractions) > 1 else fractions * 2,
                      "theory": theory, "simulated": simulated.bubble_fraction, "span": statistics.median(spans),
+                     "lag": statistics.median(lags) if lags else float("nan"),
                      "kinds": kinds, "imbalance": max(stage_busy) / min(stage_busy) - 1, "ran": ran,
                      "busier": stage_busy.index(max(stage_busy)), "per_stage": per_stage})
     return rows
@@ -205,14 +228,16 @@ def print_bubbles(rows: list[dict]) -> None:
     print("(theory: equal stages, F = B = W, free communication; sim: the schedule simulated with each stage's\n"
           " measured F, B, W costs, free communication: what the stages' unequal work alone leaves; imb: the\n"
           " busier stage's work over the other's, - 1; step ms: median first start to last end over both\n"
-          " stages; F/B/W ms: a stage's total per step)")
+          " stages; F/B/W ms: a stage's total per step; lag ms: how long after its input was produced and\n"
+          " the stage was free an action that takes a transfer started, mean per action, median over steps)")
     print(f"{'schedule':<18}{'micro':>6}{'v':>3}{'measured':>10}{'theory':>9}{'ratio':>7}{'sim':>7}{'/sim':>6}"
-          f"{'imb':>6}{'step ms':>9}{'F ms':>8}{'B ms':>8}{'W ms':>8}")
+          f"{'imb':>6}{'step ms':>9}{'F ms':>8}{'B ms':>8}{'W ms':>8}{'lag ms':>8}")
     for r in rows:
         k = r["kinds"]
         print(f"{r['label']:<18}{r['micro']:>6}{r['virtual']:>3}{r['measured']:>10.3f}{r['theory']:>9.3f}"
               f"{r['measured'] / r['theory']:>7.2f}{r['simulated']:>7.3f}{r['measured'] / r['simulated']:>6.2f}"
-              f"{r['imbalance']:>6.1%}{r['span'] * 1e3:>9.1f}{k['F'] * 1e3:>8.1f}{k['B'] * 1e3:>8.1f}{k['W'] * 1e3:>8.1f}")
+              f"{r['imbalance']:>6.1%}{r['span'] * 1e3:>9.1f}{k['F'] * 1e3:>8.1f}{k['B'] * 1e3:>8.1f}{k['W'] * 1e3:>8.1f}"
+              f"{r['lag'] * 1e3:>8.2f}")
 
 
 def deepspeed_times(args: argparse.Namespace, micro_batches: int) -> tuple[list[float] | None, str]:
@@ -286,7 +311,9 @@ def main() -> None:
               f"({row['measured'] / row['theory']:.3f}x; the steps' quartiles {row['quartiles'][0] / row['theory']:.3f}"
               f" and {row['quartiles'][1] / row['theory']:.3f}). The stages' work differs by {row['imbalance']:.1%} "
               f"(stage {row['busier']}, {holds}, is the busier); with their measured F, B, W the schedule simulates "
-              f"{row['simulated']:.3f}: measured over that {row['measured'] / row['simulated']:.3f}")
+              f"{row['simulated']:.3f}: measured over that {row['measured'] / row['simulated']:.3f}; an action that "
+              f"takes a transfer starts {row['lag'] * 1e3:.2f} ms after its input was produced and the stage was "
+              f"free ({2 * row['micro']} such actions a step)")
     w_over_f = one_f["per_stage"]["W"][1] / one_f["per_stage"]["F"][1]
     print(f"  (the theory of the input gradient first takes W = F; here the last stage's weight pass is {w_over_f:.2f} of"
           " its forward, so it saves less than the theory says)")
@@ -294,6 +321,7 @@ def main() -> None:
     print(f"pipeline_bubble_over_sim={whole['measured'] / whole['simulated']:.3f}")
     print(f"pipeline_bubble_over_theory_input_grad_first={one_f['measured'] / one_f['theory']:.3f}")
     print(f"pipeline_bubble_over_sim_input_grad_first={one_f['measured'] / one_f['simulated']:.3f}")
+    print(f"pipeline_transfer_lag_ms={whole['lag'] * 1e3:.2f}")
     print(f"pipeline_step_time_vs_torch={ratios[8][0]:.3f}")
     print(f"pipeline_step_time_vs_torch_whole_backward={ratios[8][3]:.3f}")
     zb, whole4, first4 = by[("zero_bubble", 4, True)], by[("1f1b", 4, False)], by[("1f1b", 4, True)]
