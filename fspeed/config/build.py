@@ -29,14 +29,15 @@ def one_cycle_first_step_size(run: RunConfig) -> int:
     return size if size is not None else max(1, run.train.steps // 2)
 
 
-def build_lr_schedule(run: RunConfig) -> schedules.Schedule:
+def build_lr_schedule(run: RunConfig, lr: Optional[float] = None) -> schedules.Schedule:
     """The learning rate as a function of the number of applied updates.
 
     DeepSpeed semantics: WarmupLR/WarmupDecayLR with warmup_max_lr null warm up to the optimizer's
     lr; WarmupCosineLR scales the optimizer's lr; OneCycle and LRRangeTest set the lr themselves
-    (the optimizer's lr is ignored, as in DeepSpeed). total_num_steps null = train.steps.
+    (the optimizer's lr is ignored, as in DeepSpeed). total_num_steps null = train.steps. `lr`: the
+    optimizer's lr when it is not the config's (a client optimizer's); None: optimizer.lr.
     """
-    sched, lr = run.scheduler, run.optimizer.lr
+    sched, lr = run.scheduler, run.optimizer.lr if lr is None else lr
     total = getattr(sched, "total_num_steps", None) or run.train.steps
     if sched.name == "constant":
         return schedules.constant(lr)
