@@ -21,7 +21,7 @@ from ..monitor import TRAIN_COLUMNS, CSVMonitor, MissingExtraError, Monitors, Te
 from ..parallel import gather_params
 from ..plot import lr_range_test_pick, plot_lr_range_test
 from ..profile import FlopsProfile, flops, measure_peak_tflops, report, step_tflops
-from ..timers import METRIC_KEYS, StepTimers
+from ..timers import METRIC_KEYS, StepTimers, breakdown_line
 from ..train_step import on_device, split_micro_batches
 
 THROUGHPUT_COLUMNS = ("tflops", "mfu")
@@ -136,6 +136,31 @@ class FlopsWatch:
             print(text, flush=True)
 
 
+def progress_line(row: dict[str, Any]) -> str:
+    """A step's progress line (every steps_per_print steps): step, loss, lr, grad norm, throughput,
+    then what the run adds (curriculum, layer drop, loss scale, validation, TFLOPS, breakdown)."""
+    parts = [f"step {row['step']}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.3e}",
+             f"grad_norm {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in row
+             else f"{row['samples_per_s']:,.1f} samples/s"]
+    if "curriculum_seqlen" in row:
+        parts.append(f"seqlen {row['curriculum_seqlen']}")
+    if "curriculum_difficulty" in row:
+        parts.append(f"difficulty {row['curriculum_difficulty']}")
+    if "pld_theta" in row:
+        parts.append(f"pld_theta {row['pld_theta']:.3f}")
+    if row.get("loss_scale", 1.0) != 1.0:
+        parts.append(f"loss_scale {row['loss_scale']:g}")
+    if row.get("skipped"):
+        parts.append("SKIPPED (overflow)")
+    if "val_loss" in row:
+        parts.append(f"val_loss {row['val_loss']:.4f}")
+    if "tflops" in row:
+        parts.append(f"{row['tflops']:.3g} TFLOPS (MFU {row['mfu']:.1%})")
+    if "fwd_ms" in row:
+        parts.append(breakdown_line(row))
+    return " | ".join(parts)
+
+
 def finish_lr_range_test(curve: list[tuple[float, float]], out_dir: Path) -> Optional[float]:
     """The LR range test's end: print the suggested lr and write `lr_range_test.png` (loss vs lr, the
     pick marked); without matplotlib the pick is still printed, with the extra to install."""
@@ -171,4 +196,4 @@ def _to_plain(value: Any) -> Any:
 
 
 __all__ = ["FlopsWatch", "check_monitor_packages", "finish_lr_range_test", "metric_columns", "metrics_csv_path",
-           "open_monitors", "step_timers"]
+           "open_monitors", "progress_line", "step_timers"]

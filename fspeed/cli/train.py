@@ -54,10 +54,10 @@ from ..parallel import (CommLog, Mesh, Plan, estimate_memory, init_distributed, 
                         shutdown_distributed, tensor_slicing, zero)
 from ..parallel.memory import state_bytes_per_parameter
 from ..train_init import init_train_state
-from ..timers import METRIC_KEYS, breakdown_line, breakdown_summary
+from ..timers import METRIC_KEYS, breakdown_summary
 from ..train_step import NonFiniteError, make_eval_step, make_train_step, split_micro_batches
 from .observe import (FlopsWatch, check_monitor_packages, finish_lr_range_test, metrics_csv_path, open_monitors,
-                      step_timers)
+                      progress_line, step_timers)
 from .run_batches import LOADER_KEY, RunBatches
 from .run_data import prepare_data
 from .stop_requests import StopRequests, TrainingStopped
@@ -388,26 +388,7 @@ def _progress_bar(run: RunConfig, start: int, total: int):
 
 
 def _log_line(row: dict[str, Any], bar) -> None:
-    parts = [f"step {row['step']}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.3e}",
-             f"grad_norm {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in row
-             else f"{row['samples_per_s']:,.1f} samples/s"]
-    if "curriculum_seqlen" in row:
-        parts.append(f"seqlen {row['curriculum_seqlen']}")
-    if "curriculum_difficulty" in row:
-        parts.append(f"difficulty {row['curriculum_difficulty']}")
-    if "pld_theta" in row:
-        parts.append(f"pld_theta {row['pld_theta']:.3f}")
-    if row.get("loss_scale", 1.0) != 1.0:
-        parts.append(f"loss_scale {row['loss_scale']:g}")
-    if row.get("skipped"):
-        parts.append("SKIPPED (overflow)")
-    if "val_loss" in row:
-        parts.append(f"val_loss {row['val_loss']:.4f}")
-    if "tflops" in row:
-        parts.append(f"{row['tflops']:.3g} TFLOPS (MFU {row['mfu']:.1%})")
-    if "fwd_ms" in row:
-        parts.append(breakdown_line(row))
-    line = " | ".join(parts)
+    line = progress_line(row)
     if bar is not None:
         bar.write(line, file=sys.stderr)
     else:
