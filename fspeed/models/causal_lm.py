@@ -28,7 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .head_loss import IGNORE_INDEX
+from ..torch_internals import unwrapped
+from .head_loss import IGNORE_INDEX, loss_dtype
+from .module_tp import is_plain_op
 
 
 def causal_lm_loss(outputs: Any, batch: Any) -> torch.Tensor:
@@ -37,14 +39,16 @@ def causal_lm_loss(outputs: Any, batch: Any) -> torch.Tensor:
     logits = outputs if isinstance(outputs, torch.Tensor) else outputs["logits"] if isinstance(outputs, dict) \
         else outputs.logits
     labels = labels_of(batch)
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+    shifted = logits[:, :-1].flatten(0, 1)
+    return F.cross_entropy(shifted.to(loss_dtype(shifted.dtype)), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
 
 
 causal_lm_loss.fuses_head = True  # functionalize runs the output head and this loss as one op
 
 
 def output_head(module: nn.Module, name: str) -> nn.Linear:
-    """The module's output head, checked for fusing: its `get_output_embeddings()`, a Linear without bias."""
+    """The module's output head, checked for fusing: its `get_output_embeddings()`, a plain `nn.Linear`
+    (that exact class and forward: a subclass may compute more than the matmul) without bias."""
     get = getattr(module, "get_output_embeddings", None)
     head = get() if callable(get) else None
     if not isinstance(head, nn.Linear):
@@ -52,6 +56,11 @@ def output_head(module: nn.Module, name: str) -> nn.Linear:
                          f"(get_output_embeddings() gave {type(head).__name__}): give functionalize a loss_fn of "
                          "your own, e.g. lambda outputs, batch: fs.causal_lm_loss(outputs, batch) computes the same "
                          "loss from the logits")
+    if not is_plain_op(head):
+        raise ValueError(f"causal_lm_loss fuses the output head with the loss, and {name}'s head is a "
+                         f"{type(head).__name__} whose forward is not nn.Linear's own (it may compute more than the "
+                         "matmul); give functionalize lambda outputs, batch: fs.causal_lm_loss(outputs, batch) "
+                         "(unfused)")
     if head.bias is not None:
         raise ValueError(f"causal_lm_loss: {name}'s output head has a bias, which the fused head and loss does not "
                          "take; give functionalize lambda outputs, batch: fs.causal_lm_loss(outputs, batch) (unfused)")
@@ -76,9 +85,10 @@ class FusedHead:
         """The loss as the module handed it back (under a plan, through its unit's route, which
         carries the gradient to the head's parameters), checked to be the head's own result."""
         logits = outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None)
-        # the same storage (a unit's route may hand it back as a view): no device sync, unlike comparing values
+        # the same storage (a unit's route may hand it back as a view; under torch.func, below its
+        # wrappers): no device sync, unlike comparing values
         if self.result is None or not isinstance(logits, torch.Tensor) or logits.dim() != 0 or \
-                logits.data_ptr() != self.result.data_ptr():
+                unwrapped(logits).data_ptr() != unwrapped(self.result).data_ptr():
             raise ValueError(f"causal_lm_loss: {name} changes its logits after the output head (a scale, soft-capping, "
                              "a slice), so the head cannot be fused with the loss; give functionalize "
                              "lambda outputs, batch: fs.causal_lm_loss(outputs, batch) (unfused)")
@@ -109,7 +119,13 @@ def head_axes(style: Optional[str]) -> dict[str, str]:
         return {"vocab_axis": "tp_out"}
     if style == "embedding_rowwise":  # an embedding's weight used as the head: its rows are the vocabulary
         return {"vocab_axis": "vocab"}
-    return {"in_axis": "tp_in"} if style == "rowwise" else {}
+    if style == "rowwise":
+        return {"in_axis": "tp_in"}
+    if style is not None:
+        raise ValueError(f"causal_lm_loss fuses the output head with the loss, which takes a head sliced colwise, "
+                         f"rowwise or embedding_rowwise, not {style!r}; pass loss_fn=lambda outputs, batch: "
+                         "fs.causal_lm_loss(outputs, batch) (unfused) or change the head's style")
+    return {}
 
 
 def fused_tail(hidden: torch.Tensor, weight: torch.Tensor, micro_batch: Any, ops: Any, **axes: str) -> torch.Tensor:

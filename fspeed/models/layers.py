@@ -36,7 +36,7 @@ from ..rng import layer_generators
 from .fused_ops import fused_forwards
 from .model import Model
 from .module import FP32_MODULES, TP_AXES, Slots, fp32_forward, nested, restore_forwards, set_forwards
-from .module_tp import explain_failure, logical_axes_of, styles_of, tp_forward
+from .module_tp import explain_failure, is_plain_op, logical_axes_of, styles_of, tp_forward
 from .ops import DENSE
 
 
@@ -308,16 +308,16 @@ def _fused_head(modules: Sequence[Any], entries: list, styles: Mapping[str, str]
     from .causal_lm import fused_tail, head_axes  # noqa: PLC0415 (causal_lm imports the module helpers)
 
     last, (_, prefix, module, _) = modules[-1], entries[-1]
-    if isinstance(last, nn.Linear) and last.bias is None:
+    if isinstance(last, nn.Linear) and is_plain_op(last) and last.bias is None:
         weight = "weight"
     elif isinstance(last, TiedLayer) and isinstance(last.forward, _HeadOf):
         module.get_parameter(last.forward.name)  # names a parameter of the module, or raises naming it
         weight = last.forward.name
     else:
         raise ValueError(f"sequential(loss_fn=fs.causal_lm_loss) fuses the last layer, the output head, with the loss, "
-                         f"and the last layer is {type(last).__name__}: make it an nn.Linear without bias or "
-                         "fs.models.TiedLayer(key, module, forward=fs.models.head_of('weight')), or pass "
-                         "loss_fn=lambda logits, batch: fs.causal_lm_loss(logits, batch) (unfused)")
+                         f"and the last layer is {type(last).__name__}: make it an nn.Linear (that class, its own "
+                         "forward) without bias or fs.models.TiedLayer(key, module, forward=fs.models.head_of("
+                         "'weight')), or pass loss_fn=lambda logits, batch: fs.causal_lm_loss(logits, batch) (unfused)")
     axes = head_axes(styles.get(f"{prefix}.{weight}".rsplit(".", 1)[0]))
 
     def tail(params: PyTree, x: torch.Tensor, micro_batch: Any, *, ops: Any = DENSE) -> torch.Tensor:

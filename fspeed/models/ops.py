@@ -65,6 +65,15 @@ class DenseOps:
         """`x` whole along its last dim (sliced over `axis` under tensor slicing)."""
         return x
 
+    def split(self, x: torch.Tensor, *, axis: Optional[str] = None) -> torch.Tensor:
+        """This rank's slice of a whole `x` along its last dim (sliced over `axis` under tensor slicing)."""
+        return x
+
+    def sum_grads(self, x: torch.Tensor, *, axis: Optional[str] = None) -> torch.Tensor:
+        """`x`, whose gradient is summed over the ranks that slice `axis` (a replicated parameter used on
+        each rank's own slice, e.g. a norm over each rank's heads)."""
+        return x
+
     def local(self, size: int, axis: str) -> int:
         """How many of `size` items along logical `axis` this rank holds (e.g. attention heads)."""
         return size

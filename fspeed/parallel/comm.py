@@ -641,6 +641,20 @@ class _GatherFromGroup(torch.autograd.Function):
         return grad.chunk(ctx.comm.size, dim=-1)[ctx.comm.rank].contiguous(), None
 
 
+class _SplitToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(x, comm):
+        return x.chunk(comm.size, dim=-1)[comm.rank].contiguous()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.comm = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.gathered(grad.movedim(-1, 0).contiguous()).movedim(0, -1), None
+
+
 class _ReduceInGroup(torch.autograd.Function):
     @staticmethod
     def forward(x, comm):
@@ -664,6 +678,12 @@ def gather_from_group(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     """Every rank's `x` concatenated along the last dim; the gradient keeps this rank's part
     (Megatron's gather: a column-parallel layer's output made whole)."""
     return x if comm.size == 1 else _GatherFromGroup.apply(x, comm)
+
+
+def split_to_group(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
+    """This rank's slice of `x` along the last dim; the gradient is every rank's concatenated
+    (Megatron's scatter: a whole input entering a row-parallel layer)."""
+    return x if comm.size == 1 else _SplitToGroup.apply(x, comm)
 
 
 def reduce_in_group(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.head_loss import head_loss
-from .comm import AxisComm, all_reduce_max, copy_to_group, gather_from_group, reduce_in_group
+from .comm import AxisComm, all_reduce_max, copy_to_group, gather_from_group, reduce_in_group, split_to_group
 from .plan import COMPUTE, ParamEntry, Placement, Plan
 from .specs import AxisEntry, Rules, _rule_items, local_shape, logical_to_spec
 
@@ -109,6 +109,15 @@ class TensorSlicedOps:
         """`x` whole along its last dim when that dim is the sliced logical `axis` (a
         column-parallel output made whole, e.g. the logits a Hugging Face head computes its loss from)."""
         return gather_from_group(x, self.model) if axis in self.tensor_axes else x
+
+    def split(self, x: torch.Tensor, *, axis: Optional[str] = None) -> torch.Tensor:
+        """This rank's slice of a whole `x` along its last dim when that dim is the sliced `axis` (the
+        input of a row-parallel layer that the model computes whole); the gradient is gathered."""
+        return split_to_group(x, self.model) if axis in self.tensor_axes else x
+
+    def sum_grads(self, x: torch.Tensor, *, axis: Optional[str] = None) -> torch.Tensor:
+        """`x` as it is; its gradient summed over `model` when `axis` is sliced (each rank's is partial)."""
+        return copy_to_group(x, self.model) if axis in self.tensor_axes else x
 
     def head_loss(self, x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, *,
                   norm: Callable[..., torch.Tensor] = lambda x: x, norm_params: Sequence[torch.Tensor] = (),
