@@ -12,7 +12,12 @@
 Every key of the config is applied through the same path fspeed-train takes (translation,
 Hydra's composition, validation): the batch triad and gradient accumulation, precision, the ZeRO
 plan and mesh, tensor slicing (`tensor_parallel.autotp_size`, for modules with a tp_plan),
-clipping, the optimizer and its lr schedule, the comm log. The `Engine` is a thin stateful shell
+clipping, the optimizer and its lr schedule, the comm log, and fspeed-train's monitors (CSV,
+TensorBoard, W&B), wall-clock breakdown and progress line every `steps_per_print` steps
+(`engine_monitor`). A client optimizer (an fspeed one, a torch optimizer instance or a callable
+building one) gets the config's clipping and scheduler, and a client `lr_scheduler` replaces the
+config's, as in DeepSpeed (`engine_optimizer`). An external Megatron-style `mpu` gives the mesh
+its groups (`Mesh.from_mpu`). The `Engine` is a thin stateful shell
 over the functional core: `engine.state` is the TrainState, `engine.train_step` the step;
 `engine(batch)` runs one micro-batch's forward and backward (its gradient goes where the plan
 reduces it) and returns its loss, `backward` checks the loop's order, `step` applies the update
@@ -36,12 +41,13 @@ from .models import Model, functionalize, to_module, traced_layers
 from .models.decoder_layers import decoder_layers_to_module, sliceable_layers
 from .models.layer_drop import PLD_BATCH_KEY, step_layer_drop, supports_layer_drop
 from .models.module import ModuleLoss, output_loss
+from .engine_monitor import EngineMonitor
+from .engine_optimizer import engine_optimizer
 from .optim.base import GradientTransformation
 from .parallel import CommLog, Mesh, Plan, gather_params, init_distributed, profiled_partition, tensor_slicing, zero
 from .pytree import PyTree
 from .train_init import init_train_state
 from .train_state import TrainState
-from .timers import StepTimers
 from .train_step import TrainStep, make_eval_step, make_train_step, stack_micro_batches
 
 log = logging.getLogger("fspeed")
@@ -52,7 +58,8 @@ class Engine:
 
     def __init__(self, model: Model, module: Optional[nn.Module], state: TrainState, train_step: TrainStep,
                  plan: Optional[Plan], mesh: Optional[Mesh], run, schedule,
-                 into_module: Callable[[PyTree, nn.Module, PyTree], nn.Module] = to_module):
+                 into_module: Callable[[PyTree, nn.Module, PyTree], nn.Module] = to_module,
+                 monitor: Optional[EngineMonitor] = None):
         self.model, self._module, self.state, self.train_step = model, module, state, train_step
         self._into_module = into_module  # how `module` puts the model's parameters into the nn.Module
         self.plan, self.mesh, self.config = plan, mesh, run
@@ -64,6 +71,7 @@ class Engine:
         self.metrics: dict[str, Any] = {}
         self._curriculum = run.curriculum.to_schedule()
         self._pld = run.progressive_layer_drop if run.progressive_layer_drop.enabled else None
+        self._monitor = monitor if monitor is not None else EngineMonitor(run, lead=False)
 
     def _efficiency(self, batch: PyTree) -> PyTree:
         """The batch as this step's curriculum length and layer drop make it (DeepSpeed passes them
@@ -95,6 +103,7 @@ class Engine:
             raise RuntimeError("engine(batch) was called twice without engine.backward(loss) in between "
                                "(DeepSpeed's loop: loss = engine(batch); engine.backward(loss); engine.step())")
         if self._step is None:
+            self._monitor.step_begins()
             self._step = self.train_step.begin(self.state)
         self._pending_loss = self.train_step.micro(self._step, self.state, self._efficiency(batch))
         return self._pending_loss
@@ -117,6 +126,7 @@ class Engine:
             self.state, self.metrics = self.train_step.boundary(self._step, self.state)
             self.metrics.update(self._efficiency_metrics(step))
             self._step = None
+            self._monitor.step_done(self.state, self.metrics)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the micro-batches of this step are all in (the next `step()` applies them)."""
@@ -132,8 +142,10 @@ class Engine:
             batch = stack_micro_batches([next(data_iter) for _ in range(self.train_step.grad_accum)])
         if batch is not None:
             step = self.state.step
+            self._monitor.step_begins()
             self.state, self.metrics = self.train_step(self.state, self._efficiency(batch))
             self.metrics.update(self._efficiency_metrics(step))
+            self._monitor.step_done(self.state, self.metrics)
         else:
             for _ in range(self.train_step.grad_accum):
                 self.backward(self(next(data_iter)))
@@ -143,6 +155,12 @@ class Engine:
     def eval_batch(self, batch: PyTree) -> float:
         """The loss of `batch` without gradients, in eval mode (a collective under a plan)."""
         return self.eval_step(self.state, batch)
+
+    def close(self) -> None:
+        """Close the monitors (after the comm log's totals, under a plan); DeepSpeed's `destroy`."""
+        self._monitor.close(self.mesh)
+
+    destroy = close
 
     # -- state -------------------------------------------------------------------------------
 
@@ -205,36 +223,51 @@ class Engine:
 
 
 def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: Optional[Callable] = None,
-               model_parameters: Optional[Sequence] = None, optimizer: Optional[GradientTransformation] = None,
-               lr_scheduler: Any = None, training_data: Any = None, collate_fn: Optional[Callable] = None,
-               overrides: Sequence[str] = (), tp_plan: Union[str, dict, None] = None,
-               mesh: Optional[Mesh] = None, fused_ops: bool = True) -> tuple[Engine, GradientTransformation, Any, Any]:
+               model_parameters: Optional[Sequence] = None, optimizer: Any = None, lr_scheduler: Any = None,
+               training_data: Any = None, collate_fn: Optional[Callable] = None, overrides: Sequence[str] = (),
+               tp_plan: Union[str, dict, None] = None, mesh: Optional[Mesh] = None, mpu: Any = None,
+               fused_ops: bool = True) -> tuple[Engine, GradientTransformation, Any, Any]:
     """DeepSpeed's `initialize` (module docstring): returns (engine, optimizer, training data
-    loader or None, lr schedule). `config` is a ds_config (a dict or a JSON path) or None (fspeed's
-    defaults); `overrides` are fspeed's Hydra keys on top. `loss_fn(outputs, batch)` is an
+    loader or None, lr schedule or None). `config` is a ds_config (a dict or a JSON path) or None
+    (fspeed's defaults); `overrides` are fspeed's Hydra keys on top. `loss_fn(outputs, batch)` is an
     `nn.Module`'s loss (default: `outputs.loss`, as a Hugging Face model given labels returns, or a
-    scalar output; a Model has its own). `model_parameters`: torch-style parameter groups
-    (`deepspeed_groups`); `lr_scheduler`: the config's scheduler is used (an object is refused).
+    scalar output; a Model has its own). `model_parameters`: torch-style parameter groups.
+    `optimizer`: None (the config's), an fspeed GradientTransformation, a torch optimizer instance
+    or a callable `optimizer(params)` building one; `lr_scheduler`: a torch LR scheduler, a callable
+    `lr_scheduler(optimizer)` building one, or an fspeed schedule of the step (`engine_optimizer`).
+    `mpu`: a Megatron-style model-parallel unit whose groups become the mesh (`Mesh.from_mpu`).
     `fused_ops`: an `nn.Module`'s Python tanh-GELUs run as torch's fused kernel (`functionalize`'s
     argument; False runs the module's own ops)."""
     from .config.build import (  # noqa: PLC0415
-        apply_activation_checkpointing, build_device, build_lr_schedule, build_optimizer, build_precision,
-        build_zero_config,
+        apply_activation_checkpointing, build_device, build_precision, build_zero_config,
     )
+    from .cli.observe import step_timers  # noqa: PLC0415
     from .config.compose import compose_run_config  # noqa: PLC0415
 
-    if lr_scheduler is not None:
-        raise ValueError("initialize: lr_scheduler objects are not taken; set the scheduler block of the config "
-                         "(fspeed's schedules are functions of the step inside the optimizer)")
+    if mpu is not None and mesh is not None:
+        raise ValueError("initialize: pass mesh= or mpu=, not both (a Mesh serves the mpu interface itself)")
     retain_freed_host_memory()  # host_memory's docstring
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else _env_world()
     if world > 1 and not torch.distributed.is_initialized():
         init_distributed()
-    probe, _ = compose_run_config(config, overrides, dp_world_size=1)
-    tensor, pipe = probe.parallel.tensor, probe.parallel.pipe
-    data = probe.parallel.data if probe.parallel.data > 0 else max(1, world // (tensor * pipe))
-    run, _ = compose_run_config(config, overrides, dp_world_size=data)
-    _refuse_cli_monitors(run)
+
+    def compose(extra: Sequence[str], data: int):
+        return compose_run_config(config, [*overrides, *extra], dp_world_size=data, defaults=ENGINE_DEFAULTS,
+                                  run_dir=".")[0]
+
+    extra: list[str] = []
+    probe = compose(extra, 1)
+    if lr_scheduler is not None:
+        extra += _client_scheduler_overrides(probe, overrides)
+    if mpu is not None:
+        mesh = Mesh.from_mpu(mpu, log=CommLog(enabled=probe.comms_logger.enabled, verbose=probe.comms_logger.verbose))
+        extra += _mpu_overrides(probe, mesh)
+        data, tensor, pipe = mesh.size("data"), mesh.size("model"), mesh.size("pipe")
+    else:
+        tensor, pipe = probe.parallel.tensor, probe.parallel.pipe
+        data = probe.parallel.data if probe.parallel.data > 0 else max(1, world // (tensor * pipe))
+    run = compose(extra, data)
+    _refuse_cli_only(run)
     module = model if isinstance(model, nn.Module) else None
     example = None  # the first micro-batch, when one is taken (tracing a module into pipeline layers)
     into_module = to_module  # how engine.module puts the trained parameters back into the module
@@ -266,12 +299,7 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
                          "fspeed.models.layer_drop)")
     model, _ = apply_activation_checkpointing(run, model)  # its profile: fspeed-train reports it
     precision = build_precision(run)
-    schedule = build_lr_schedule(run) if optimizer is None else None
-    optimizer = optimizer if optimizer is not None else build_optimizer(run)
-    if model_parameters is not None:
-        groups = deepspeed_groups(module, model_parameters, run)
-        if groups is not None:
-            optimizer = _grouped(optimizer, groups)
+    optimizer, schedule = engine_optimizer(optimizer, lr_scheduler, module, model_parameters, run)
     if pipe > 1 and model.layers is None:
         raise ValueError(f"initialize: parallel.pipe={pipe} (DeepSpeed's pipeline stages) cuts the model at its "
                          f"layers, and {model.name} has none: pass the nn.Module itself (traced into layers), "
@@ -295,8 +323,12 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
                              mesh=mesh if plan is not None else None, model=model)
     step = make_train_step(model if pipe > 1 else model.loss, optimizer, grad_accum=run.batch.grad_accum, plan=plan,
                            mesh=mesh if plan is not None else None,
-                           timers=StepTimers() if run.wall_clock_breakdown else None)  # breakdown in engine.metrics
-    engine = Engine(model, module, state, step, plan, mesh if plan is not None else None, run, schedule, into_module)
+                           timers=step_timers(run))  # the breakdown: in engine.metrics and the progress line
+    lead = plan is None or mesh.rank == 0
+    efficiency = (("curriculum_seqlen",) if run.curriculum.enabled else ()) + \
+        (("pld_theta",) if run.progressive_layer_drop.enabled else ())
+    engine = Engine(model, module, state, step, plan, mesh if plan is not None else None, run, schedule, into_module,
+                    EngineMonitor(run, lead, efficiency))
     loader = _loader(training_data, collate_fn, run, mesh if plan is not None else None)
     log.info("initialize: %s, %s, batch %s, optimizer %s, precision %s", model.name,
              f"{plan!r} on {mesh!r}" if plan is not None else "one process", run.batch.derivation, optimizer,
@@ -325,17 +357,58 @@ def _example_micro_batch(training_data: Any, collate_fn: Optional[Callable], row
     return (collate_fn or default_collate)([training_data[i] for i in range(min(rows, len(training_data)))])
 
 
-def _refuse_cli_monitors(run) -> None:
-    """The monitors and the flops profiler run in fspeed-train's loop; an engine's caller logs
-    `engine.metrics` itself, so a config asking the engine for them is an error, not ignored."""
+ENGINE_DEFAULTS = ("monitor.csv=false", "monitor.progress_bar=false")
+"""The engine's own defaults under the config: DeepSpeed's monitors are off unless a block turns
+them on (fspeed-train writes metrics.csv by default), and the engine draws no progress bar."""
+
+
+def _refuse_cli_only(run) -> None:
+    """What only fspeed-train's loop runs is an error when a config asks the engine for it."""
     from .config import ConfigError, Problem  # noqa: PLC0415
 
-    asked = [key for key, on in (("monitor.tensorboard", run.monitor.tensorboard), ("monitor.wandb", run.monitor.wandb),
-                                 ("flops_profiler.enabled", run.flops_profiler.enabled)) if on]
-    if asked:
-        raise ConfigError([Problem(key, "is fspeed-train's (its training loop writes the monitors and profiles); "
-                                   "with initialize(), log engine.metrics yourself or profile with "
-                                   "fs.profile.flops(...)", True, "false") for key in asked])
+    problems = []
+    if run.flops_profiler.enabled:
+        problems.append(Problem("flops_profiler.enabled", "profiles inside fspeed-train's loop; with initialize(), "
+                                "profile with fs.profile.flops(...)", True, "false"))
+    if run.monitor.progress_bar:
+        problems.append(Problem("monitor.progress_bar", "needs the run's length, which the engine does not know; it "
+                                "prints a progress line every train.steps_per_print steps", True, "false"))
+    if problems:
+        raise ConfigError(problems)
+
+
+def _client_scheduler_overrides(probe, overrides: Sequence[str]) -> list[str]:
+    """A client lr_scheduler replaces the config's scheduler (DeepSpeed): the run's scheduler becomes
+    constant; a scheduler the config chose is named in a warning, one in `overrides` is an error."""
+    import warnings  # noqa: PLC0415
+
+    if any(o.lstrip("+~").startswith("scheduler") for o in overrides):
+        raise ValueError("initialize: lr_scheduler= and scheduler overrides both set the lr schedule; pass one")
+    if probe.scheduler.name != "constant":
+        warnings.warn(f"initialize: the config's scheduler ({probe.scheduler.name}) is not used: lr_scheduler= "
+                      "replaces it, as in DeepSpeed", stacklevel=3)
+    return ["scheduler=constant"]
+
+
+def _mpu_overrides(probe, mesh: Mesh) -> list[str]:
+    """The parallel sizes of the mpu's mesh as overrides; a config that says otherwise is an error
+    (a pipeline must be declared in the config: its stages need the pipeline block)."""
+    from .config import ConfigError, Problem  # noqa: PLC0415
+
+    out, problems = [], []
+    for key, have, axis, unset in (("parallel.tensor", probe.parallel.tensor, "model", 1),
+                                   ("parallel.pipe", probe.parallel.pipe, "pipe", None),
+                                   ("parallel.data", probe.parallel.data, "data", -1)):
+        want = mesh.size(axis)
+        if have == want:
+            continue
+        if have == unset:
+            out.append(f"{key}={want}")
+        else:
+            problems.append(Problem(key, f"disagrees with the mpu's {axis} parallel size {want}", have, str(want)))
+    if problems:
+        raise ConfigError(problems)
+    return out
 
 
 def fs_rules(model: Model):
@@ -349,61 +422,6 @@ def fs_rules(model: Model):
     named = {axis for spec in model.logical_axes.values() for axis in spec if axis}
     tp_plan_axes = {axis for axis, _ in MODULE_TP_RULES} - {axis for axis, _ in GPT_RULES}  # only a tp_plan names
     return MODULE_TP_RULES if isinstance(model.loss, ModuleLoss) or named & tp_plan_axes else GPT_RULES
-
-
-def deepspeed_groups(module: Optional[nn.Module], model_parameters, run) -> Optional[list[dict]]:
-    """DeepSpeed's `model_parameters` as fspeed parameter groups by path (None: every parameter in
-    one group, DeepSpeed's common `model.parameters()`).
-
-    Each group's tensors become their parameter paths (tied parameters under their first name).
-    A group's "lr" follows DeepSpeed's schedulers: WarmupLR, WarmupDecayLR, OneCycle and
-    LRRangeTest set every group's lr themselves (a group's own lr is not used, as in DeepSpeed);
-    WarmupCosineLR scales each group's own lr (an `lr_scale` against the optimizer's lr); without
-    a scheduler the group's lr is its lr."""
-    if module is None:
-        raise ValueError("initialize: model_parameters (parameter groups) name nn.Module parameters; a Model's "
-                         "optimizer takes fs.optim.param_groups(...) by path")
-    given = list(model_parameters)
-    names = {id(p): n for n, p in module.named_parameters()}
-    if not any(isinstance(g, dict) for g in given):
-        if {id(p) for p in given} == set(names):
-            return None
-        given = [{"params": given}]
-    groups = []
-    sched = run.scheduler.name
-    for i, group in enumerate(given):
-        if not isinstance(group, dict) or "params" not in group:
-            raise ValueError(f"initialize: model_parameters[{i}] must be a dict with 'params' (torch's groups), "
-                             f"got {type(group).__name__}")
-        paths = []
-        for p in group["params"]:
-            if id(p) not in names:
-                raise ValueError(f"initialize: model_parameters[{i}] holds a tensor of shape {list(p.shape)} that is "
-                                 "not a parameter of the model")
-            paths.append(names[id(p)])
-        settings = {k: v for k, v in group.items() if k != "params"}
-        if "lr" in settings:
-            lr = settings.pop("lr")
-            if sched == "warmup_cosine":
-                settings["lr_scale"] = lr / run.optimizer.lr
-            elif sched == "constant":
-                settings["lr"] = lr
-            else:
-                log.info("initialize: parameter group %d's lr=%g is not used: DeepSpeed's %s scheduler sets every "
-                         "group's lr", i, lr, sched)
-        groups.append({"params": paths, "name": str(group.get("name", i)), **settings})
-    return groups
-
-
-def _grouped(optimizer: GradientTransformation, groups: list[dict]) -> GradientTransformation:
-    """`optimizer` with `groups` on its update (behind a leading clip, which stays global)."""
-    from .optim import chain, param_groups  # noqa: PLC0415
-
-    children = optimizer.children
-    if children and children[0].capabilities.clip_norm is not None:
-        return chain(children[0], param_groups(chain(*children[1:]) if len(children) > 2 else children[1], groups,
-                                               complete=True))
-    return param_groups(optimizer, groups, complete=True)
 
 
 def _env_world() -> int:

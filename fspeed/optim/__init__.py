@@ -44,6 +44,7 @@ from .schedules import (
 )
 from .sgd import SGDState, sgd
 from .torch_adapter import ELEMENTWISE_OPTIMIZERS, REFUSED_OPTIMIZERS, TorchOptimizerState, from_torch
+from .torch_scheduler import TorchSchedule, from_torch_scheduler
 
 __all__ = [
     "AdamState", "Capabilities", "ELEMENTWISE", "EmptyState", "GradientTransformation", "LambState", "ONE_CYCLE_BETA2", "OneBitAdamState",
@@ -55,5 +56,6 @@ __all__ = [
     "warmup_cosine", "warmup_decay",
     "DEFAULT_NO_DECAY", "Mask", "PAD_SUFFIX", "ParamGroupsState", "check_param_groups", "hyperparameter_names",
     "is_padding", "masked_weight_decay", "no_decay", "param_groups", "with_hparams",
-    "ELEMENTWISE_OPTIMIZERS", "REFUSED_OPTIMIZERS", "TorchOptimizerState", "from_torch",
+    "ELEMENTWISE_OPTIMIZERS", "REFUSED_OPTIMIZERS", "TorchOptimizerState", "TorchSchedule", "from_torch",
+    "from_torch_scheduler",
 ]

@@ -3,7 +3,8 @@
 Ranks are laid out with `model` varying fastest, then `data`, then `pipe` (Megatron's order: the
 ranks of one tensor-parallel group are neighbours). A `Mesh` holds one `AxisComm` per axis, so
 every collective is issued on an explicit axis and recorded in the mesh's `CommLog`. It also
-serves Megatron's `mpu` interface, so Megatron-style code can be handed a Mesh.
+serves Megatron's `mpu` interface, so Megatron-style code can be handed a Mesh, and
+`Mesh.from_mpu(mpu)` builds one over an external mpu's groups.
 
     fs.init_distributed()                 # from torchrun's environment (RANK, WORLD_SIZE, ...)
     mesh = fs.Mesh(data=2, model=2)       # -1 for one axis means "the rest of the world"
@@ -111,6 +112,14 @@ class Mesh:
         mesh.coords = {axis: 0 for axis in AXES}
         mesh.comms = {axis: AxisComm(axis, None, [0], mesh.log, 0) for axis in AXES}
         return mesh
+
+    @classmethod
+    def from_mpu(cls, mpu: Any, *, log: Optional[CommLog] = None) -> "Mesh":
+        """A mesh over an external Megatron-style mpu's process groups (DeepSpeed's
+        `initialize(mpu=...)`); every rank calls it. See `fspeed.parallel.mpu`."""
+        from .mpu import mesh_from_mpu  # noqa: PLC0415
+
+        return mesh_from_mpu(cls, mpu, log)
 
     def _axis_comm(self, axis: str) -> AxisComm:
         """Create every group of `axis` (all ranks must create all groups, in the same order)."""
