@@ -56,6 +56,7 @@ from .optim.clipping import clip_coefficient
 from .parallel.mesh import Mesh
 from .parallel.plan import Plan
 from .parallel.pipeline_runtime import PipelineExecutor
+from .parallel.replicated_grads import check_replicated_grads, replicated_over_model
 from .parallel.runtime import ParallelRuntime, check_optimizer
 from .models.model import Model
 from .precision import Precision
@@ -175,6 +176,7 @@ def make_train_step(
     executors: dict = {}  # a pipeline's, by the same key
 
     last: list = [None, None, None]  # the previous call's layout, precision and runtime: the usual case
+    replicated_checked = [False]  # tensor slicing's first-step check (fspeed.parallel.replicated_grads)
 
     def runtime_for(state: TrainState) -> ParallelRuntime:
         layout = state.layout
@@ -329,6 +331,9 @@ def make_train_step(
         if timers is not None:
             timers.start("bwd_allreduce")
         grads = runtime.finish()
+        if runtime.model.size > 1 and not replicated_checked[0]:
+            check_replicated_grads(replicated_over_model(grads, runtime.layout), runtime.model)
+            replicated_checked[0] = True
         if timers is not None:
             timers.stop("bwd_allreduce")
             timers.start("step")

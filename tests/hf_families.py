@@ -100,10 +100,7 @@ def sliced_gradients(model_type: str, tensor: int, seed: int = 0, stage: int = 0
     opt = fs.optim.sgd(1.0)
     before = model.init()
     state = fs.init_train_state(model.init(), opt, plan=plan, mesh=mesh, model=model)
-    whole = dict(zip(fs.tree_paths(before), fs.pytree.tree_leaves(before)))
-    local_tree = state.params.tree()
-    sliced = [path for path, local in zip(fs.tree_paths(local_tree), fs.pytree.tree_leaves(local_tree))
-              if local.shape != whole[path].shape]
+    sliced = [path for path, info in state.layout.info.items() if info.tp_sharded]
     step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)
     data, rank = mesh.size("data"), mesh.coordinate("data")
     batch = {k: v.chunk(data)[rank] for k, v in lm_batch(seed).items()}

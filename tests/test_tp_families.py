@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fspeed as fs
-from tests.hf_families import eager_gradients, sliced_gradients
+from tests.hf_families import eager_gradients, sliced_gradients, tiny_causal_lm
 
 FAMILIES = ["gemma", "gemma2", "gemma3_text", "qwen3", "phi3", "olmo2", "glm", "cohere", "granite", "starcoder2",
             "gpt_neox", "codegen", "phi", "mixtral"]
@@ -139,3 +139,16 @@ def test_unsupported_styles_and_parameter_patterns_are_named():
     with pytest.raises(ValueError, match="holds no parameters of its own"):
         fs.functionalize(nn.Sequential(nn.ReLU(), nn.Linear(2, 2)), token_loss,
                          tp_plan={"0": "replicated_with_grad_allreduce"})
+
+
+def test_a_plan_that_leaves_a_per_head_norm_partial_is_refused_at_the_first_step(world2):
+    """param2moe's own plan slices the heads but not the norms applied to each rank's heads: the
+    first step names them and applies nothing; with them marked replicated_with_grad_allreduce,
+    the gradients are the module's own."""
+    with pytest.raises(fs.testing.WorkerError, match=r"q_norm.weight \(.*differ between the 2 tensor ranks.*"
+                                                     r"'model.layers.\*.self_attn.q_norm': 'replicated_with_grad"):
+        world2.run(sliced_gradients, "param2moe", 2)
+    plan = {**fs.tp_plan_from(tiny_causal_lm("param2moe")),
+            "model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+            "model.layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"}
+    assert_gradients_match("param2moe", world2.run(sliced_gradients, "param2moe", 2, tp_plan=plan), 2)
