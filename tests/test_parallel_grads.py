@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 import fspeed as fs
 from fspeed.parallel.grads import _aligned_ranges
+from fspeed.train_step import split_micro_batches
 from tests.parallel_cases import assert_matches_one_process, distributed_case, global_batch, gpt_setup
 
 
@@ -143,3 +144,78 @@ def test_property_buckets_partition_the_buffer(sizes, bucket, parts):
     for (a, b), inside in zip(ranges, members):
         assert b - a <= bucket and not any(a < c < b for c in cuts)
         assert inside == [i for i, (o, s) in enumerate(zip(offsets, sizes)) if s and o < b and o + s > a]
+
+
+def reductions_by_micro_batch_case(stage, grad_accum):
+    """The gradient-reduction collectives (op, bytes) of a step's second run, by window: each
+    micro-batch (forward, backward and its end), then the boundary (update and the rest); and
+    what the counts are checked against: the local element count, the elements of the sharded
+    units and of the persistent parameters, and the number of sharded units."""
+    log = fs.CommLog()
+    mesh = fs.Mesh(data=-1, log=log)
+    cfg, model, params = gpt_setup(2, n_layer=2, d_model=32)
+    opt = fs.optim.sgd(0.1)
+    # small buckets (several per step) and, under ZeRO-3, layers with sharded and persistent parameters
+    plan = fs.zero(stage, reduce_bucket_size=3000, param_persistence_threshold=1000)
+    state = fs.init_train_state(params, opt, plan=plan, mesh=mesh)
+    step = fs.make_train_step(model.loss, opt, grad_accum=grad_accum, plan=plan, mesh=mesh)
+    rows = 2 * grad_accum
+    windows = []
+    for i in range(2):
+        batch = global_batch(cfg, 2 * rows, 2, i)
+        share = {k: v[mesh.rank * rows:(mesh.rank + 1) * rows] for k, v in batch.items()}
+        micro_batches = split_micro_batches(share, grad_accum)
+        log.reset()
+        windows = []
+        running = step.begin(state)
+        for micro_batch in micro_batches:
+            step.micro(running, state, micro_batch)
+            windows.append([(e.op, e.nbytes) for e in log.events])
+            log.reset()
+        state, _ = step.boundary(running, state)
+        windows.append([(e.op, e.nbytes) for e in log.events])
+    layout = state.layout
+    reductions = [[(op, nbytes) for op, nbytes in w if op in ("all_reduce", "reduce", "reduce_scatter")]
+                  for w in windows]
+    return reductions, layout.local.numel, layout.persistent_start, layout.persistent_numel, \
+        len(layout.sharded_units)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradient_reductions_per_micro_batch(world2, stage):
+    """Counted in the communication log, micro-batch by micro-batch (grad_accum=4, 2 ranks, fp32,
+    DeepSpeed's defaults otherwise):
+
+    * stages 0 and 1 accumulate locally and communicate nothing until the last micro-batch, whose
+      backward reduces every bucket once (stage 0 all-reduces, stage 1 reduces onto the owning
+      rank): each gradient element exactly once a step. DeepSpeed's "smart gradient
+      accumulation" (reference 4.2).
+    * stages 2 and 3 reduce every micro-batch into the partitions, as DeepSpeed does (reference
+      4.2: "stage >= 2 reduces every micro-step into partitions"; stage3.py's partition_grads
+      copies the first micro-step's reduced partition and adds the later ones): each micro-batch
+      sends every gradient element once, so only a partition is ever accumulated. Stage 3
+      reduce-scatters each sharded unit's gradient (one per unit) and reduces the persistent
+      parameters' gradients in packed buckets onto the owners of their partition.
+
+    The boundary reduces no gradient: only scalars (the grad norm's sums of squares, the loss)."""
+    grad_accum = 4
+    for reductions, psi, sharded, persistent, units in world2.run(reductions_by_micro_batch_case, stage, grad_accum):
+        micro, boundary = reductions[:grad_accum], reductions[grad_accum]
+        assert all(nbytes <= 16 for _, nbytes in boundary), boundary  # the norm (2 fp64) and the loss
+        if stage <= 1:
+            assert micro[:-1] == [[]] * (grad_accum - 1), "a gradient was reduced before the last micro-batch"
+            op = "all_reduce" if stage == 0 else "reduce"
+            assert {o for o, _ in micro[-1]} == {op}
+            assert len(micro[-1]) >= -(-psi // 3000)  # at least one per bucket of 3000 elements
+            assert sum(nbytes for _, nbytes in micro[-1]) == 4 * psi  # every fp32 gradient element once
+        else:
+            assert all(window == micro[0] for window in micro), "the micro-batches reduced differently"
+            if stage == 2:
+                assert {o for o, _ in micro[0]} == {"reduce"}
+                assert sum(nbytes for _, nbytes in micro[0]) == 4 * psi
+            else:
+                scattered = [nbytes for op, nbytes in micro[0] if op == "reduce_scatter"]
+                assert units and len(scattered) == units  # one per sharded unit: its padded shard received
+                assert sum(scattered) == 4 * sharded
+                assert persistent and sum(nbytes for op, nbytes in micro[0] if op == "reduce") == 4 * persistent
+                assert {o for o, _ in micro[0]} == {"reduce_scatter", "reduce"}

@@ -42,11 +42,15 @@ def test_per_rank_model_state_bytes_follow_the_zero_formulas(world4, stage):
         if stage == 3:
             local = layout.storage.numel
             assert any(u.sharded for u in layout.units) and any(not u.sharded for u in layout.units)
-            resident = sum(layout.params[i].local_numel for u in layout.units for i in u.resident_params)
-            # the shard accumulator and one packed bucket holding all persistent parameters
-            expected = {"params": 2 * local, "grads": 2 * (local + resident), "master": 4 * local,
+            persistent = layout.persistent_numel
+            assert persistent == sum(layout.params[i].local_numel for u in layout.units for i in u.resident_params)
+            # masters, moments and the gradient accumulator: the shards and the persistent partition, 1/N of
+            # everything (plus padding); the compute params also hold the persistent parameters whole, and the
+            # gradients one packed bucket for them
+            whole = n * layout.persistent_part
+            expected = {"params": 2 * (local + whole), "grads": 2 * (local + persistent), "master": 4 * local,
                         "optimizer": 8 * local}
-            assert local < psi / n + resident + n * len(layout.units)
+            assert local < psi / n + n * (len(layout.units) + 1)
         else:
             padded = n * p if stage else psi
             # stage 0-1 keep one full accumulation buffer; stage 2 only its partition and one bucket
@@ -58,6 +62,47 @@ def test_per_rank_model_state_bytes_follow_the_zero_formulas(world4, stage):
     mem = layout_memory(results[0]["layout"], fs.precision.bf16(grad_accum_dtype="bf16"))
     assert (results[0]["params"], results[0]["grads"], results[0]["master"], results[0]["optimizer"]) == \
         (mem.device["params"], mem.device["grads"], mem.device["master"], mem.device["optimizer"])
+
+
+def default_persistence_case(precision):
+    """ZeRO-3 at DeepSpeed's default param_persistence_threshold on this world's ranks, a GPT whose
+    every parameter is persistent: the bytes each model-state buffer holds after a step, the
+    model's element count, and the estimate (what the memory line prints)."""
+    mesh = fs.Mesh(data=-1)
+    cfg, model, params = gpt_setup(0, n_layer=2, d_model=64)
+    opt, plan = fs.optim.adamw(1e-3), zero(3)
+    prec = getattr(fs.precision, precision)()
+    state = fs.init_train_state(params, opt, precision=prec, plan=plan, mesh=mesh)
+    step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh, grad_accum=2)
+    state, _ = step(state, global_batch(cfg, 4, 0, 0))
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    shares = state.master.buffer.untyped_storage().data_ptr() == state.params.buffer.untyped_storage().data_ptr()
+    held = {"params": nbytes(state.params.buffer), "grads": step.persistent_grad_bytes(),
+            "master": 0 if shares else nbytes(state.master.buffer),  # fp32: the compute buffer's leading part
+            "optimizer": nbytes(state.opt_state.mu.buffer) + nbytes(state.opt_state.nu.buffer)}
+    psi = fs.Flat.from_tree(params).buffer.numel()
+    return held, state.master.buffer.numel(), psi, fs.estimate_memory(params, plan, mesh.sizes, prec)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero3_persistent_parameters_keep_only_their_compute_copy_whole(world2, precision):
+    """As DeepSpeed's stage 3 (a `ds_persist` parameter stays gathered, but its `ds_tensor`
+    partition is what the fp32 partition and the optimizer state are built from, and its gradient
+    is reduce-scattered): masters, optimizer state and gradients are 1/2 of the model on each of
+    2 ranks (plus padding), the compute parameters whole (plus their partition's copy), and the
+    memory line is what the buffers hold."""
+    for held, master_numel, psi, est in world2.run(default_persistence_case, precision):
+        part = -(-psi // 2)
+        assert est.persistent == psi  # every parameter is persistent at the default threshold
+        assert master_numel == part and held["optimizer"] == 8 * part  # Adam's two fp32 moments, 1/2 each
+        assert held["master"] == (4 * part if precision == "bf16" else 0)
+        pb = 2 if precision == "bf16" else 4
+        assert held["params"] == pb * (part + 2 * part)  # the partition's compute copy, then every parameter whole
+        # the fp32 accumulator of the partition, and one fp32 bucket packing the persistent gradients
+        assert held["grads"] == 4 * part + 4 * psi
+        assert held == est.device and sum(held.values()) == est.device_total
+        line = str(est)
+        assert f"{est.device_total / 2**20:.2f} MiB per rank" in line and f"{psi:,} persistent elements" in line
 
 
 def measured_memory_case(stage, precision, offload, offload_param):

@@ -144,9 +144,18 @@ def test_slices_and_shards_are_named_pieces_of_parameters():
         assert list(zip(layout.partition.paths, layout.partition.sizes)) == expected
         assert layout.partition.numel == layout.partition_numel == 6
     layout = resolve(fs.zero(3, param_persistence_threshold=3), params, {"data": 3}, {"data": 2})
-    assert [u.name for u in layout.sharded_units] == ["a", "b"]  # "c" (3 elements) stays whole
+    assert [u.name for u in layout.sharded_units] == ["a", "b"]  # "c" (3 elements) is persistent
     a, b = layout.sharded_units
     assert (a.shard_numel, b.shard_numel) == (2, 3)
+    # masters, moments and gradients: the shards, then the rank's partition of the persistent "c"
     assert list(zip(layout.storage.paths, layout.storage.sizes)) == [("a", 1), ("a.pad", 1), ("b", 2), ("b.pad", 1),
-                                                                    ("c", 3)]
-    assert layout.shard_starts == (0, 2, -1)
+                                                                    ("c", 1)]
+    # the compute parameters: the same, the partition's compute copy, and "c" whole
+    assert list(zip(layout.param_storage.paths, layout.param_storage.shapes)) == \
+        [("a", (1,)), ("a.pad", (1,)), ("b", (2,)), ("b.pad", (1,)), ("zero.persistent", (1,)), ("c", (3,))]
+    assert layout.shard_starts == (0, 2, -1) and layout.persistent_start == 5
+    persistent = resolve(fs.zero(3), params, {"data": 3}, {"data": 2})  # all persistent: 16 elements, 6 a rank
+    assert persistent.persistent_part == 6 and not persistent.sharded_units
+    assert list(zip(persistent.storage.paths, persistent.storage.sizes)) == [("b", 1), ("c", 3), ("zero.pad", 2)]
+    assert list(zip(persistent.param_storage.paths, persistent.param_storage.sizes)) == \
+        [("zero.persistent", 6), ("a", 5), ("b", 8), ("c", 3), ("zero.persistent.pad", 2)]

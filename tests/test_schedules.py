@@ -312,8 +312,72 @@ def test_total_below_warmup_warns():
         S.warmup_cosine(1e-3, 10, num_steps=100)
 
 
-def test_one_cycle_beta2_constant():
-    assert S.ONE_CYCLE_BETA2 == 0.99
+def one_cycle_run(cycle_momentum, stairs, decay_lr_rate, decay_mom_rate, steps):
+    """Train one fp32 tensor with the optimizer a DeepSpeed config builds (AdamW betas (0.9, 0.999),
+    OneCycle over 6 + 4 steps, then decay every 3) on known gradients, and read back, per update,
+    the beta1 and beta2 its moments show (m = b1 m' + (1 - b1) g, v = b2 v' + (1 - b2) g^2) and the
+    lr its step shows (p - p' = -lr m / bc1 / (sqrt(v / bc2) + eps), bc = 1 - beta ** t)."""
+    import torch
+
+    import fspeed as fs
+    from fspeed.config.build import build_optimizer
+    from fspeed.config.compose import compose_run_config
+
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                    "weight_decay": 0.0}},
+          "scheduler": {"type": "OneCycle", "params": {
+              "cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "decay_lr_rate": decay_lr_rate, "cycle_first_step_size": 6,
+              "cycle_second_step_size": 4, "cycle_first_stair_count": stairs, "decay_step_size": 3,
+              "cycle_momentum": cycle_momentum, "cycle_min_mom": 0.8, "cycle_max_mom": 0.9,
+              "decay_mom_rate": decay_mom_rate}}}
+    run, _ = compose_run_config(ds)
+    opt = build_optimizer(run)
+    state = fs.init_train_state({"w": torch.zeros(3)}, opt)
+    step = fs.make_train_step(lambda params, batch, rng=None: (params["w"] * batch).sum(), opt)
+    seen = []
+    for k in range(steps):
+        g = torch.tensor([1.0, -2.0, 3.0]) * (k + 1) * (-1) ** k  # far from the moments: betas read back exactly
+        m0, v0, p0 = (x.buffer.double().clone() for x in (state.opt_state.mu, state.opt_state.nu, state.params))
+        state, _ = step(state, g)
+        m, v, p, g = state.opt_state.mu.buffer.double(), state.opt_state.nu.buffer.double(), \
+            state.params.buffer.double(), g.double()
+        b1 = ((m - g) / (m0 - g)).mean().item()
+        b2 = ((v - g * g) / (v0 - g * g)).mean().item()
+        direction = (m / (1 - b1 ** (k + 1))) / ((v / (1 - b2 ** (k + 1))).sqrt() + 1e-8)
+        seen.append((b1, b2, (-(p - p0) / direction).mean().item()))
+    return seen
+
+
+@pytest.mark.parametrize("stairs, decay_lr_rate, decay_mom_rate", [(0, 0.0, 0.0), (3, 0.5, 0.01)])
+def test_one_cycle_cycles_beta1_against_lr_and_forces_beta2_as_deepspeed(stairs, decay_lr_rate, decay_mom_rate):
+    """DeepSpeed's OneCycle with cycle_momentum (lr_schedules.py): beta1 moves between
+    cycle_max_mom and cycle_min_mom opposite to the lr (``_get_cycle_mom``), then holds
+    cycle_max_mom or grows by ``1 + decay_mom_rate * d / decay_step_size`` (``_get_decay_mom``);
+    the constructor writes ``betas = (cycle_min_mom, 0.99)`` and every later write keeps that
+    0.99 (``min_moms = [(mom, 0.99) ...]``): beta2 is forced to 0.99, not the optimizer's 0.999.
+    Checked update by update over the cycle and 20 decay steps, against the transcriptions above."""
+    shape = (6, 4, stairs, stairs, 3)
+    steps = 30
+    seen = one_cycle_run(True, stairs, decay_lr_rate, decay_mom_rate, steps)
+    for count, (b1, b2, lr) in enumerate(seen):
+        it = count - 1  # DeepSpeed's last_batch_iteration when this update runs
+        assert b1 == pytest.approx(ds_one_cycle_mom(it, shape, 0.8, 0.9, decay_mom_rate), abs=1e-6), count
+        assert b2 == pytest.approx(S.ONE_CYCLE_BETA2, abs=1e-6), count
+        assert lr == pytest.approx(ds_one_cycle(it, shape, 1e-4, 1e-3, decay_lr_rate), rel=1e-4), count
+        if 0 < count <= 10:  # in the cycle: the same fraction of each span, in opposite directions
+            assert (lr - 1e-4) / 9e-4 == pytest.approx((0.9 - b1) / 0.1, abs=1e-4), count
+    b1s = [b1 for b1, _, _ in seen]
+    assert b1s[0] == pytest.approx(0.8) and b1s[6] == pytest.approx(0.8)  # construction, then the lr's peak
+    assert b1s[1] > 0.86 and b1s[10] == pytest.approx(0.9)  # back at cycle_max_mom as the lr is back at min
+    decayed = [ds_one_cycle_mom(c - 1, shape, 0.8, 0.9, decay_mom_rate) for c in range(11, steps)]
+    assert b1s[11:] == pytest.approx(decayed, abs=1e-6)
+    assert (b1s[-1] > 0.9) == (decay_mom_rate > 0)  # the "decay" grows beta1 past cycle_max_mom
+
+
+def test_one_cycle_without_cycle_momentum_keeps_the_optimizers_betas():
+    for b1, b2, _ in one_cycle_run(False, 0, 0.0, 0.0, 14):
+        assert b1 == pytest.approx(0.9, abs=1e-6) and b2 == pytest.approx(0.999, abs=1e-6)
 
 
 def test_constant_and_as_schedule():

@@ -118,17 +118,25 @@ def flat_pieces(layout: Layout, flat_layout: FlatLayout) -> list[Piece]:
         part = layout.partition_numel
         lo = layout.data_rank * part
         ranges = list(_ranges(layout.local.paths, layout.local.offsets, layout.local.sizes, lo, lo + part))
-    elif layout.stage == 3 and (flat_layout is layout.storage or flat_layout == layout.storage):
+    elif layout.stage == 3 and flat_layout in (layout.storage, layout.param_storage):
         ranges = []
         for unit in layout.units:
             if unit.sharded:
                 lo = layout.data_rank * unit.shard_numel
                 sl = unit.shard_layout
                 ranges += _ranges(sl.paths, sl.offsets, sl.sizes, lo, lo + unit.shard_numel)
-            ranges += [(layout.params[i].path, 0, layout.params[i].local_numel) for i in unit.resident_params]
+            if not layout.persistent:
+                ranges += [(layout.params[i].path, 0, layout.params[i].local_numel) for i in unit.resident_params]
+        if layout.persistent:
+            whole = layout.persistent_layout
+            if flat_layout == layout.storage:  # the rank's partition of them (masters, moments)
+                lo = layout.data_rank * layout.persistent_part
+                ranges += _ranges(whole.paths, whole.offsets, whole.sizes, lo, lo + layout.persistent_part)
+            else:  # the compute parameters: their whole copies (the partition's copy is named zero.persistent)
+                ranges += [(path, 0, size) for path, size in zip(whole.paths, whole.sizes)]
     else:
-        raise TypeError("a Flat of this state matches none of its layout's buffers (local, partition, storage); "
-                        "cannot map it to global parameters")
+        raise TypeError("a Flat of this state matches none of its layout's buffers (local, partition, storage, "
+                        "param_storage); cannot map it to global parameters")
     names = [p for p in flat_layout.paths]
     pieces, at = [], 0
     for i, name in enumerate(names):

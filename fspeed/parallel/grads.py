@@ -20,8 +20,8 @@ backward when the identity is applied where the layer is used (`fspeed.parallel.
               buckets); a full bucket is reduced onto each piece's owner rank, which adds it into
               its fp32 partition accumulator; every micro-batch, as DeepSpeed's stage 2
     stage 3   the gathered unit's gradient is reduce-scattered into the unit's shard; persistent
-              parameters are accumulated whole and all-reduced in packed buckets on the last
-              micro-batch
+              parameters' gradients are reduced in packed buckets onto the owners of their
+              partition; every micro-batch, as DeepSpeed's stage 3
 
 With `overlap_comm` the bucket collectives run asynchronously while backward goes on (stage 2
 and the packed buckets keep two buffers, as DeepSpeed's double buffering) and are waited for at
@@ -536,9 +536,12 @@ class PartitionGrads(_SummedInPlace, GradSink):
 
 class ShardGrads(GradSink):
     """Stage 3: each gathered unit's gradient is reduce-scattered into its shard of the
-    accumulator; persistent parameters accumulate whole and are all-reduced in packed buckets on
-    the last micro-batch. `device` is where the storage lives (the host with offload_param);
-    collectives run on `comm_device`."""
+    accumulator; persistent parameters' gradients go through packed buckets to the owners of
+    their partition (one reduce per run of pieces with the same owner, as stage 2's), which add
+    them into the accumulator's persistent partition: every micro-batch, as DeepSpeed's stage 3.
+    On one data rank (nothing sharded or persistent) gradients are added where they belong.
+    `device` is where the storage lives (the host with offload_param); collectives run on
+    `comm_device`."""
 
     def __init__(self, layout: Layout, comm: AxisComm, dtype: torch.dtype, device: torch.device,
                  comm_device: Optional[torch.device] = None, on_host: bool = False):
@@ -549,14 +552,20 @@ class ShardGrads(GradSink):
         self.acc = torch.zeros(storage.numel, dtype=dtype, device=device)
         self.shard_seg = {u.index: self.acc[start:start + u.shard_numel]
                           for u, start in zip(layout.units, layout.shard_starts) if u.sharded}
-        resident = {p for u in layout.units for p in u.resident_params}
-        segments = dict(zip(storage.paths, storage.segments(self.acc)))
-        self.param_seg = {i: segments[layout.params[i].path] for i in resident}
         self.in_flight: deque = deque()
-        size = max(1, min(self.bucket, sum(s.numel() for s in self.param_seg.values())))
-        self.buckets = _PackedBuckets(size, dtype, self.comm_device, self.overlap,
-                                      lambda buf, records: [self.comm.start_all_reduce(buf[:records[-1][1] + records[-1][2]])],
-                                      self._apply_resident)
+        self.param_seg: dict[int, torch.Tensor] = {}  # one data rank: each whole parameter's accumulator
+        self.persistent_at: dict[int, int] = {}  # several: each persistent parameter's offset in their flat buffer
+        self.buckets: Optional[_PackedBuckets] = None
+        if layout.persistent:
+            persistent = layout.persistent_layout
+            self.persistent_at = dict(zip(layout.persistent, persistent.offsets))
+            self.part, lo = layout.persistent_part, layout.persistent_start
+            self.partition = self.acc[lo:lo + self.part]
+            self.buckets = _PackedBuckets(max(1, min(self.bucket, persistent.numel)), dtype, self.comm_device,
+                                          self.overlap, self._launch, self._apply)
+        else:
+            segments = dict(zip(storage.paths, storage.segments(self.acc)))
+            self.param_seg = {i: segments[layout.params[i].path] for u in layout.units for i in u.resident_params}
 
     def order(self, unit: int) -> tuple[int, ...]:
         return self.layout.units[unit].resident_params
@@ -588,29 +597,51 @@ class ShardGrads(GradSink):
     def _deliver(self, unit: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
         self._first_delivery(unit)
         for i, g in zip(self.order(unit), grads):
-            seg = self.param_seg[i]
-            if g is not None:
+            if g is None:
+                continue  # the accumulator started at zero
+            if self.buckets is None:
+                seg = self.param_seg[i]
                 seg.add_(g.reshape(-1).to(seg.device))
-            if self.last and self.comm.size > 1:
-                self.buckets.add(seg.to(self.comm_device), lambda d, i=i: (i, d))
+                continue
+            flat, offset = g.reshape(-1).to(self.comm_device), self.persistent_at[i]
+            lo = 0
+            while lo < flat.numel():  # split at partition boundaries
+                owner = (offset + lo) // self.part
+                hi = min(flat.numel(), (owner + 1) * self.part - offset)
+                self.buckets.add(flat[lo:hi], lambda d, o=owner, at=offset + lo - owner * self.part: (o, at + d))
+                lo = hi
 
-    def _apply_resident(self, buf: torch.Tensor, records: list) -> None:
-        for (i, at), lo, count in records:
-            self.param_seg[i][at:at + count].copy_(buf[lo:lo + count])
+    def _launch(self, buf: torch.Tensor, records: list) -> list[Pending]:
+        pendings, start = [], 0
+        for k in range(1, len(records) + 1):  # one reduce per run of pieces with the same owner
+            if k == len(records) or records[k][0][0] != records[start][0][0]:
+                lo, hi = records[start][1], records[k - 1][1] + records[k - 1][2]
+                pendings.append(self.comm.start_reduce(buf[lo:hi], records[start][0][0]))
+                start = k
+        return pendings
+
+    def _apply(self, buf: torch.Tensor, records: list) -> None:
+        rank = self.comm.rank
+        for (owner, at), lo, count in records:
+            if owner == rank:
+                self.partition[at:at + count].add_(buf[lo:lo + count].to(self.partition.device))
 
     def end_micro(self) -> None:
         super().end_micro()
         while self.in_flight:
             self._complete_shard()
+        if self.buckets is not None:
+            self.buckets.drain()  # every micro-batch's gradient is in the partitions before the next
 
     def finish(self) -> Flat:
         while self.in_flight:
             self._complete_shard()
-        self.buckets.drain()
+        if self.buckets is not None:
+            self.buckets.drain()
         return Flat(self.acc, self.layout.storage)
 
     def held_bytes(self) -> dict[str, int]:
-        return _by_place([self.acc, *self.buckets.buffers], host=self.on_host)
+        return _by_place([self.acc, *(self.buckets.buffers if self.buckets is not None else ())], host=self.on_host)
 
 
 SINKS = {0: AccumulatedGrads, 1: AccumulatedGrads, 2: PartitionGrads, 3: ShardGrads}

@@ -8,13 +8,22 @@ gradients are delivered by during backward: a layer (`blocks.3` for `blocks.3.at
 `layers.0` for `layers.0.weight`) or a top-level entry (`wte`). Under ZeRO-3 each unit's
 partitioned parameters (placement.params == "data") are flattened, padded to a multiple of N and
 split into N contiguous shards; its persistent ones (at most `param_persistence_threshold`
-elements each, DeepSpeed's rule, within `model_persistence_threshold` in total) stay whole.
+elements each, DeepSpeed's rule, within `model_persistence_threshold` in total) keep their
+compute copy whole on every rank, while their gradients, masters and optimizer state are
+partitioned as DeepSpeed's are: all persistent parameters together form one flat buffer, padded
+to a multiple of N and split into N contiguous partitions.
 
 Storage (what a rank keeps in its flat buffers):
 
     stages 0-2   the tensor-parallel local tree, whole; ZeRO 1-2's masters, optimizer state and
                  reduced gradients are the rank's slice of it (`partition`)
-    stage 3      per unit: its 1/N flat shard, then its persistent parameters
+    stage 3      `storage` (masters, optimizer state, reduced gradients): per unit its 1/N flat
+                 shard, then the rank's 1/N partition of the persistent parameters;
+                 `param_storage` (the compute parameters): the same, then every persistent
+                 parameter whole (padded to N partitions, the all-gather's output). The compute
+                 copy of the partition is what the optimizer's cast writes before that all-gather
+                 (DeepSpeed's `ds_tensor` of a persistent parameter, beside its whole `data`). On
+                 one data rank nothing is partitioned and both are the parameters whole, by unit.
 
 A slice or shard is listed as the 1-D pieces of the parameters that fall in it, each under its
 parameter's path (a parameter cut at a boundary is a piece on two ranks), and a zero `.pad` piece
@@ -105,6 +114,8 @@ class Layout:
     shard_starts: tuple[int, ...]  # stage 3: where each unit's shard starts in `storage` (-1: none)
     tensor_axes: tuple[str, ...] = ()  # logical axes sliced over `model`
     pipeline: Optional[StagePlan] = None  # the stages' layers; `params` are then this stage's only
+    persistent: tuple[int, ...] = ()  # stage 3 on several data ranks: the persistent parameters, in storage order
+    param_storage: Optional[FlatLayout] = None  # what the compute parameters hold (module docstring)
 
     @property
     def stage(self) -> int:
@@ -126,6 +137,27 @@ class Layout:
     def partition_numel(self) -> int:
         """Stages 1-2: elements of this rank's slice of the (padded) flat buffer."""
         return ceil_div(self.local.numel, self.data_size)
+
+    @property
+    def persistent_layout(self) -> FlatLayout:
+        """Stage 3: the persistent parameters as one flat buffer (their whole compute copies)."""
+        return labelled_layout([self.params[i].path for i in self.persistent],
+                               [self.params[i].local_shape for i in self.persistent])
+
+    @property
+    def persistent_numel(self) -> int:
+        return sum(self.params[i].local_numel for i in self.persistent)
+
+    @property
+    def persistent_part(self) -> int:
+        """Stage 3: elements of a rank's partition of the persistent parameters (padded)."""
+        return ceil_div(self.persistent_numel, self.data_size)
+
+    @property
+    def persistent_start(self) -> int:
+        """Stage 3: where the persistent partition starts in `storage` and in `param_storage` (after
+        the units' shards); the whole persistent parameters follow it in `param_storage`."""
+        return sum(u.shard_numel for u in self.units)
 
     @property
     def info(self) -> dict[str, ParamInfo]:
@@ -219,10 +251,13 @@ def resolve_flat(plan: Plan, paths: Sequence[str], leaves: Sequence[torch.Tensor
     part = ceil_div(local.numel, n)
     partition = labelled_layout(*_slice_pieces(local.paths, local.offsets, local.sizes, rank * part,
                                                (rank + 1) * part, "zero.pad"))
+    persistent: tuple[int, ...] = ()
     if zero_cfg.stage == 3:
-        storage, starts = _storage(infos, units, rank)
+        if n > 1:
+            persistent = tuple(i for u in units for i in u.resident_params)
+        storage, param_storage, starts = _storage(infos, units, persistent, n, rank)
     else:
-        storage, starts = local, tuple(-1 for _ in units)
+        storage, param_storage, starts = local, local, tuple(-1 for _ in units)
     tensor_axes = tensor.sliced_axes(sizes) if tensor is not None else ()
     if tensor_axes and not any(info.tp_sharded for info in infos):
         raise ValueError(f"tensor slicing over model={sizes['model']} slices none of the model's parameters: no "
@@ -230,7 +265,7 @@ def resolve_flat(plan: Plan, paths: Sequence[str], leaves: Sequence[torch.Tensor
                          "without a tp_plan, has none); tensor-slice the reference GPT, fs.functionalize(module, "
                          "tp_plan=...) or fs.models.sequential(layers, tp_plan=...), or set model=1")
     return Layout(plan, zero_cfg, tuple(sorted(sizes.items())), tuple(sorted(mesh_coords.items())), infos, local,
-                  units, storage, partition, starts, tensor_axes, stage_plan)
+                  units, storage, partition, starts, tensor_axes, stage_plan, persistent, param_storage)
 
 
 def _units(infos: Sequence[ParamInfo], treedef: optree.PyTreeSpec, data_size: int) -> tuple[UnitInfo, ...]:
@@ -276,9 +311,12 @@ def _slice_pieces(paths: Sequence[str], offsets: Sequence[int], sizes: Sequence[
     return names, shapes
 
 
-def _storage(infos: Sequence[ParamInfo], units: Sequence[UnitInfo], rank: int) -> tuple[FlatLayout, tuple[int, ...]]:
-    """Stage 3's stored tree: per unit the pieces of its flat shard, then its persistent
-    parameters; and where each unit's shard starts."""
+def _storage(infos: Sequence[ParamInfo], units: Sequence[UnitInfo], persistent: Sequence[int], n: int,
+             rank: int) -> tuple[FlatLayout, FlatLayout, tuple[int, ...]]:
+    """Stage 3's stored trees (module docstring): `storage` (per unit the pieces of its flat
+    shard, then this rank's partition of the `persistent` parameters), `param_storage` (the same,
+    then the persistent parameters whole); and where each unit's shard starts. Without
+    `persistent` (one data rank) both are per unit its shard, then its whole parameters."""
     paths: list[str] = []
     shapes: list[tuple[int, ...]] = []
     starts, at = [], 0
@@ -291,11 +329,25 @@ def _storage(infos: Sequence[ParamInfo], units: Sequence[UnitInfo], rank: int) -
             paths += names
             shapes += pieces
             at += unit.shard_numel
-        for i in unit.resident_params:
-            paths.append(infos[i].path)
-            shapes.append(infos[i].local_shape)
-            at += infos[i].local_numel
-    return labelled_layout(paths, shapes), tuple(starts)
+        if not persistent:
+            for i in unit.resident_params:
+                paths.append(infos[i].path)
+                shapes.append(infos[i].local_shape)
+                at += infos[i].local_numel
+    if not persistent:
+        storage = labelled_layout(paths, shapes)
+        return storage, storage, tuple(starts)
+    whole = labelled_layout([infos[i].path for i in persistent], [infos[i].local_shape for i in persistent])
+    part = ceil_div(whole.numel, n)
+    names, pieces = _slice_pieces(whole.paths, whole.offsets, whole.sizes, rank * part, (rank + 1) * part, "zero.pad")
+    storage = labelled_layout(paths + names, shapes + pieces)
+    # the compute copy of the partition (written by the optimizer's cast, then all-gathered into the
+    # whole parameters) is one piece under a name of its own: the parameters' paths name the whole copies
+    tail = [("zero.persistent", (part,))] + list(zip(whole.paths, whole.shapes))
+    if n * part > whole.numel:
+        tail.append(("zero.persistent.pad", (n * part - whole.numel,)))
+    param_storage = labelled_layout(paths + [p for p, _ in tail], shapes + [s for _, s in tail])
+    return storage, param_storage, tuple(starts)
 
 
 def slice_layout(flat: FlatLayout, lo: int, hi: int) -> FlatLayout:

@@ -7,9 +7,11 @@
 Two accounts, side by side:
 
 * fspeed's own buffers, exactly what `init_train_state` and `make_train_step` hold between steps
-  (padding included): compute params, gradient buffers (stage 0-1: the full accumulation
-  buffer; stage 2: the fp32 partition accumulator and its one or two reduce buckets; stage 3: the
-  shard accumulator), fp32 masters, optimizer moments, and with ZeRO-Offload the host gradient
+  (padding included): compute params (stage 3: the shards, the persistent parameters' partition
+  and their whole copies), gradient buffers (stage 0-1: the full accumulation buffer; stage 2: the
+  fp32 partition accumulator and its one or two reduce buckets; stage 3: the accumulator of the
+  shards and the persistent partition, and the persistent parameters' reduce buckets), fp32
+  masters, optimizer moments, and with ZeRO-Offload the host gradient
   copy and the 16-bit upload staging buffer. Within a step come transients (`peak`): the
   gradients of one unit as backward delivers them, stage 3's gathered units (the current one
   and the prefetched next) and the padded gradient it reduce-scatters.
@@ -51,6 +53,8 @@ class MemoryEstimate:
     peak: dict[str, int]
     paper_device: int
     paper_cpu: int
+    persistent: int = 0  # ZeRO-3: elements of the persistent parameters, whose compute copy each rank holds whole
+    persistent_bytes: int = 0  # of `device` (or `cpu` with offload_param): those whole copies and their reduce buckets
 
     @property
     def device_total(self) -> int:
@@ -78,10 +82,14 @@ class MemoryEstimate:
             return f"  {where:<6} {_gib(total):>10} per rank ({shown}); ZeRO paper formula {_gib(paper)}"
 
         transient = ", ".join(f"{k} {_gib(v)}" for k, v in self.peak.items() if v) or "nothing"
+        persistent = [f"  {'':<6} {_gib(self.persistent_bytes):>10} of it: the compute copy of {self.persistent:,} "
+                      "persistent elements (zero.param_persistence_threshold), whole on every rank, and their reduce "
+                      "buckets; their gradients, masters and optimizer state are partitioned"] if self.persistent else []
         return "\n".join([
             f"model-state memory, {self.plan}, {self.precision}, {self.parameters:,} parameters, "
             f"{self.data_size} data rank(s):",
             line("device", self.device, self.device_total, self.paper_device),
+            *persistent,
             f"  {'peak':<6} {_gib(self.device_peak):>10} within a step (+ {transient})",
             line("CPU", self.cpu, self.cpu_total, self.paper_cpu),
         ])
@@ -152,16 +160,20 @@ def layout_memory(layout: Layout, policy: Precision, optimizer_state_bytes: int 
     largest_unit = max((sum(layout.params[i].local_numel for i in u.params) for u in layout.units), default=0)
     peak = {"unit grads": largest_unit * pb}
     if stage == 3:
+        # masters, optimizer state and gradients: the units' shards and the persistent partition;
+        # the compute params: those and every persistent parameter whole (layout.py)
         local = layout.storage.numel
-        resident = sum(layout.params[i].local_numel for u in layout.units for i in u.resident_params)
         gathered = sorted((u.numel for u in layout.sharded_units), reverse=True)
         peak["gathered"] = sum(gathered[:2 if cfg.prefetch else 1]) * pb  # the current unit and the prefetched one
         peak["reduce-scatter input"] = (gathered[0] if gathered else 0) * pb * (3 if cfg.overlaps else 1)
         updated = local
         params_at, grads_at = (cpu, cpu) if offload_params else (device, device)
-        params_at["params"] = local * pb
+        params_at["params"] = layout.param_storage.numel * pb
         grads_at["grads"] = local * gb
-        device["grads"] += buckets(resident) * gb if n > 1 and resident else 0
+        persistent_buckets = buckets(layout.persistent_numel) * gb if layout.persistent else 0
+        device["grads"] += persistent_buckets
+        persistent = (layout.persistent_numel, layout.data_size * layout.persistent_part * pb + persistent_buckets)
+        # in fp32 the masters are the compute buffer's leading part, unless the optimizer is offloaded
         separate_master = policy.has_master or (offload and not offload_params)
     else:
         part = layout.partition_numel
@@ -171,6 +183,7 @@ def layout_memory(layout: Layout, policy: Precision, optimizer_state_bytes: int 
         grads = {0: psi, 1: padded, 2: part + buckets(psi)}[stage]
         device["grads"] = grads * gb
         separate_master = policy.has_master or (stage in (1, 2) and offload)
+        persistent = (0, 0)
     state_at = cpu if offload else device
     state_at["master"] = updated * 4 if separate_master else 0
     state_at["optimizer"] = updated * optimizer_state_bytes
@@ -178,7 +191,8 @@ def layout_memory(layout: Layout, policy: Precision, optimizer_state_bytes: int 
         cpu["grads"] = updated * gb  # the reduced gradient, downloaded in the accumulation dtype
         cpu["staging"] = updated * pb if policy.has_master else 0  # the 16-bit cast, uploaded
     paper_device, paper_cpu = _paper_formula(stage, psi, n, offload, offload_params)
-    return MemoryEstimate(repr(layout.plan), policy.name, psi, n, device, cpu, peak, paper_device, paper_cpu)
+    return MemoryEstimate(repr(layout.plan), policy.name, psi, n, device, cpu, peak, paper_device, paper_cpu,
+                          *persistent)
 
 
 def state_bytes_per_parameter(optimizer, path: str = "probe") -> int:

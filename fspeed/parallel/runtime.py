@@ -5,8 +5,10 @@ Storage per rank (the tensor-parallel local buffer has Psi elements, N data rank
     stage 0   params Psi (compute dtype), fp32 masters Psi (mixed precision)
     stage 1   params Psi (padded to N*P), masters and optimizer state P (this rank's slice)
     stage 2   as 1
-    stage 3   per unit its 1/N flat shard and its persistent parameters whole: params, masters,
-              gradients and optimizer state all follow that storage
+    stage 3   per unit its 1/N flat shard, then the rank's 1/N partition of the persistent
+              parameters: masters, gradients and optimizer state; the compute params hold the
+              same and every persistent parameter whole (`Layout.param_storage`), all-gathered
+              from the partitions after each update
 
 A step, as train_step drives it (`ParallelRuntime`):
 
@@ -106,31 +108,7 @@ def build_param_state(leaves: list[torch.Tensor], layout: Layout, precision: Pre
     n, rank = layout.data_size, layout.data_rank
     offload = layout.zero.offload_optimizer
     if layout.stage == 3:
-        storage = Flat(torch.empty(layout.storage.numel, dtype=torch.float32), layout.storage)
-        views = dict(storage.items())
-        for unit, start in zip(layout.units, layout.shard_starts):
-            if unit.sharded:
-                flat = torch.cat([local[i].reshape(-1).float() for i in unit.sharded_params])
-                flat = torch.cat([flat, flat.new_zeros(unit.shard_numel * n - flat.numel())])
-                storage.buffer[start:start + unit.shard_numel].copy_(
-                    flat[rank * unit.shard_numel:(rank + 1) * unit.shard_numel])
-            for i in unit.resident_params:
-                views[layout.params[i].path].copy_(local[i])
-        if device is not None:
-            storage = storage.with_buffer(storage.buffer.to(device))
-        if offloads_params(layout):  # everything on the host; the optimizer writes the compute shards
-            storage = storage.with_buffer(to_host(storage.buffer, offload.pin_memory))
-            if not precision.has_master:
-                return storage, None, storage
-            pin = layout.zero.offload_param.pin_memory
-            compute = storage.with_buffer(to_host(storage.buffer.to(precision.param_dtype), pin))
-            return compute, storage, storage
-        if offload.enabled:
-            compute = storage.to(precision.param_dtype)
-            master = storage.with_buffer(to_host(storage.buffer, offload.pin_memory))
-            return compute, master, master
-        compute = storage.to(precision.param_dtype) if precision.has_master else storage
-        return compute, (storage if precision.has_master else None), storage
+        return _build_stage3(local, layout, precision, device)
     padded = n * layout.partition_numel if layout.stage in (1, 2) else layout.local.numel
     buffer = torch.zeros(padded, dtype=torch.float32, device=local[0].device if local else None)  # params' own
     if local:
@@ -146,6 +124,61 @@ def build_param_state(leaves: list[torch.Tensor], layout: Layout, precision: Pre
     else:  # in fp32 the partition the optimizer updates is the params' own slice: no copy to write back
         part = Flat(piece.clone() if precision.has_master else piece, layout.partition)
     return compute, part, part
+
+
+def _build_stage3(local: list[torch.Tensor], layout: Layout, precision: Precision,
+                  device: Optional[torch.device | str]) -> tuple[Flat, Optional[Flat], Flat]:
+    """`build_param_state` of stage 3: the compute parameters on `layout.param_storage`, what the
+    optimizer updates on `layout.storage`, its leading part (the units' shards, then the
+    persistent partition: layout.py). Where the two share a dtype and a place, the updated buffer
+    is that part of the compute buffer itself (as ZeRO-1/2's partition in fp32)."""
+    n, rank = layout.data_size, layout.data_rank
+    offload = layout.zero.offload_optimizer
+    full = torch.zeros(layout.param_storage.numel, dtype=torch.float32)
+    views = dict(Flat(full, layout.param_storage).items())  # the persistent parameters' whole copies
+    for unit, start in zip(layout.units, layout.shard_starts):
+        if unit.sharded:
+            flat = torch.cat([local[i].reshape(-1).float() for i in unit.sharded_params])
+            flat = torch.cat([flat, flat.new_zeros(unit.shard_numel * n - flat.numel())])
+            full[start:start + unit.shard_numel].copy_(flat[rank * unit.shard_numel:(rank + 1) * unit.shard_numel])
+        for i in unit.resident_params:
+            views[layout.params[i].path].copy_(local[i])
+    lo, part = layout.persistent_start, layout.persistent_part
+    if layout.persistent:  # this rank's partition of the whole persistent parameters that follow it
+        full[lo:lo + part].copy_(full[lo + part + rank * part:lo + part + (rank + 1) * part])
+    if device is not None:
+        full = full.to(device)
+    updated = layout.storage.numel
+    if offloads_params(layout):  # everything on the host; the optimizer writes the compute shards
+        full = to_host(full, offload.pin_memory)
+        if not precision.has_master:  # the compute parameters (their leading part) are what the optimizer updates
+            compute = Flat(full, layout.param_storage)
+            master = _leading(compute, layout)
+            return compute, master, master if master is not None else compute
+        compute = Flat(to_host(full.to(precision.param_dtype), layout.zero.offload_param.pin_memory),
+                       layout.param_storage)
+        master = Flat(full[:updated] if not layout.persistent else to_host(full[:updated], offload.pin_memory),
+                      layout.storage)
+        return compute, master, master
+    if offload.enabled:
+        compute = Flat(full.to(precision.param_dtype), layout.param_storage)
+        master = Flat(to_host(full[:updated], offload.pin_memory), layout.storage)
+        return compute, master, master
+    if not precision.has_master:
+        compute = Flat(full, layout.param_storage)
+        master = _leading(compute, layout)  # None: the compute parameters are the masters
+        return compute, master, master if master is not None else compute
+    compute = Flat(full.to(precision.param_dtype), layout.param_storage)
+    master = Flat(full[:updated].clone() if layout.persistent else full, layout.storage)
+    return compute, master, master
+
+
+def _leading(params: Flat, layout: Layout) -> Optional[Flat]:
+    """Stage 3: the leading part of the compute buffer that `layout.storage` describes (the units'
+    shards and the persistent partition); None when it is the whole buffer (no persistent ones)."""
+    if not layout.persistent:
+        return None
+    return Flat(params.buffer[:layout.storage.numel], layout.storage)
 
 
 class NormPieces(NamedTuple):
@@ -170,11 +203,11 @@ class ParallelRuntime:
         self.n = layout.data_size
         # the grad norm from the optimizer's own pass (nothing needed it before the update) where that
         # pass sees the whole gradient (one rank; stage 0's all-reduced one) or a ZeRO-1/2 partition
-        # (summed over the ranks); not ZeRO-3 on several ranks, whose small persistent parameters are
-        # whole on every rank; under a pipeline, where the pass sees the stage's whole gradient (its
-        # tied copies are then left out by `tied_copies_sq`). The sink then takes no norms
+        # (summed over the ranks) or ZeRO-3 shards and persistent partitions (likewise); under a
+        # pipeline, where the pass sees the stage's whole gradient (its tied copies are then left out
+        # by `tied_copies_sq`). The sink then takes no norms
         self.norm_in_update = norm_in_update and self.model.size == 1 and \
-            (self.n == 1 or layout.stage <= 2 and (self.pipe.size == 1 or layout.stage == 0))
+            (self.n == 1 or layout.stage == 3 or layout.stage <= 2 and (self.pipe.size == 1 or layout.stage == 0))
         self.rank = self.data.rank
         self.offload = offloads_optimizer(layout)
         self.offload_params = offloads_params(layout)
@@ -392,7 +425,8 @@ class ParallelRuntime:
         ZeRO slice or shard) and sliced over model (tensor slicing); padding pieces are left out (zeros)."""
         layout, pieces = self.layout, NormPieces([], [], [], [])
         info = layout.info
-        sharded = {layout.params[i].path for u in layout.units for i in u.sharded_params}
+        sharded = {layout.params[i].path for u in layout.units for i in u.sharded_params} | \
+            {layout.params[i].path for i in layout.persistent}  # stage 3: the persistent partitions too
         partitioned_stage = layout.stage in (1, 2) and self.n > 1
         copies = self._tied_copies()
         for i, (path, size) in enumerate(zip(grads_layout.paths, grads_layout.sizes)):
@@ -416,14 +450,19 @@ class ParallelRuntime:
         offload_optimizer: a pinned host staging buffer in the compute dtype (the CPU kernel
         never gets a device tensor), or the host compute shards themselves with offload_param.
         """
+        leading = self.layout.stage == 3 and bool(self.layout.persistent)  # the masters' image leads the params
         if not self.offload:
             if self.layout.stage in (1, 2) and master.dtype != params.dtype:
                 # the cast goes straight into this rank's slice of the compute params (all-gathered in place)
                 p = self.layout.partition_numel
                 return master.with_buffer(params.buffer[self.rank * p:(self.rank + 1) * p])
+            if leading:  # into the shards and the persistent partition, which write_back then all-gathers
+                return master.with_buffer(params.buffer[:master.numel]) if master.dtype != params.dtype else None
             return local_image(master, params)
         self._copies.wait_for_uploads()  # the previous step's upload has read the host buffers
         if self.offload_params:
+            if leading:
+                return master.with_buffer(params.buffer[:master.numel]) if master.dtype != params.dtype else None
             return local_image(master, params)  # the host compute shards (None in fp32: they are the masters)
         if master.dtype == params.dtype:
             return None  # fp32: write_back uploads the masters themselves
@@ -449,6 +488,9 @@ class ParallelRuntime:
         `cast` is what the optimizer already wrote (see `cast_target`). With offload_optimizer
         the host result (staging, or the fp32 masters when no cast is needed) is uploaded first.
         """
+        if self.layout.stage == 3 and self.layout.persistent:
+            self._write_back_with_persistent(master, params, cast)
+            return None
         if cast is not None and cast.buffer.data_ptr() == params.buffer.data_ptr() and \
                 cast.buffer.numel() == params.buffer.numel():
             return  # the optimizer wrote the compute params in its pass
@@ -472,6 +514,36 @@ class ParallelRuntime:
             self._copies.upload(params.buffer, source)
         elif source.data_ptr() != params.buffer.data_ptr():
             params.buffer.copy_(source)
+
+    def _write_back_with_persistent(self, master: Flat, params: Flat, cast: Optional[Flat]) -> None:
+        """Stage 3 with persistent parameters: the updated shards and persistent partition into the
+        compute buffer's leading part (unless the optimizer's pass wrote them there, or the masters
+        are that part), then the partitions all-gathered into the whole persistent parameters, as
+        DeepSpeed all-gathers its persistent parameters after each step."""
+        lead = params.buffer[:self.layout.storage.numel]
+        source = cast.buffer if cast is not None else master.buffer
+        if source.data_ptr() != lead.data_ptr() or source.device != lead.device:
+            if self.offload and not self.offload_params:
+                self._copies.upload(lead, source)
+            else:
+                lead.copy_(source)
+        self.gather_persistent(params)
+
+    def gather_persistent(self, params: Flat) -> None:
+        """Stage 3: every rank's persistent partition (in the compute buffer) all-gathered into the
+        whole persistent parameters that follow it (layout.py); through the compute device when the
+        parameters are on the host (offload_param)."""
+        layout = self.layout
+        lo, part = layout.persistent_start, layout.persistent_part
+        own = params.buffer[lo:lo + part]
+        whole = params.buffer[lo + part:lo + part + self.n * part]
+        bucket = layout.zero.allgather_bucket_size
+        if whole.device == self.device:
+            self.data.all_gather(own, whole, bucket)
+            return
+        gathered = torch.empty(whole.numel(), dtype=whole.dtype, device=self.device)
+        self.data.all_gather(own.to(self.device), gathered, bucket)
+        whole.copy_(gathered)
 
     def updates_by_piece(self, opt: Any, grads: Flat | LooseGrads, opt_state: Any, master: Flat) -> bool:
         """Whether the update may run piece by piece with the parameter gather (`update_and_gather`):
@@ -540,8 +612,14 @@ def gather_params(state, mesh) -> PyTree:
                 gathered = data.gathered(source.buffer[start:start + unit.shard_numel].detach())
                 for i, t in zip(unit.sharded_params, unit.shard_layout.unflatten(gathered)):
                     leaves[i] = t
-            for i in unit.resident_params:
-                leaves[i] = views[layout.params[i].path]
+            if not layout.persistent:
+                for i in unit.resident_params:
+                    leaves[i] = views[layout.params[i].path]
+        if layout.persistent:  # from the partitions (of the masters where they exist)
+            lo, part = layout.persistent_start, layout.persistent_part
+            gathered = data.gathered(source.buffer[lo:lo + part].detach())
+            for i, t in zip(layout.persistent, layout.persistent_layout.unflatten(gathered)):
+                leaves[i] = t
     else:
         leaves = [t for _, t in source.items()]
     out = []

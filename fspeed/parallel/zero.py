@@ -5,8 +5,12 @@
     stage 2   + gradients: reduced during backward, bucket by bucket, into the rank's slice only
     stage 3   + parameters: each unit's parameters are flattened and split into N shards, gathered
               just in time for their use; a parameter of at most `param_persistence_threshold`
-              elements stays whole on every rank (DeepSpeed's rule, per parameter), as long as
-              the persistent total stays within `model_persistence_threshold`
+              elements is persistent (DeepSpeed's rule, per parameter), as long as the persistent
+              total stays within `model_persistence_threshold`: its compute copy stays whole on
+              every rank (never gathered or released), while its gradient, fp32 master and
+              optimizer state are partitioned like every other parameter's (DeepSpeed's
+              `ds_persist` parameters keep their `ds_tensor` partition, which the fp32 partition
+              and the optimizer state are built from, and their gradients are reduce-scattered)
 
 The runtime piece (how each stage stores its state and reduces its gradients) is chosen once per
 layout in `fspeed.parallel.runtime` and `fspeed.parallel.grads`.
@@ -47,7 +51,7 @@ class Zero:
                 if numel <= cfg.param_persistence_threshold and \
                         persistent_total + numel <= cfg.model_persistence_threshold:
                     persistent_total += numel
-                    what = ()  # persistent: parameter, gradient and optimizer state whole on every rank
+                    what = ("optimizer", "grads")  # persistent: only the compute parameter is whole
             out.append(placement.partitioned(repr(self), "data", *what) if what else placement)
         return tuple(out)
 
