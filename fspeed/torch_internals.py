@@ -6,7 +6,10 @@
   refills a freed gathered layer for its backward without a version bump);
 - `torch._foreach_norm`: the L2 norms of many gradient views in one call;
 - `FlopCounterMode.mod_tracker`: the flops profiler gives torch's flop counter its own scopes
-  (parameter paths) in place of the nn.Module tracker.
+  (parameter paths) in place of the nn.Module tracker;
+- functorch's interpreter stack and forward-mode AD's level: which `torch.func` transforms are
+  active (`decomposed_ops_needed`);
+- `aten::_scaled_dot_product_attention_math`: attention's decomposition into differentiable ops.
 
 A torch upgrade that moves one of these breaks here, not across the code base.
 """
@@ -17,7 +20,9 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
-from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
+from torch._C._functorch import (TransformType, get_interpreter_stack, get_unwrapped, is_functorch_wrapped_tensor,
+                                 peek_interpreter_stack)
+from torch.autograd import forward_ad
 
 
 def unwrapped(t: torch.Tensor) -> torch.Tensor:
@@ -52,6 +57,38 @@ def below_functorch() -> Iterator[None]:
         yield
 
 
+def decomposed_ops_needed(*, vmap: bool = False) -> bool:
+    """Whether the transforms now active need ops decomposed into differentiable primitives: fused
+    kernels and fspeed's own autograd Functions have no forward-mode rule (`torch.func.jvp`,
+    `jacfwd`, `hessian`, `torch.autograd.forward_ad`) and no double backward (a `grad` inside a
+    `grad`); with `vmap`, a `vmap` counts too (for an op without a batching rule). Costs about
+    0.15 us with no transform or one, 3 us under nested ones."""
+    if forward_ad._current_level >= 0:  # functorch's jvp enters a dual level too
+        return True
+    top = peek_interpreter_stack()
+    if top is None:
+        return False
+    if top.level() == 1:  # one transform (levels count from 1 at the outermost)
+        return vmap and top.key() == TransformType.Vmap
+    grads = 0
+    for interpreter in get_interpreter_stack():
+        kind = interpreter.key()
+        if kind == TransformType.Jvp or (vmap and kind == TransformType.Vmap):
+            return True
+        grads += kind == TransformType.Grad
+    return grads > 1
+
+
+def sdpa_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+              dropout_p: float = 0.0, is_causal: bool = False, *, scale: Any = None,
+              enable_gqa: bool = False) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` by its math backend (softmax(q k^T * scale + mask) v in
+    differentiable ops, the same numbers as `sdpa_kernel(SDPBackend.MATH)`), without touching the
+    process-wide backend switches that `sdpa_kernel` sets."""
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+
+
 def _as_given(formula):
     """A registered flop formula (it already takes tensors) marked so FlopCounterMode does not wrap it again."""
     def given(*args, **kwargs):
@@ -80,5 +117,5 @@ def flop_counter_with_scopes(tracker) -> "torch.utils.flop_counter.FlopCounterMo
     return counter
 
 
-__all__ = ["AsyncCollectiveTensor", "below_functorch", "flop_counter_with_scopes", "foreach_norm", "funcol_all_gather",
-           "funcol_all_reduce", "funcol_reduce_scatter", "unwrapped"]
+__all__ = ["AsyncCollectiveTensor", "below_functorch", "decomposed_ops_needed", "flop_counter_with_scopes",
+           "foreach_norm", "funcol_all_gather", "funcol_all_reduce", "funcol_reduce_scatter", "sdpa_math", "unwrapped"]

@@ -1,6 +1,7 @@
 """The reference GPT, written as pure functions of a parameter dict (nanoGPT's model, functional).
 
-Pre-LayerNorm blocks, causal self-attention through `scaled_dot_product_attention`, a GELU MLP,
+Pre-LayerNorm blocks, causal self-attention through `scaled_dot_product_attention` (decomposed
+under `jvp`, `hessian` and nested `grad`: `fspeed.models.attention`), a GELU MLP,
 learned positions, optional tied input/output embeddings. Dropout (embeddings and residual
 branches) draws from an explicit `torch.Generator`, so a step is a pure function of
 (params, batch, generator seed). Attention-probability dropout is not offered: SDPA's dropout uses
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from ..sparse import SparseAttentionConfig, SparseSelfAttention
+from .attention import scaled_dot_product_attention
 from .layer_drop import PLD_BATCH_KEY, LayerDrop, kept_blocks
 from .layers import Layer, LayerSequence
 from .model import LogicalAxes, Model
@@ -85,7 +87,7 @@ class GPTConfig:
 
 
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def _attend(cfg: GPTConfig):
@@ -189,7 +191,7 @@ def gpt(cfg: GPTConfig) -> Model:
 
     def loss(params: dict, batch: dict, *, rng: Optional[torch.Generator] = None,
              ops: DenseOps = DENSE) -> torch.Tensor:
-        """Mean next-token cross-entropy, computed in fp32 whatever the compute dtype. A batch's
+        """Mean next-token cross-entropy, computed in fp32 (fp64 for a fp64 model). A batch's
         `layer_drop` (a `LayerDrop`: the step's progressive layer dropping) drops blocks. ln_f, the
         head and the loss are one op from a size up (`_head_and_loss`, `GPTConfig.fused_head`)."""
         x, head = trunk(params, batch["inputs"], rng, ops, batch.get(PLD_BATCH_KEY))

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..pytree import tree_map
+from .attention import scaled_dot_product_attention
 from .gpt import GPTConfig
+from .head_loss import loss_dtype
 
 
 class _Block(nn.Module):
@@ -28,7 +30,7 @@ class _Block(nn.Module):
         B, S, D = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)
         q, k, v = (t.view(B, S, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(B, S, D))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -56,7 +58,7 @@ class GPTModule(nn.Module):
 
     def loss(self, batch: dict) -> torch.Tensor:
         logits = self(batch["inputs"])
-        return F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten())
+        return F.cross_entropy(logits.to(loss_dtype(logits.dtype)).flatten(0, 1), batch["targets"].flatten())
 
 
 def params_from_module(module: GPTModule) -> dict:

@@ -16,6 +16,9 @@ cross-entropy), and so is the gradient of norm(x), as a column-parallel layer's 
 `partition` (activation partitioning) each rank keeps 1/t of the x gradient (the same on every rank),
 all-gathered again in backward, as partitioned checkpointed inputs are.
 
+Under `torch.func` transforms the op has no rule for (`jvp`, `jacfwd`, `hessian`, a `grad` of a `grad`,
+`vmap`) the loss is computed as separate differentiable ops instead (the logits are then kept).
+
 The gradient is computed for a loss multiplier of 1, so it is only as exact as the compute dtype at
 that scale: fp16 would underflow the small softmax terms that a loss scale protects. `gpt` uses this
 op in fp32 and bf16 and the separate head and loss in fp16.
@@ -26,7 +29,10 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from ..torch_internals import decomposed_ops_needed
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: such targets add nothing to the loss or its mean
 CHUNK_ELEMENTS = 1 << 23  # logits elements per chunk (32 MiB in fp32)
@@ -59,10 +65,15 @@ class _HeadLoss(torch.autograd.Function):
         return (dx * grad_loss, dw * grad_loss, None, None, None, None, None, *(g * grad_loss for g in dnorm))
 
 
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a loss is computed in: fp32, or fp64 for fp64 inputs (never narrower than fp32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def head_loss(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, *,
               norm: Callable[..., torch.Tensor] = lambda x: x, norm_params: Sequence[torch.Tensor] = (),
               comm=None, chunk_rows: Optional[int] = None, partition: bool = False) -> torch.Tensor:
-    """Mean cross-entropy of `norm(x, *norm_params) @ w.T` against `targets`, in fp32 (module
+    """Mean cross-entropy of `norm(x, *norm_params) @ w.T` against `targets`, in fp32 or fp64 (module
     docstring). `w` is `[vocab, d]`, or this rank's `[vocab / t, d]` rows with `comm` the model axis;
     `chunk_rows`: positions per chunk (default: about CHUNK_ELEMENTS logits per chunk). `partition`
     (with `comm`: activation partitioning) keeps 1/t of the x gradient on each rank until backward."""
@@ -71,9 +82,22 @@ def head_loss(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, *,
     if partition and comm is None:
         raise ValueError("head_loss(partition=True) splits the kept x gradient over the model axis: it needs a "
                          "vocab-sliced head (comm with more than one rank)")
+    if decomposed_ops_needed(vmap=True):
+        if comm is not None:
+            raise NotImplementedError("head_loss over a vocabulary-sliced head (tensor slicing) has no forward-mode, "
+                                      "batching or double-backward rule: under torch.func's jvp, vmap or nested grad, "
+                                      "compute the loss from whole logits")
+        return _separate_ops(x, w, targets, norm, norm_params)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, w, *norm_params))):
         return _loss_and_grads(x, w, targets, norm, comm, rows, norm_params, False)[0]
     return _HeadLoss.apply(x, w, targets, norm, comm, rows, partition, *norm_params)[0]
+
+
+def _separate_ops(x, w, targets, norm, norm_params) -> torch.Tensor:
+    """The same loss in differentiable torch ops (what every transform composes with)."""
+    logits = F.linear(norm(x, *norm_params).reshape(-1, x.shape[-1]), w)
+    logits = logits.to(loss_dtype(logits.dtype))
+    return F.cross_entropy(logits, targets.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
 def _loss_and_grads(x, w, targets, norm, comm, chunk_rows, norm_params, grads_needed, partition=False):
@@ -84,11 +108,12 @@ def _loss_and_grads(x, w, targets, norm, comm, chunk_rows, norm_params, grads_ne
     lo = comm.rank * vocab if comm is not None else 0
     valid = ts != IGNORE_INDEX
     count = valid.sum()
-    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    acc = loss_dtype(w.dtype)
+    total = torch.zeros((), dtype=acc, device=x.device)
     if grads_needed:
         dx = torch.empty_like(xs)
-        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-        dnorm = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in norm_params]
+        dw = torch.zeros(w.shape, dtype=acc, device=w.device)
+        dnorm = [torch.zeros(p.shape, dtype=acc, device=p.device) for p in norm_params]
     for s in range(0, n, chunk_rows):
         xc, tc, vc = xs[s:s + chunk_rows], ts[s:s + chunk_rows], valid[s:s + chunk_rows]
         with torch.enable_grad():
@@ -96,7 +121,7 @@ def _loss_and_grads(x, w, targets, norm, comm, chunk_rows, norm_params, grads_ne
             params_in = [p.detach().requires_grad_(grads_needed) for p in norm_params]
             y = norm(xc_in, *params_in)
         y_value = y.detach()
-        logits = torch.nn.functional.linear(y_value, w).float()
+        logits = torch.nn.functional.linear(y_value, w).to(acc)
         peak = logits.amax(-1)
         if comm is not None:
             comm.all_reduce_(peak, "max")
@@ -112,22 +137,22 @@ def _loss_and_grads(x, w, targets, norm, comm, chunk_rows, norm_params, grads_ne
         if not grads_needed:
             continue
         # d loss / d logits = (softmax - onehot) / count on valid positions, 0 on ignored ones
-        scale = vc.to(torch.float32) / count
+        scale = vc.to(acc) / count
         probs = logits.mul_((scale / sum_exp).unsqueeze(-1))
         probs.scatter_add_(-1, local, -(scale * inside).unsqueeze(-1))
         d_logits = probs.to(w.dtype)
         if dw.dtype == d_logits.dtype:
             dw.addmm_(d_logits.t(), y_value)
         else:  # bf16 products, accumulated over chunks in fp32
-            dw += (d_logits.t() @ y_value).float()
+            dw += (d_logits.t() @ y_value).to(acc)
         dy = d_logits @ w
         if comm is not None:
             comm.all_reduce_(dy)
         with torch.enable_grad():
             got = torch.autograd.grad(y, [xc_in, *params_in], dy)
         dx[s:s + chunk_rows] = got[0]
-        for acc, g in zip(dnorm, got[1:]):
-            acc += g.float()
+        for acc_g, g in zip(dnorm, got[1:]):
+            acc_g += g.to(acc)
     loss = total / count
     if not grads_needed:
         return loss, None
@@ -140,4 +165,4 @@ def _loss_and_grads(x, w, targets, norm, comm, chunk_rows, norm_params, grads_ne
     return loss, (dx, dw.to(w.dtype), [g.to(p.dtype) for g, p in zip(dnorm, norm_params)])
 
 
-__all__ = ["head_loss"]
+__all__ = ["head_loss", "loss_dtype"]

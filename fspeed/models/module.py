@@ -24,7 +24,11 @@ What the module becomes:
   statistics, which it leaves untouched), as `make_eval_step` asks.
 - **Precision**: floating inputs are cast to the parameters' dtype; normalisation layers
   (`fp32_modules`, BatchNorm/LayerNorm/GroupNorm by default, as FSDP's mixed-precision policy)
-  compute in fp32 with fp32 buffers, their output cast back.
+  compute in fp32 with fp32 buffers, their output cast back (a 16-bit module's; fp64 stays fp64).
+- **torch.func**: the loss is a pure function of the parameters for `grad`, `vmap`, `jvp`, `jacrev`
+  and `hessian`; under forward mode or nested `grad` the module's
+  `F.scaled_dot_product_attention` runs SDPA's math backend, which those transforms differentiate
+  (`fspeed.models.attention`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import torch
 from torch import nn
 
 from ..pytree import PyTree, tree_flatten_with_paths
+from .attention import decomposed_attention
 from .causal_lm import FusedHead, labels_of, output_head
 from .fused_ops import fused_forwards
 from .model import LogicalAxes, Model
@@ -216,7 +221,9 @@ class ModuleLoss:
         dtype = _compute_dtype(tensors, units)
         state = self._buffers(buffers)
         inputs = _cast_floats(inputs, dtype)
-        with self._seeded(rng), self._routed(units, ops, dtype, train, head) as installed:
+        # decomposed_attention: the module's own SDPA calls under forward mode or nested grad (`attention`)
+        with self._seeded(rng), self._routed(units, ops, dtype, train, head) as installed, \
+                decomposed_attention():
             given = dict(tensors)
             placeholders = self._placeholders(dtype)
             for path, u in units.items():  # a unit's parameters are reached only through its route
@@ -323,7 +330,7 @@ class ModuleLoss:
 
             hf_remat = Remat()  # Hugging Face's own checkpointing: full, on every flagged layer
         computes = dict(self.fused)
-        if sliced or (dtype is not None and dtype != torch.float32 and self.fp32_modules):
+        if sliced or (_below_fp32(dtype) and self.fp32_modules):
             for path, m in modules.items():
                 fn = self._compute(path, m, ops, sliced, dtype)
                 if fn is not None:
@@ -383,7 +390,7 @@ class ModuleLoss:
         """How `module` computes when not as its class says: tensor-sliced, or in fp32."""
         if sliced and path in self.tp_styles:
             return tp_forward(module, self.tp_styles[path], ops, path)
-        if dtype is not None and dtype != torch.float32 and isinstance(module, self.fp32_modules):
+        if _below_fp32(dtype) and isinstance(module, self.fp32_modules):
             return fp32_forward(module, self.forwards[module], self._slots(module))
         return None
 
@@ -568,6 +575,11 @@ def _cast_floats(x: Any, dtype: Optional[torch.dtype]) -> Any:
     if isinstance(x, dict) and type(x) is dict:
         return {k: _cast_floats(v, dtype) for k, v in x.items()}
     return x
+
+
+def _below_fp32(dtype: Optional[torch.dtype]) -> bool:
+    """A 16-bit compute dtype (fp32 and fp64 modules compute as they are)."""
+    return dtype is not None and dtype.is_floating_point and dtype.itemsize < 4
 
 
 def _compute_dtype(tensors: dict, units: dict) -> Optional[torch.dtype]:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .head_loss import head_loss
+from .head_loss import head_loss, loss_dtype
 
 BlockFn = Callable[[Any, torch.Tensor, Optional[torch.Generator]], torch.Tensor]
 BlockRngs = Optional[torch.Generator | Sequence[Optional[torch.Generator]]]  # one for all blocks, or one each
@@ -80,8 +80,8 @@ class DenseOps:
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, *,
                       vocab_axis: Optional[str] = None) -> torch.Tensor:
-        """Mean cross-entropy over all positions, computed in fp32."""
-        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+        """Mean cross-entropy over all positions, computed in fp32 (fp64 for fp64 logits)."""
+        return F.cross_entropy(logits.to(loss_dtype(logits.dtype)).flatten(0, -2), targets.flatten())
 
     def head_loss(self, x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, *,
                   norm: Callable[..., torch.Tensor] = lambda x: x, norm_params: Sequence[torch.Tensor] = (),
