@@ -1,7 +1,8 @@
 """`attention(q, k, v, layout, ...)`: differentiable block-sparse attention that composes with torch.func.
 
 The op is a `torch.autograd.Function` with a separate `setup_context` and a `vmap` rule, so
-`torch.func.grad`, `vjp`, `vmap` (and `vmap(grad(...))`) work. The forward pass computes only the
+`torch.func.grad`, `vjp`, `vmap` (and `vmap(grad(...))`) work; under forward mode (`jvp`, `jacfwd`,
+`hessian`) or a `grad` of a `grad` it computes `reference_attention` instead. The forward pass computes only the
 blocks in the layout and saves the output (and, for the backends that read it, the per-row
 log-sum-exp); the backward pass recomputes the probabilities (flash attention's trade: no
 O(nnz x block^2) tensor is kept between the passes). Masks follow DeepSpeed's softmax:
@@ -27,6 +28,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from ..torch_internals import decomposed_ops_needed
 from . import flash_blocks, torch_blocks
 from .plan import BlockPlan, layout_array, make_plan
 
@@ -210,6 +212,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Union[t
         attn_bias = _canonical_attn_mask(attn_mask.to(q.device), B, H, S, cd, attn_mask_mode)
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+    if decomposed_ops_needed():  # the Function has no forward-mode rule and one backward
+        return reference_attention(q, k, v, plan.layout, block=plan.block, causal=plan.causal,
+                                   key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                                   key_padding_mask_mode=key_padding_mask_mode, attn_mask_mode=attn_mask_mode,
+                                   scale=scale)
     out, _ = BlockSparseAttention.apply(q, k, v, key_bias, attn_bias, plan,
                                          float(D ** -0.5 if scale is None else scale), backend)
     return out
