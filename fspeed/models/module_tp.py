@@ -79,9 +79,9 @@ def styles_of(module: nn.Module, tp_plan: Mapping[str, str]) -> dict[str, str]:
         matched = [path for path in modules if path and fnmatch.fnmatchcase(path, pattern)]
         if not matched:
             params = [n for n, _ in module.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
-            what = (f"names the parameter {params[0]!r}, not a submodule; fspeed slices modules" if params
-                    else "matches no submodule")
-            raise ValueError(f"tp_plan: pattern {pattern!r} of {type(module).__name__} {what}")
+            what = (f"names the parameter {params[0]!r}, not a submodule of {type(module).__name__}; fspeed slices "
+                    "modules" if params else f"matches no submodule of {type(module).__name__}")
+            raise ValueError(f"tp_plan: pattern {pattern!r} {what}")
         for path in matched:
             _check_fits(path, modules[path], style)
             out.setdefault(path, style)
