@@ -45,7 +45,7 @@ def apply_function(fn: type, *args: Any) -> Any:
     """`fn.apply(*args)` for an autograd Function with `setup_context` whose forward takes positional
     arguments without defaults. Outside torch.func's transforms this skips `Function.apply`'s
     per-call `inspect.signature` binding (tens of microseconds; a step applies one per unit)."""
-    if torch._C._are_functorch_transforms_active():
+    if func_transforms_active():
         return fn.apply(*args)
     return super(torch.autograd.Function, fn).apply(*torch._functorch.utils.unwrap_dead_wrappers(args))
 
@@ -55,6 +55,11 @@ def below_functorch() -> Iterator[None]:
     """Run tensor code below torch.func's transforms, without autograd (plain memory operations)."""
     with torch._C._DisableFuncTorch(), torch.no_grad():
         yield
+
+
+def func_transforms_active() -> bool:
+    """Whether any `torch.func` transform (grad, vjp, jvp, vmap, ...) is active."""
+    return torch._C._are_functorch_transforms_active()
 
 
 def decomposed_ops_needed(*, vmap: bool = False) -> bool:
@@ -118,4 +123,5 @@ def flop_counter_with_scopes(tracker) -> "torch.utils.flop_counter.FlopCounterMo
 
 
 __all__ = ["AsyncCollectiveTensor", "below_functorch", "decomposed_ops_needed", "flop_counter_with_scopes",
-           "foreach_norm", "funcol_all_gather", "funcol_all_reduce", "funcol_reduce_scatter", "sdpa_math", "unwrapped"]
+           "foreach_norm", "func_transforms_active", "funcol_all_gather", "funcol_all_reduce", "funcol_reduce_scatter",
+           "sdpa_math", "unwrapped"]

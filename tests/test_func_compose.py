@@ -192,6 +192,17 @@ def test_jvp_of_gpt_logits_equals_the_module_twin():
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
+def test_a_rematerialized_model_composes_too():
+    """Under torch.func a remat model's blocks run whole (its checkpoint's saved-tensor hooks are
+    refused there): the same gradient and Hessian-vector product as the model without remat."""
+    model, params, batch = _gpt(False)
+    plain, remat = (functools.partial(m.loss, batch=batch) for m in (model, fs.remat(model)))
+    u = _random_like(params, 9)
+    for fn in (grad, lambda f: lambda p: jvp(grad(f), (p,), (u,))[1]):
+        for got, expected in zip(tree_leaves(fn(remat)(params)), tree_leaves(fn(plain)(params))):
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+
+
 def test_training_path_keeps_the_fused_kernels(monkeypatch):
     """Outside forward mode and nested gradients the fused SDPA kernel runs (the decomposition is
     only for the transforms that need it)."""

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..torch_internals import func_transforms_active
 from .head_loss import head_loss, loss_dtype
 
 BlockFn = Callable[[Any, torch.Tensor, Optional[torch.Generator]], torch.Tensor]
@@ -94,8 +95,9 @@ class DenseOps:
              _label: str = "block", **kwargs: Any) -> Any:
         """`fn(params, *args, **kwargs)` with one unit's parameters (the unit of ZeRO-3 gathering,
         recompute and gradient delivery under a plan); `_remat` (`fspeed.activation_checkpointing.Remat`) checkpoints
-        the call when autograd records it."""
-        if _remat is not None and torch.is_grad_enabled():
+        the call when autograd records it, outside `torch.func`'s transforms (they refuse the saved-tensor
+        hooks of `torch.utils.checkpoint`: under them the call runs whole, as without remat)."""
+        if _remat is not None and torch.is_grad_enabled() and not func_transforms_active():
             from ..activation_checkpointing import checkpointed  # noqa: PLC0415 (remat imports this module)
 
             return checkpointed(_remat, fn, self.param(p), *args, label=_label, **kwargs)
