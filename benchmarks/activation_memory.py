@@ -12,7 +12,11 @@ The reference GPT (12 layers, sequence 512 by default) trained one step at a tim
 Saved bytes: malloc's in-use bytes (glibc `mallinfo2`) when backward starts, over those before the
 forward: what the forward keeps for backward. Theory for full remat: one block input per block
 plus the head's (the fused ln_f, head and loss keep only the gradients they took in forward; the
-plain PyTorch loop keeps the logits and their log-softmax).
+plain PyTorch loop keeps the logits and their log-softmax). fspeed's GPT runs with
+`fused_head=True` here: by default (`fused_head=None`) it fuses from 2^20 logits of a micro-batch
+up, and 2048 positions x 256 words is below that, where the separate ops keep ln_f's input and
+output and the log-probabilities (three tensors of a block input's size at this width) instead of
+one gradient.
 
     python benchmarks/activation_memory.py [--layers 12] [--seq 512] [--batch 4] [--width 256] [--steps 10]
 
@@ -79,7 +83,8 @@ class _Checkpointed(torch.nn.Module):
 
 def partitioned_kept(partition: bool, layers: int, seq: int, batch: int, width: int) -> int:
     """One tensor-slicing rank's kept bytes for a fully rematerialized GPT (runs in a GlooWorld)."""
-    cfg = fs.models.GPTConfig(vocab_size=256, seq_len=seq, n_layer=layers, n_head=width // 64, d_model=width)
+    cfg = fs.models.GPTConfig(vocab_size=256, seq_len=seq, n_layer=layers, n_head=width // 64, d_model=width,
+                              fused_head=True)
     model = fs.remat(fs.models.gpt(cfg), "full", partition=partition)
     mesh = fs.Mesh(data=1, model=2)
     plan = fs.tensor_slicing(fs.models.gpt_rules)
@@ -111,7 +116,7 @@ def main() -> None:
     if live_host_bytes() is None:
         raise SystemExit("this benchmark counts malloc's bytes: it needs glibc")
     cfg = fs.models.GPTConfig(vocab_size=256, seq_len=args.seq, n_layer=args.layers, n_head=args.width // 64,
-                              d_model=args.width)
+                              d_model=args.width, fused_head=True)  # the theory's head (module docstring)
     model = fs.models.gpt(cfg)
     params = model.init(torch.Generator().manual_seed(0))
     x = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))

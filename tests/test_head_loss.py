@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import fspeed as fs
 from fspeed.activation_budget import bytes_kept_for_backward
 from fspeed.models.head_loss import head_loss
+from tests.fresh_process import in_fresh_process
 
 
 def layer_norm(x, weight, bias):
@@ -63,18 +64,27 @@ def test_head_loss_without_gradients():
     assert out.grad_fn is None  # nothing required a gradient: no graph, no gradients taken
 
 
-def test_head_loss_keeps_a_fraction_of_what_the_separate_ops_keep():
-    """Vocabulary 8192, width 64, 256 positions: the separate ops keep the log-softmax (positions x
-    vocabulary); the fused op keeps the gradients of x and of the weight (vocabulary x width)."""
+def _fused(x, w, targets, weight, bias):
+    return head_loss(x, w, targets, norm=layer_norm, norm_params=(weight, bias))
+
+
+def _kept_by_fused_and_separate() -> tuple[int, int]:
+    """Vocabulary 8192, width 64, 256 positions: (bytes the fused op keeps for backward, bytes the
+    separate ops keep); run in a fresh process, whose malloc count no other test has moved."""
     (x, w, weight, bias), targets = case(4, 64, 64, 8192, 0, torch.float32, 0.0)
     x = x.detach()
 
     def run(fn):
         xi = x.clone().requires_grad_()
         return bytes_kept_for_backward(lambda: fn(xi, w, targets, weight, bias).backward())[0]
-    fused_fn = lambda *a: head_loss(a[0], a[1], a[2], norm=layer_norm, norm_params=a[3:])  # noqa: E731
-    run(fused_fn), run(separate)  # the first calls' one-time allocations
-    fused, whole = run(fused_fn), run(separate)
+    run(_fused), run(separate)  # the first calls' one-time allocations
+    return run(_fused), run(separate)
+
+
+def test_head_loss_keeps_a_fraction_of_what_the_separate_ops_keep():
+    """Vocabulary 8192, width 64, 256 positions: the separate ops keep the log-softmax (positions x
+    vocabulary); the fused op keeps the gradients of x and of the weight (vocabulary x width)."""
+    fused, whole = in_fresh_process(_kept_by_fused_and_separate)
     logits_bytes, grads_bytes = 256 * 8192 * 4, (8192 * 64 + 256 * 64) * 4
     assert whole > logits_bytes
     assert fused < grads_bytes * 1.1 < whole / 3, (fused, whole)
@@ -124,9 +134,13 @@ def _kept_by_sliced_head(partition: bool) -> int:
     return bytes_kept_for_backward(run)[0]
 
 
-def test_a_partitioned_sliced_head_keeps_half_the_x_gradient(world2):
-    """4 x 256 x 64 fp32 x gradient (256 KiB): whole on each rank, or half of it with partition."""
-    whole, parts = world2.run(_kept_by_sliced_head, False), world2.run(_kept_by_sliced_head, True)
+def test_a_partitioned_sliced_head_keeps_half_the_x_gradient():
+    """4 x 256 x 64 fp32 x gradient (256 KiB): whole on each rank, or half of it with partition. On a
+    world of its own: ranks that ran other tests would count their malloc history too."""
+    from fspeed.testing import GlooWorld
+
+    with GlooWorld(2) as world:
+        whole, parts = world.run(_kept_by_sliced_head, False), world.run(_kept_by_sliced_head, True)
     dx_bytes = 4 * 256 * 64 * 4
     for w_, p_ in zip(whole, parts):
         assert w_ - p_ == pytest.approx(dx_bytes / 2, rel=0.2), (whole, parts)

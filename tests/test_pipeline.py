@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import fspeed as fs
 from fspeed.parallel.pipeline import balanced_bounds, partition_layers, uniform_bounds
 from fspeed.testing import assert_trains_like_one_process
+from tests.fresh_process import in_fresh_process
 from tests.hf_models import (hf_gpt2_layers, hf_gpt2_traced, hf_llama_layers, hf_llama_traced, lm_batch,
                               lm_dict_batch, lm_labels_batch)
 
@@ -646,9 +647,10 @@ def test_show_schedule_of_a_plan_on_a_mesh():
         fs.parallel.show_schedule(plan, 2)
 
 
-def test_zero_bubble_steps_keep_no_tensor_alive():
-    """The weight pass's records must not outlive the step (they once formed a cycle with the graph:
-    ~90 MB leaked per step of the benchmark's GPT)."""
+def zero_bubble_live_tensors() -> tuple[int, int, int]:
+    """(tensors alive after two zero-bubble steps, after five more, the linears the weight passes did);
+    run in a fresh process: gc.get_objects counts the whole process's tensors, which other tests'
+    objects (and their garbage going meanwhile) would move."""
     import gc
 
     from fspeed.parallel.pipeline_runtime import PipelineExecutor
@@ -666,12 +668,19 @@ def test_zero_bubble_steps_keep_no_tensor_alive():
     for _ in range(2):
         executor.step(state.params, micro, 0.25, lambda m, i: None)
     before = live_tensors()
-    for _ in range(5):  # the leak kept 2 tensors per linear per micro-batch: +320 here
+    for _ in range(5):
         executor.step(state.params, micro, 0.25, lambda m, i: None)
-    assert live_tensors() <= before  # other tests' garbage may go meanwhile, nothing of ours may stay
+    return before, live_tensors(), executor.deferred_linears
+
+
+def test_zero_bubble_steps_keep_no_tensor_alive():
+    """The weight pass's records must not outlive the step (they once formed a cycle with the graph:
+    ~90 MB leaked per step of the benchmark's GPT)."""
+    before, after, deferred_linears = in_fresh_process(zero_bubble_live_tensors)
+    assert after <= before, (before, after)  # the leak kept 2 tensors per linear per micro-batch: +320 here
     # the weight passes did the linears' weight gradients (2 blocks x 4, and the head's: at this size
     # the head and the loss are separate ops), per micro-batch and step
-    assert executor.deferred_linears == 7 * 4 * 9
+    assert deferred_linears == 7 * 4 * 9
 
 
 @pytest.mark.parametrize("kind", ["modules", "gpt", "hf_gpt2_layers", "traced_gpt2", "traced_llama"])

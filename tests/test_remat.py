@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 import fspeed as fs
 from fspeed.activation_budget import bytes_kept_for_backward
 from fspeed.host_memory import live_host_bytes
+from tests.fresh_process import in_fresh_process
 from tests.hf_models import SEQ, VOCAB, hf_gpt2, hf_llama
 
 
@@ -118,22 +119,61 @@ def forward_kept_bytes(model, params, batch):
     return fs.measure_activations(model, params, batch)[0]
 
 
-@pytest.mark.skipif(live_host_bytes() is None, reason="counts malloc's bytes (glibc)")
-def test_policies_keep_what_they_promise():
-    """full keeps block inputs only; save_matmuls keeps the matmul outputs too; no remat keeps all."""
-    model = gpt(4, dropout=0.0)
+def policies_kept():
+    """(kept bytes without remat, with save_matmuls, with full) of a 4-layer GPT; run in a fresh process
+    (`tests.fresh_process`), so malloc's count is not moved by what ran before in the test process."""
     cfg = fs.models.GPTConfig(vocab_size=VOCAB, n_layer=4, n_head=2, d_model=64, seq_len=128)
     model = fs.models.gpt(cfg)
     params = model.init(torch.Generator().manual_seed(0))
     batch = gpt_batch(8, 128, 0)
-    none = forward_kept_bytes(model, params, batch)
-    matmuls = forward_kept_bytes(fs.remat(model, "save_matmuls"), params, batch)
-    full = forward_kept_bytes(fs.remat(model, "full"), params, batch)
+    return tuple(forward_kept_bytes(m, params, batch)
+                 for m in (model, fs.remat(model, "save_matmuls"), fs.remat(model, "full")))
+
+
+@pytest.mark.skipif(live_host_bytes() is None, reason="counts malloc's bytes (glibc)")
+def test_policies_keep_what_they_promise():
+    """full keeps block inputs only; save_matmuls keeps the matmul outputs too; no remat keeps all."""
+    none, matmuls, full = in_fresh_process(policies_kept)
     block_input = 8 * 128 * 64 * 4
     logits = 8 * 128 * VOCAB * 4
     assert full < none / 4, (full, none)
     assert full < 4 * block_input + 4 * logits + 12 * block_input + (1 << 20)  # inputs + head + one block's
     assert full < matmuls < none, (full, matmuls, none)
+
+
+FULL_REMAT = dict(layers=4, rows=16, seq=128, width=64)
+
+
+def full_remat_kept():
+    """Bytes a fully rematerialized GPT (FULL_REMAT's sizes, vocabulary VOCAB) keeps for backward with
+    its head and loss fused, then as separate ops; run in a fresh process."""
+    layers, rows, seq, width = FULL_REMAT.values()
+    kept = []
+    for fused_head in (True, False):
+        cfg = fs.models.GPTConfig(vocab_size=VOCAB, n_layer=layers, n_head=2, d_model=width, seq_len=seq,
+                                  fused_head=fused_head)
+        model = fs.models.gpt(cfg)
+        kept.append(forward_kept_bytes(fs.remat(model, "full"), model.init(torch.Generator().manual_seed(0)),
+                                       gpt_batch(rows, seq, 0)))
+    return tuple(kept)
+
+
+@pytest.mark.skipif(live_host_bytes() is None, reason="counts malloc's bytes (glibc)")
+def test_full_remat_keeps_one_input_per_block_and_the_fused_heads_gradients():
+    """The theory of benchmarks/activation_memory.py: each block's input, and what the fused head and
+    loss took in forward (the gradients of the last block's output, of the tied head weight and of
+    ln_f's weight and bias), plus each checkpointed block's bookkeeping (the autograd nodes of its
+    forward, checkpoint's saved RNG state): under 64 KiB a block here. With the separate head ops
+    (fused_head=False, what the default takes below GPTConfig's FUSED_HEAD_MIN_LOGITS) ln_f's input
+    and output and the log-probabilities stay instead of the one gradient."""
+    layers, rows, seq, width = FULL_REMAT.values()
+    block_input = rows * seq * width * 4
+    theory = layers * block_input + block_input + (VOCAB + 2) * width * 4
+    fused, separate = in_fresh_process(full_remat_kept)
+    assert theory < fused < theory + layers * (64 << 10), (fused, theory)
+    log_probs = rows * seq * VOCAB * 4
+    held = layers * block_input + 2 * block_input + log_probs  # the block inputs, ln_f's input and output
+    assert held < separate < held + layers * (64 << 10) + (64 << 10), (separate, held)
 
 
 def test_fspeed_train_with_activation_checkpointing_trains_the_same_run(tmp_path):
@@ -230,9 +270,13 @@ def partitioned_case(partition):
 
 
 @pytest.mark.skipif(live_host_bytes() is None, reason="counts malloc's bytes (glibc)")
-def test_partitioned_activations_keep_half_the_block_inputs_on_tensor_2(world2):
-    whole = world2.run(partitioned_case, False)
-    parts = world2.run(partitioned_case, True)
+def test_partitioned_activations_keep_half_the_block_inputs_on_tensor_2():
+    """On a world of its own: ranks that ran other tests would count their malloc history too."""
+    from fspeed.testing import GlooWorld
+
+    with GlooWorld(2) as world:
+        whole = world.run(partitioned_case, False)
+        parts = world.run(partitioned_case, True)
     one_input = 8 * 128 * 64 * 4
     partitioned = 4 * one_input + one_input  # the 4 block inputs and the fused head's x gradient (the same size)
     for (kept_whole, grad_whole), (kept_part, grad_part) in zip(whole, parts):
@@ -301,26 +345,37 @@ def test_contiguous_arena_reuses_one_buffer():
     assert arena.allocations == allocations
 
 
-@pytest.mark.skipif(live_host_bytes() is None, reason="counts malloc's bytes (glibc)")
-def test_budget_picks_the_cheapest_policy_that_fits():
+def budget_case():
+    """The budget choices of a 4-layer GPT, in a fresh process: (kept bytes without remat, with full,
+    the choice for half of none's, whether its gradient equals none's, the choice for twice none's and
+    whether that returned the model itself, the refusal for a quarter of full's)."""
     cfg = fs.models.GPTConfig(vocab_size=VOCAB, n_layer=4, n_head=2, d_model=64, seq_len=128)
     model = fs.models.gpt(cfg)
     params = model.init(torch.Generator().manual_seed(0))
     batch = gpt_batch(8, 128, 0)
     none, _ = fs.measure_activations(model, params, batch)
     full, _ = fs.measure_activations(fs.remat(model, "full"), params, batch)
+    chosen, half = fs.remat_within_budget(model, params, batch, budget_bytes=none // 2)
+    same = torch.equal(gradient(chosen, params, batch)[0], gradient(model, params, batch)[0])
+    roomy, twice = fs.remat_within_budget(model, params, batch, budget_bytes=2 * none)
+    try:
+        fs.remat_within_budget(model, params, batch, budget_bytes=full // 4)
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    return none, full, half, same, twice, roomy is model, refusal
+
+
+@pytest.mark.skipif(live_host_bytes() is None, reason="counts malloc's bytes (glibc)")
+def test_budget_picks_the_cheapest_policy_that_fits():
+    none, full, choice, same_gradient, roomy_choice, roomy_is_model, refusal = in_fresh_process(budget_case)
     assert full < none / 4
-    chosen, choice = fs.remat_within_budget(model, params, batch, budget_bytes=none // 2)
     policy, every = choice.chosen
     assert policy is not None and choice.tried[-1][2] <= none // 2 and all(t[2] > none // 2 for t in choice.tried[:-1])
     assert "<- chosen" in str(choice)
-    got, _ = gradient(chosen, params, batch)
-    want, _ = gradient(model, params, batch)
-    assert torch.equal(got, want)
-    roomy, choice = fs.remat_within_budget(model, params, batch, budget_bytes=2 * none)
-    assert choice.chosen == (None, 1) and roomy is model
-    with pytest.raises(ValueError, match="no activation checkpointing fits"):
-        fs.remat_within_budget(model, params, batch, budget_bytes=full // 4)
+    assert same_gradient
+    assert roomy_choice.chosen == (None, 1) and roomy_is_model
+    assert refusal is not None and "no activation checkpointing fits" in refusal
 
 
 def test_host_copies_give_the_values_back_in_backward_order():
