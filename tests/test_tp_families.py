@@ -1,7 +1,8 @@
 """Tensor slicing by Hugging Face's own tp_plan (`tp_plan="auto"`) computes what the module computes:
 for families whose forwards do more than the sliced op (Gemma's scaled embedding, Qwen3's per-head
 norms, Phi-3's and OLMo-2's whole-input row-parallel projections, Cohere's logit scale, Granite's
-multipliers, MoE experts, biases, fused QKV), the loss and every gradient on 2 tensor ranks equal
+multipliers, MoE experts (Qwen3-MoE: its plan's dense-MLP entries match nothing and are
+skipped), biases, fused QKV), the loss and every gradient on 2 tensor ranks equal
 the module's own eager forward and backward. `benchmarks/tp_families.py` runs every family that
 builds at tiny size."""
 
@@ -16,7 +17,7 @@ import fspeed as fs
 from tests.hf_families import eager_gradients, sliced_gradients, tiny_causal_lm
 
 FAMILIES = ["gemma", "gemma2", "gemma3_text", "qwen3", "phi3", "olmo2", "glm", "cohere", "granite", "starcoder2",
-            "gpt_neox", "codegen", "phi", "mixtral"]
+            "gpt_neox", "codegen", "phi", "mixtral", "qwen3_moe"]
 
 
 def assert_gradients_match(model_type: str, results, tensor: int) -> None:

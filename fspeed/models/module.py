@@ -625,7 +625,8 @@ def functionalize(
     into keyword arguments). `loss(params, batch)` needs `loss_fn(outputs, batch)`; the module is
     called on `batch[0]`, or on a dict batch minus its "targets" key. `units`: "auto" (repeated
     blocks), or submodule path patterns (`"model.layers.*"`). `tp_plan`: submodule patterns ->
-    tensor-slicing styles (`fspeed.models.module_tp`), or "auto" for a transformers model's own plan;
+    tensor-slicing styles (`fspeed.models.module_tp`), or "auto" for a transformers model's own plan
+    (its patterns that match nothing in this configuration skipped);
     it sets the logical axes that `fs.tensor_slicing(fs.models.module_tp_rules)` slices.
     `fused_ops`: Hugging Face's Python tanh-GELUs compute as torch's fused kernel
     (`fspeed.models.fused_ops`: the same function to about one ulp); False runs the module's own code.
@@ -634,12 +635,13 @@ def functionalize(
         raise ValueError(f"functionalize: {type(module).__name__} has no parameters")
     unit_map = unit_of_parameters(module, units)
     name = type(module).__name__
-    if tp_plan == "auto":
+    own_plan = tp_plan == "auto"
+    if own_plan:
         tp_plan = tp_plan_from(module)
         if not tp_plan:
             raise ValueError(f"functionalize: tp_plan='auto' but {name} declares no tensor-parallel plan; pass one "
                              "({submodule pattern: style}, see fspeed.models.module_tp)")
-    styles = styles_of(module, tp_plan) if tp_plan else {}
+    styles = styles_of(module, tp_plan, skip_unmatched=own_plan) if tp_plan else {}
     axes = {**logical_axes_of(module, styles), **dict(logical_axes or {})}
     core = ModuleLoss(module, loss_fn, unit_map, tuple(fp32_modules), name, styles, fused_ops)
 

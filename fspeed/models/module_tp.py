@@ -32,6 +32,7 @@ attribute to adjust.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import types
 from typing import Any, Callable, Mapping, Optional
 
@@ -40,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger("fspeed")
 
 MODULE_TP_RULES = (("tp_out", "model"), ("tp_in", "model"), ("vocab", "model"))
 LINEAR_STYLES = ("colwise", "rowwise", "rowwise_split_input", "colwise_gather_output", "colwise_rep")
@@ -67,18 +70,24 @@ def _kind(module: nn.Module) -> str:
     return type(module).__name__
 
 
-def styles_of(module: nn.Module, tp_plan: Mapping[str, str]) -> dict[str, str]:
+def styles_of(module: nn.Module, tp_plan: Mapping[str, str], *, skip_unmatched: bool = False) -> dict[str, str]:
     """Each submodule path the plan names -> its style (the first matching pattern wins), checked:
-    every pattern matches something, every style is known and fits the module's kind."""
+    every pattern matches something, every style is known and fits the module's kind.
+    `skip_unmatched`: a pattern that matches nothing is skipped (logged), not refused: a model's own
+    plan covers variants of its family (dense and MoE layers, prefixed and bare paths) that one
+    configuration does not all have."""
     out = {}
     modules = dict(module.named_modules())
     for pattern, style in tp_plan.items():
+        matched = [path for path in modules if path and fnmatch.fnmatchcase(path, pattern)]
+        params = [] if matched else [n for n, _ in module.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
+        if skip_unmatched and not matched and not params:
+            log.info("tp_plan: %s has nothing at %r (%s): skipped", type(module).__name__, pattern, style)
+            continue
         if style not in STYLES:
             raise ValueError(f"tp_plan: style {style!r} of {pattern!r} is not supported; allowed: {', '.join(STYLES)} "
                              "(pass tp_plan={pattern: style} of your own to slice the rest)")
-        matched = [path for path in modules if path and fnmatch.fnmatchcase(path, pattern)]
         if not matched:
-            params = [n for n, _ in module.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
             what = (f"names the parameter {params[0]!r}, not a submodule of {type(module).__name__}; fspeed slices "
                     "modules" if params else f"matches no submodule of {type(module).__name__}")
             raise ValueError(f"tp_plan: pattern {pattern!r} {what}")
