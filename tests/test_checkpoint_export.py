@@ -136,3 +136,56 @@ def test_init_from_a_torch_distributed_checkpoint_of_the_same_module(tmp_path):
     out = fs.to_module(state, build(0))
     for k, v in trained.state_dict().items():
         assert torch.equal(out.state_dict()[k], v), k
+
+
+def _padded_gpt_checkpoint(directory, tie_embeddings=True):
+    """A GPT whose 21-token vocabulary is padded to 24 rows, trained 2 steps and saved as fspeed-train saves it."""
+    cfg = fs.models.GPTConfig(vocab_size=24, seq_len=8, n_layer=1, n_head=2, d_model=16, tie_embeddings=tie_embeddings)
+    model = fs.models.gpt(cfg)
+    opt = make_opt("adamw")
+    state = fs.init_train_state(model.init(torch.Generator().manual_seed(SEED)), opt)
+    step = fs.make_train_step(model.loss, opt)
+    for i in range(2):
+        state, _ = step(state, global_batch(fs.models.GPTConfig(vocab_size=21, seq_len=8), 4, SEED, i))
+    tensors = ["wte"] if tie_embeddings else ["wte", "head"]
+    ck.save_checkpoint(directory, state, client_state={ck.VOCAB_KEY: {"size": 21, "padded_size": 24,
+                                                                       "tensors": tensors}})
+    return model, {k: v.clone() for k, v in fs.Flat.from_tree(state.params.tree()).items()}
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_padded_vocabulary_is_exported_at_its_true_size_and_loads_back_into_the_models_tree(tmp_path, tie, capsys):
+    model, trained = _padded_gpt_checkpoint(tmp_path / "ck", tie)
+    assert export_main([str(tmp_path / "ck"), str(tmp_path / "model.safetensors")]) == 0
+    rows = ["wte"] if tie else ["wte", "head"]
+    assert f"vocabulary 21: {', '.join(rows)} written with 21 rows, the model's 24 less its padding" \
+        in capsys.readouterr().err
+    exported = load_file(tmp_path / "model.safetensors")
+    for name, value in trained.items():
+        assert torch.equal(exported[name], value[:21] if name in rows else value), name
+    from safetensors import safe_open
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert json.loads(f.metadata()["fspeed_vocab"]) == {"size": 21, "padded_size": 24, "tensors": rows,
+                                                          "padding": "dropped"}
+    params = ck.load_exported(tmp_path / "model.safetensors", model)  # the model's own (nested) tree
+    assert isinstance(params["blocks"], type(model.init(torch.Generator())["blocks"]))
+    for name, value in fs.Flat.from_tree(params).items():
+        expected = torch.cat([trained[name][:21], torch.zeros(3, 16)]) if name in rows else trained[name]
+        assert torch.equal(value, expected), name
+    state = ck.init_from_weights(fs.init_train_state(model.init(torch.Generator()), make_opt("adamw")),
+                                 tmp_path / "model.safetensors")  # a fine-tuning start: the same
+    assert all(torch.equal(v, fs.Flat.from_tree(params)[k]) for k, v in state.params.items())
+    # kept: the model's tensors exactly
+    assert export_main([str(tmp_path / "ck"), str(tmp_path / "kept.safetensors"), "--keep-vocab-padding"]) == 0
+    kept = ck.load_exported(tmp_path / "kept.safetensors", model)
+    assert all(torch.equal(v, trained[k]) for k, v in fs.Flat.from_tree(kept).items())
+
+
+def test_load_exported_names_what_does_not_fit(tmp_path):
+    model, _ = _padded_gpt_checkpoint(tmp_path / "ck")
+    ck.export_weights(tmp_path / "ck", tmp_path / "model.safetensors")
+    other = fs.models.gpt(fs.models.GPTConfig(vocab_size=24, seq_len=8, n_layer=2, n_head=2, d_model=16))
+    with pytest.raises(ck.CheckpointError, match=r"does not fit gpt: \d+ missing key\(s\): \['blocks.1"):
+        ck.load_exported(tmp_path / "model.safetensors", other)
+    with pytest.raises(ck.CheckpointError, match="is an fspeed checkpoint, not exported weights: export it first"):
+        ck.load_exported(tmp_path / "ck", model)

@@ -27,7 +27,7 @@ from fspeed.config.schema import (
     RunConfig,
     ZeroSection,
 )
-from fspeed.config.validate import packaged_default_choices
+from fspeed.config.validate import CONFIG_KEYS, packaged_default_choices
 
 CKPT = "checkpoint.dir=/tmp/fspeed-test-ckpt"  # ${hydra:runtime.output_dir} only resolves inside the app
 
@@ -218,6 +218,24 @@ def test_typo_key_on_the_command_line():
     assert "train.stepz = 5: unknown key for train" in message
     assert "allowed: " in message and "steps" in message
     assert "did you mean 'train.steps'?" in message
+
+
+def test_a_typo_in_a_top_level_key_lists_every_section_and_suggests_the_whole_key():
+    with pytest.raises(ConfigError) as info:
+        check_overrides(["trian.steps=5", "chekpoint.dir=x"])
+    message = str(info.value)
+    sections = ", ".join(sorted(CONFIG_KEYS))
+    assert f"trian.steps = 5: unknown key; allowed: {sections}; did you mean 'train.steps'?" in message
+    assert f"chekpoint.dir = 'x': unknown key; allowed: {sections}; did you mean 'checkpoint.dir'?" in message
+    assert "more)" not in message and "zero" in sections
+    assert f"trian = 1: unknown key; allowed: {sections}; did you mean 'train'?" in error_of("+trian=1")
+
+
+def test_resume_takes_true_false_or_required():
+    for value, expected in (("true", True), ("false", False), ("required", "required")):
+        assert compose_run(f"checkpoint.resume={value}").checkpoint.resume == expected
+    assert "checkpoint.resume = 'requird': not allowed; allowed: true, false, 'required'; did you mean " \
+           "'required'?" in error_of("checkpoint.resume=requird")
 
 
 def test_plus_typo_is_caught_by_both_checks():

@@ -9,6 +9,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -487,10 +488,50 @@ def test_two_nodes_on_loopback_real_run(tmp_path, capfd, monkeypatch):
         assert r["extra"] == [f"--local_rank={r['rank'] % 2}"]
 
 
-def test_a_failing_rank_fails_the_launch_naming_node_and_rank(tmp_path, capfd, monkeypatch):
+FAILING_RANK = """
+import json, os, sys
+if os.environ["RANK"] == "1":
+    print("fail.py: the clear line", file=sys.stderr)
+    with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:  # where fspeed-train's ranks leave their message
+        json.dump({"message": {"message": "the clear line", "extraInfo": {"timestamp": "0"}}}, f)
+    sys.exit(3)
+"""
+
+
+def test_a_failing_rank_fails_the_launch_with_one_summary_naming_the_rank_its_code_and_message(tmp_path, capfd,
+                                                                                                monkeypatch):
     script = tmp_path / "fail.py"                                          # no torch import: fast
-    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    script.write_text(FAILING_RANK)
     code, stderr = _launch(["--num_gpus", "2", str(script)], capfd, monkeypatch)
     assert code == 3, stderr
+    assert "fspeed: the job failed: rank 1 (local rank 1) exited with code 3: the clear line\n" in stderr
     assert "node 0 (localhost, slots 0-1, ranks 0-1, local) failed with exit code 1" in stderr
-    assert "rank 1 (local rank 1) exited with code 3" in stderr
+    assert "Traceback" not in stderr and "ChildFailedError" not in stderr and "exitcode" not in stderr, stderr
+    code, stderr = _launch(["--num_gpus", "2", "--debug", str(script)], capfd, monkeypatch)
+    assert code == 3 and "ChildFailedError" in stderr and "the job failed: rank 1" in stderr  # torchrun's own
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "kill -9 of the launcher"])
+def test_stopping_a_launch_prints_no_agent_traceback(tmp_path, how):
+    script = tmp_path / "sleeper.py"
+    script.write_text(f"import os, time\nopen(os.path.join({str(tmp_path)!r}, os.environ['RANK']), 'w').close()\n"
+                      "time.sleep(600)\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "fspeed.cli.launch", "--num_gpus", "2", str(script)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not ((tmp_path / "0").exists() and (tmp_path / "1").exists()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if how == "ctrl-c":                                                # a terminal signals the whole group
+            os.killpg(launcher.pid, signal.SIGINT)
+        else:
+            launcher.kill()
+        output, _ = launcher.communicate(timeout=120)                      # until the agents, too, are gone
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert "Traceback" not in output and "SignalException" not in output, output
+    assert launcher.returncode == (130 if how == "ctrl-c" else -signal.SIGKILL), output
+    if how == "ctrl-c":
+        assert "fspeed: interrupted; the node agents were stopped" in output

@@ -7,16 +7,18 @@ is verified (meta.json's schema and checksum, every file's checksum, tensor shap
 with errors that name the file.
 
 Modules: `state_io` (save/load a TrainState, sharded or not, into any layout: `universal`,
-`slices`), `export` (full weights as safetensors, and a state's weights from them), `deepspeed_import`
-(a DeepSpeed ZeRO 0-3 checkpoint into a state, without DeepSpeed), `directory` (tags, `latest`,
-atomic publishing, cleanup of crashed saves, retention), `meta` (meta.json), `tensor_file`
-(safetensors files), `preflight_checks` (can this run write checkpoints, and is there room).
+`slices`), `export` (full weights as safetensors), `exported` (a state's or a model's weights from
+them), `deepspeed_import` (a DeepSpeed ZeRO 0-3 checkpoint into a state, without DeepSpeed),
+`directory` (tags, `latest`, atomic publishing, cleanup of crashed saves, retention), `meta`
+(meta.json), `tensor_file` (safetensors files), `preflight_checks` (can this run write
+checkpoints, and is there room).
 """
 
 from .directory import LATEST_FILE, latest_tag
 from .errors import CheckpointError
 from .deepspeed_import import import_deepspeed
-from .export import export_weights, init_from_weights
+from .export import export_weights
+from .exported import VOCAB_KEY, init_from_weights, load_exported
 from .meta import FORMAT, META_FILE
 from .preflight_checks import checkpoint_bytes, preflight, probe_directory
 from .state_io import (
@@ -24,8 +26,8 @@ from .state_io import (
 )
 
 __all__ = [
-    "FORMAT", "LATEST_FILE", "META_FILE", "TENSORS_FILE", "CheckpointError", "checkpoint_bytes", "export_weights",
-    "import_deepspeed", "init_from_weights", "latest_tag",
+    "FORMAT", "LATEST_FILE", "META_FILE", "TENSORS_FILE", "VOCAB_KEY", "CheckpointError", "checkpoint_bytes",
+    "export_weights", "import_deepspeed", "init_from_weights", "latest_tag", "load_exported",
     "layout_signature", "load_checkpoint", "preflight", "probe_directory", "read_meta", "save_checkpoint",
     "state_entries",
 ]

@@ -1,6 +1,7 @@
-"""Full weights out of any checkpoint, and into a fresh state: `export_weights` and `init_from_weights`.
+"""Full weights out of any checkpoint: `export_weights` (and `exported` for the way back in).
 
     fs.checkpoint.export_weights("ck/global_step100", "model.safetensors", dtype=torch.bfloat16)
+    params = fs.checkpoint.load_exported("model.safetensors", model)                 # model.init's tree
     state = fs.checkpoint.init_from_weights(state, "model.safetensors", mesh=mesh)   # fine-tuning
 
 Export writes consolidated weights (fp32 masters where saved, else the compute copy) and the
@@ -12,10 +13,10 @@ boxes, cast and written, so no more than one tensor is ever in memory. `max_shar
 the output into `model-00001-of-0000N.safetensors` files and a `model.safetensors.index.json`,
 as Hugging Face does.
 
-`init_from_weights` fills a state's parameters (and buffers) in any layout from such a file or
-directory (a single `.safetensors`, a directory with one or an HF index, or a
-`torch.distributed.checkpoint` directory: `dcp_interop`), each rank reading only its own slices;
-a missing, unexpected or mis-shaped key is an error listing all of them.
+A model whose vocabulary was padded (fspeed-train pads the reference GPT's embedding to a multiple
+of 8 x parallel.tensor rows and records it in the checkpoint's client_state) is exported with its
+true vocabulary: the padding rows are dropped (`keep_vocab_padding=True` keeps them), and the
+file's `fspeed_vocab` metadata says so (size, padded size, tensors, padding dropped or kept).
 """
 
 from __future__ import annotations
@@ -24,23 +25,20 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from ..train_state import TrainState
-from .dcp_interop import DcpWeights, is_dcp
 from .directory import checkpoint_path, latest_tag
 from .errors import CheckpointError
+from .exported import ALIASES_FIELD, INDEX_FILE, VOCAB_FIELD, VOCAB_KEY, init_from_weights, load_exported, weight_files
 from .meta import read_meta_file, verify_files
 from .slices import Box, Slot
 from .tensor_file import SAFETENSORS_DTYPES, open_tensor_file
-from .universal import SHARED, ChunkReader, file_index, fill_slot, global_shape, lowest_rank_copies, state_slots
+from .universal import SHARED, ChunkReader, file_index, fill_slot, lowest_rank_copies
 
-INDEX_FILE = "model.safetensors.index.json"
 _TENSORS_FILE = "tensors.safetensors"
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_ALIASES_FIELD = "fspeed_aliases"
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -109,12 +107,14 @@ def write_streamed(path: Path, specs: Sequence[tuple[str, torch.dtype, tuple[int
 
 
 def export_weights(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype: str | torch.dtype = "fp32",
-                   max_shard_bytes: int = 0, aliases: Optional[Mapping[str, Sequence[str]]] = None) -> list[Path]:
+                   max_shard_bytes: int = 0, aliases: Optional[Mapping[str, Sequence[str]]] = None,
+                   keep_vocab_padding: bool = False) -> list[Path]:
     """Write the full weights of `checkpoint` (a checkpoint directory, or a directory with `latest`)
     to `out`: one safetensors file, or with `max_shard_bytes` > 0 a directory of shards and an HF
     index. `dtype`: fp32, bf16 or fp16 (floating tensors only; integer buffers keep theirs).
     `aliases` (held name -> every name, `functionalize`'s ties) writes tied weights under every
-    name. Returns the files written."""
+    name. A padded vocabulary loses its padding rows unless `keep_vocab_padding` (module docstring).
+    Returns the files written."""
     dtype = _check_dtype(dtype)
     path = resolve_checkpoint(checkpoint)
     meta = read_meta_file(path)
@@ -129,22 +129,51 @@ def export_weights(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dty
         names.update({alias: weights[held] for alias in every})
     names = dict(sorted(names.items()))
     chunks = ChunkReader(path)
+    metadata = {"format": "pt", "fspeed_checkpoint": str(path), "fspeed_step": str(meta["step"])}
+    if aliases:
+        metadata[ALIASES_FIELD] = json.dumps({k: list(v) for k, v in aliases.items()})
+    rows = {}  # exported name -> rows written, for the tensors whose vocabulary padding is dropped
+    vocab = (meta.get("client_state") or {}).get(VOCAB_KEY)
+    if vocab:
+        vocab = _check_vocab(vocab, path, index, weights)
+        metadata[VOCAB_FIELD] = json.dumps({**vocab, "padding": "kept" if keep_vocab_padding else "dropped"})
+        if not keep_vocab_padding:
+            rows = {name: vocab["size"] for name, key in names.items() if key in {weights[t] for t in vocab["tensors"]}}
 
     def out_dtype(key: str) -> torch.dtype:
         saved = {v: k for k, v in SAFETENSORS_DTYPES.items()}[index[key]["dtype"]]
         return dtype if saved.is_floating_point else saved
 
-    specs = [(name, out_dtype(key), tuple(index[key]["shape"])) for name, key in names.items()]
-    metadata = {"format": "pt", "fspeed_checkpoint": str(path), "fspeed_step": str(meta["step"])}
-    if aliases:
-        metadata[_ALIASES_FIELD] = json.dumps({k: list(v) for k, v in aliases.items()})
-    produce = lambda name: _assemble(index[names[name]], chunks, names[name])  # noqa: E731
+    def shape(name: str) -> tuple[int, ...]:
+        saved = tuple(index[names[name]]["shape"])
+        return (rows[name], *saved[1:]) if name in rows else saved
+
+    def produce(name: str) -> torch.Tensor:
+        tensor = _assemble(index[names[name]], chunks, names[name])
+        return tensor[:rows[name]] if name in rows else tensor
+
+    specs = [(name, out_dtype(key), shape(name)) for name, key in names.items()]
     out = Path(out)
     if max_shard_bytes <= 0:
         out.parent.mkdir(parents=True, exist_ok=True)
         write_streamed(out, specs, produce, metadata)
         return [out]
     return _write_shards(out, specs, produce, metadata, max_shard_bytes)
+
+
+def _check_vocab(vocab: Any, path: Path, index: dict, weights: dict[str, str]) -> dict:
+    """The client_state's vocabulary record, checked against the saved tensors."""
+    try:
+        size, padded, tensors = int(vocab["size"]), int(vocab["padded_size"]), [str(t) for t in vocab["tensors"]]
+    except (TypeError, KeyError, ValueError):
+        raise CheckpointError(f"{path}: client_state[{VOCAB_KEY!r}] = {vocab!r} is not a vocabulary record "
+                              "(size, padded_size, tensors)") from None
+    for name in tensors:
+        saved = index[weights[name]]["shape"] if name in weights else None
+        if not saved or saved[0] != padded or not 0 < size <= padded:
+            raise CheckpointError(f"{path}: client_state[{VOCAB_KEY!r}] says {name} has {padded} rows of which "
+                                  f"{size} are the vocabulary, but it holds {saved if saved else 'no such tensor'}")
+    return {"size": size, "padded_size": padded, "tensors": tensors}
 
 
 def _write_shards(out: Path, specs: list, produce: Callable, metadata: dict, max_shard_bytes: int) -> list[Path]:
@@ -177,81 +206,5 @@ def _check_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ValueError(f"dtype={dtype!r}: allowed are {', '.join(_DTYPES)}")
 
 
-def weight_files(source: str | os.PathLike) -> dict[str, Path]:
-    """Tensor name -> file of a safetensors file, or of a directory holding one or an HF index."""
-    source = Path(source)
-    if source.is_file():
-        files = [source]
-    elif (source / INDEX_FILE).is_file():
-        try:
-            weight_map = json.loads((source / INDEX_FILE).read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{source / INDEX_FILE} is not an index of safetensors shards ({e})") from None
-        return {name: source / file for name, file in weight_map.items()}
-    elif source.is_dir():
-        files = sorted(source.glob("*.safetensors"))
-        if len(files) != 1:
-            raise CheckpointError(f"{source} holds {len(files)} .safetensors files and no {INDEX_FILE}; give one file "
-                                  "or a directory with one file or an index")
-    else:
-        raise CheckpointError(f"checkpoint.init_from: {source} does not exist")
-    out = {}
-    for file in files:
-        reader = open_tensor_file(file)
-        out.update({name: file for name in reader.keys()})
-    return out
-
-
-def init_from_weights(state: TrainState, source: str | os.PathLike) -> TrainState:
-    """`state` (any layout) with its parameters, fp32 masters and buffers taken from the weights at
-    `source` (module docstring); the optimizer state and counters stay fresh. Each rank reads only
-    the slices it holds. Raises CheckpointError listing every missing, unexpected or mis-shaped key."""
-    if is_dcp(Path(source)):
-        dcp = DcpWeights(Path(source))
-        shapes, chunks, files, aliases = dcp.shapes, dcp, {name: Path(name) for name in dcp.shapes}, set()
-    else:
-        files = weight_files(source)
-        readers = {file: open_tensor_file(file) for file in set(files.values())}
-        aliases = set()
-        for reader in readers.values():
-            extra = (reader.metadata() or {}).get(_ALIASES_FIELD)
-            if extra:
-                aliases.update(a for held, every in json.loads(extra).items() for a in every if a != held)
-        shapes = {name: tuple(readers[files[name]].get_slice(name).get_shape()) for name in files}
-        chunks = ChunkReader(Path(source) if Path(source).is_dir() else Path(source).parent,
-                             {file.name: reader for file, reader in readers.items()})
-    slots, _ = state_slots(state)
-    wanted: dict[str, list[Slot]] = {}
-    for slot in slots:
-        head, _, rest = slot.key.partition("/")
-        if head in ("params", "master"):
-            wanted.setdefault(rest, []).append(slot)
-        elif slot.key.startswith("buffers."):
-            wanted.setdefault(slot.key[len("buffers."):], []).append(slot)
-    problems = _name_problems(wanted, shapes, state, aliases)
-    if problems:
-        raise CheckpointError(f"checkpoint.init_from={source} does not fit this model: " + "; ".join(problems))
-    for name, name_slots in wanted.items():
-        chunk = [files[name].name, name, [0] * len(shapes[name]), list(shapes[name]), SHARED]
-        for slot in name_slots:
-            fill_slot(slot, name, [chunk], chunks)
-    return state
-
-
-def _name_problems(wanted: dict[str, list[Slot]], shapes: dict[str, tuple], state: TrainState,
-                   aliases: Iterable[str]) -> list[str]:
-    missing = sorted(set(wanted) - set(shapes))
-    unexpected = sorted(set(shapes) - set(wanted) - set(aliases))
-    misshaped = [f"{n} is {list(shapes[n])}, the model's is {list(global_shape(s[0], state))}"
-                 for n, s in wanted.items() if n in shapes and tuple(global_shape(s[0], state)) != shapes[n]]
-    out = []
-    if missing:
-        out.append(f"{len(missing)} missing key(s): {missing[:8]}")
-    if unexpected:
-        out.append(f"{len(unexpected)} unexpected key(s): {unexpected[:8]}")
-    if misshaped:
-        out.append(f"{len(misshaped)} mis-shaped: {', '.join(misshaped[:8])}")
-    return out
-
-
-__all__ = ["INDEX_FILE", "export_weights", "init_from_weights", "resolve_checkpoint", "weight_files", "write_streamed"]
+__all__ = ["INDEX_FILE", "export_weights", "init_from_weights", "load_exported", "resolve_checkpoint", "weight_files",
+           "write_streamed"]

@@ -8,7 +8,9 @@
 Without a hostfile (`--hostfile`, default `/job/hostfile` when it exists) the job runs on this
 machine: all visible GPUs, or on a CPU-only machine `--num_gpus` processes (default 1). Each rank
 reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from its environment (set by
-torchrun); `--local_rank` is only passed with `--append_local_rank`. See `fspeed.launcher`.
+torchrun); `--local_rank` is only passed with `--append_local_rank`. A failure ends in one summary
+(the failed rank, its exit code and its message); `--debug` shows torchrun's tracebacks instead.
+See `fspeed.launcher`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from fspeed.launcher import (
     LaunchConfigError, LaunchError, LaunchSpec, NodeCommand, build_node_commands, exported_env, local_pool,
     pool_from_slot_counts, rank_log_files, read_hostfile, run_node_commands, select_resources, user_env,
 )
+from fspeed.launcher.environment import DEBUG_ENV
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 
@@ -83,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--env", action="append", default=[], metavar="KEY=VALUE",
         help="set a variable on every node (repeatable; also read from .fspeed_env in ~ and .)")
     add("--dry-run", "--dry_run", dest="dry_run", action="store_true", help="print the per-node commands and exit")
+    add("--debug", action="store_true",
+        help="on a failure, show torchrun's tracebacks and log lines (default: one summary naming the failed rank)")
     add("user_script", help="the training script (or module with --module)")
     add("user_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
@@ -117,7 +122,8 @@ def plan_from_args(args: argparse.Namespace, *, environ: Mapping[str, str], cwd:
         append_local_rank=args.append_local_rank, max_restarts=args.max_restarts, ssh_port=args.ssh_port)
     commands = build_node_commands(
         resources, spec, own_names=own_names, local_has_cuda=cuda_device_count > 0,
-        extra_env=user_env(cwd, home, environ, args.env), remote_env=exported_env(environ, cwd),
+        extra_env={**user_env(cwd, home, environ, args.env), **({DEBUG_ENV: "1"} if args.debug else {})},
+        remote_env=exported_env(environ, cwd),
         run_all_here=args.node_rank is not None)
     return commands if args.node_rank is None else [commands[args.node_rank]]
 
@@ -178,8 +184,7 @@ def launch(argv: list[str]) -> int:
     if args.log_dir is not None:
         print(_log_locations(args.log_dir, commands), file=sys.stderr)
     if not result.ok:
-        print("fspeed: the job failed:\n" + "\n".join(f"fspeed:   {line}" for line in
-                                                       result.failure_message().splitlines()), file=sys.stderr)
+        print("\n".join(f"fspeed: {line}" for line in result.summary().splitlines()), file=sys.stderr)
     return result.exit_code
 
 

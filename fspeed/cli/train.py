@@ -6,6 +6,7 @@
     fspeed-train --cfg job                              # print the composed config
 
     fspeed-train --debug ...                            # tracebacks instead of one-line errors
+    fspeed-train --help                                 # these flags, then Hydra's help (groups, keys)
 
 Overrides are checked against fspeed's schema before Hydra composes them, and the composed
 config is validated again (types, ranges, unknown keys, the batch triad) before any work starts;
@@ -59,6 +60,7 @@ from ..train_step import NonFiniteError, make_eval_step, make_train_step, split_
 from .observe import (FlopsWatch, check_monitor_packages, finish_lr_range_test, metrics_csv_path, open_monitors,
                       progress_line, step_timers)
 from .run_batches import LOADER_KEY, RunBatches
+from .resume import nothing_to_resume_line, resumable_tag, saved_tokenizer
 from .run_data import prepare_data
 from .stop_requests import StopRequests, TrainingStopped
 from .user_errors import DEBUG_ENV, USER_ERRORS, debug_requested, exit_with_user_error, raised_on_every_rank
@@ -108,9 +110,16 @@ def _corpus_job(run: RunConfig, ckpt_dir: Path, resume_tag: Optional[str]) -> _J
     run_data = prepare_data(run, saved_tokenizer(ckpt_dir, resume_tag))
     tokenizer = run_data.tokenizer
     model_cfg = build_model_config(run, tokenizer.vocab_size)
-    return _Job(gpt(model_cfg), run_data.train, run_data.val,
-                {"tokenizer": tokenizer.to_dict(), "model": asdict(model_cfg)},
-                f"vocab {tokenizer.vocab_size} ({tokenizer.kind}), {run_data.num_tokens:,} tokens "
+    client_state = {"tokenizer": tokenizer.to_dict(), "model": asdict(model_cfg)}
+    vocab = f"vocab {tokenizer.vocab_size} ({tokenizer.kind})"
+    if model_cfg.vocab_size != tokenizer.vocab_size:  # padded: fspeed-export drops the extra rows again
+        rows = ["wte"] if model_cfg.tie_embeddings else ["wte", "head"]
+        client_state[checkpoint.VOCAB_KEY] = {"size": tokenizer.vocab_size, "padded_size": model_cfg.vocab_size,
+                                              "tensors": rows}
+        vocab = (f"vocab {tokenizer.vocab_size} ({tokenizer.kind}; the embedding has {model_cfg.vocab_size} rows, "
+                 f"padded to a multiple of {8 * run.parallel.tensor})")
+    return _Job(gpt(model_cfg), run_data.train, run_data.val, client_state,
+                f"{vocab}, {run_data.num_tokens:,} tokens "
                 f"({len(run_data.train)} train / {len(run_data.val)} val windows of {run.model.seq_len})",
                 run.model.seq_len, GPT_RULES)
 
@@ -126,18 +135,28 @@ def _user_job(run: RunConfig, device: Optional[torch.device]) -> _Job:
                 f"model {run.model}, data {run.data}: {len(train_rows)} training samples, {val}", None, rules)
 
 
+_LAUNCH_HINT = "start the ranks with fspeed-train --launch (or fspeed --num_gpus N, or torchrun)"
+
+
 def data_parallel_size(cfg: DictConfig) -> int:
     """The data-parallel degree of a launch: from WORLD_SIZE and parallel.tensor x parallel.pipe / parallel.data."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    tensor, data_size = int(cfg.parallel.tensor) * int(cfg.parallel.get("pipe", 1)), int(cfg.parallel.data)
+    tensor, pipe, data_size = int(cfg.parallel.tensor), int(cfg.parallel.get("pipe", 1)), int(cfg.parallel.data)
+    model = tensor * pipe
+    names = [f"parallel.{k}={v}" for k, v in (("tensor", tensor), ("pipe", pipe)) if v > 1]
+    key = "parallel.pipe" if pipe > 1 and tensor == 1 else "parallel.tensor"
     if data_size == -1:
-        if world % tensor:
-            raise ConfigError([Problem("parallel.tensor", f"does not divide the world size {world}", tensor)])
-        return world // tensor
-    if data_size * tensor != world:
-        raise ConfigError([Problem("parallel.data", f"x parallel.tensor={tensor} must equal the world size {world} "
-                                   "(launch with --launch, fspeed --num_gpus N or torchrun)", data_size,
-                                   f"{world // tensor} or -1" if world % tensor == 0 else "-1")])
+        if world % model:
+            both = f" ({' x '.join(names)})" if len(names) > 1 else ""
+            raise ConfigError([Problem(key, f"needs {model} ranks per model replica{both}, and the world size {world} "
+                                       f"is not a multiple of {model}", pipe if key == "parallel.pipe" else tensor,
+                                       hint=_LAUNCH_HINT if world == 1 else f"launch a multiple of {model} ranks")])
+        return world // model
+    if data_size * model != world:
+        product = " x ".join([f"parallel.data={data_size}", *names])
+        raise ConfigError([Problem("parallel.data", f"{product} = {data_size * model} ranks, but the world size is "
+                                   f"{world}", data_size, f"{world // model} or -1" if world % model == 0 else None,
+                                   _LAUNCH_HINT if world == 1 else None)])
     return data_size
 
 
@@ -153,7 +172,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     torch.manual_seed(t.seed)
     t0 = time.perf_counter()
     ckpt_dir = Path(run.checkpoint.dir)
-    resume_tag = checkpoint.latest_tag(ckpt_dir) if run.checkpoint.resume else None
+    resume_tag = resumable_tag(run, out_dir)
     device = build_device(run)
     job = _user_job(run, device) if isinstance(run.model, TargetConfig) else _corpus_job(run, ckpt_dir, resume_tag)
     model, remat_profile = apply_activation_checkpointing(run, job.model)
@@ -161,6 +180,7 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     lead = mesh is None or mesh.rank == 0
     if not lead:
         log.setLevel(logging.WARNING)
+        logging.getLogger("fspeed.config").setLevel(logging.ERROR)  # what the config implies: rank 0 says it
     dp, data_rank = (mesh.size("data"), mesh.coordinate("data")) if mesh else (1, 0)
     batches = RunBatches(run, job.train_rows, data_rank, dp, mesh, model)
     val_batches = [] if job.val_rows is None else data.Loader(
@@ -188,7 +208,9 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
         state, saved_client_state = checkpoint.load_checkpoint(ckpt_dir, state, tag=resume_tag, mesh=mesh)
         batches.resume(saved_client_state, state.step)
         log.info("resumed from %s at step %d", ckpt_dir / resume_tag, state.step)
-    elif run.checkpoint.init_from:  # fine-tuning: weights only, a fresh optimizer (a resume wins)
+    elif run.checkpoint.resume and lead:
+        log.warning("%s", nothing_to_resume_line(run, out_dir))
+    if resume_tag is None and run.checkpoint.init_from:  # fine-tuning: weights only, a fresh optimizer (a resume wins)
         try:
             state = checkpoint.init_from_weights(state, run.checkpoint.init_from)
         except CheckpointError as e:
@@ -330,17 +352,6 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     return summary
 
 
-def saved_tokenizer(ckpt_dir: Path, tag: Optional[str]) -> Optional[dict]:
-    """The tokenizer description saved in checkpoint `tag` (None without one), for a resumed run."""
-    if tag is None:
-        return None
-    client_state = checkpoint.read_meta(ckpt_dir, tag)["client_state"]
-    if not isinstance(client_state.get("tokenizer"), dict):
-        raise CheckpointError(f"{ckpt_dir / tag} has no tokenizer in its client_state: it was not saved by "
-                              "fspeed-train, which cannot resume it")
-    return client_state["tokenizer"]
-
-
 def on_nonfinite_policy(run: RunConfig) -> Optional[str]:
     """`train.on_nonfinite` for make_train_step; None where bf16's check_grad_overflow=false turns checks off."""
     if isinstance(run.precision, Bf16Config) and not run.precision.check_grad_overflow:
@@ -375,7 +386,8 @@ def _save_last_good_step(error: BaseException, state, save: Callable, mesh, ckpt
         log.error("could not save a final checkpoint: %s", e)
         return
     error.final_checkpoint = f"{path} (resume with checkpoint.resume=true checkpoint.dir={ckpt_dir})"
-    log.warning("saved the last good step (%d) to %s before stopping", state.step, path)
+    if mesh is None or mesh.rank == 0:  # every rank saved its part of the one checkpoint
+        log.warning("saved the last good step (%d) to %s before stopping", state.step, path)
 
 
 def _progress_bar(run: RunConfig, start: int, total: int):
@@ -398,6 +410,7 @@ def _log_line(row: dict[str, Any], bar) -> None:
 @hydra.main(config_path="pkg://fspeed.conf", config_name="train", version_base=None)
 def _hydra_app(cfg: DictConfig) -> Optional[float]:
     rank = int(os.environ.get("RANK", "0"))
+    run: Optional[RunConfig] = None
     try:
         run = to_run_config(cfg, dp_world_size=data_parallel_size(cfg))
         summary = run_training(run, Path(HydraConfig.get().runtime.output_dir))
@@ -412,7 +425,7 @@ def _hydra_app(cfg: DictConfig) -> Optional[float]:
             raise
         if raised_on_every_rank(err):
             _leave_together()
-        exit_with_user_error(err, rank)
+        exit_with_user_error(err, rank, run.train.gradient_clipping if run is not None else None)
     shutdown_distributed()
     return summary["val_loss_end"]
 
@@ -423,6 +436,33 @@ def _leave_together() -> None:
         shutdown_distributed()
     except Exception:  # a peer already gone: nothing more to do together
         pass
+
+
+USAGE = """\
+usage: fspeed-train [--launch] [--debug] [Hydra flags] [key=value ...]
+
+Train the reference GPT (or model._target_ / data._target_: your own) from fspeed's config; every
+key can be set on the command line. The config, the corpus and the checkpoint directory are
+checked before any work starts: a mistake is one message naming the key, and exit code 2.
+
+fspeed-train's flags:
+  --launch       run parallel.data x parallel.tensor x parallel.pipe ranks of this command on this
+                 machine (the fspeed launcher, torchrun underneath), after checking everything once
+  --debug        tracebacks (the ranks' and torchrun's) instead of one-line errors and summaries
+
+Hydra's flags (--hydra-help lists them all):
+  --cfg job      print the composed config and exit
+  --hydra-help   Hydra's own help
+
+examples:
+  fspeed-train train.steps=200 optimizer=lamb precision=bf16
+  fspeed-train --launch parallel.data=2 zero.stage=3
+  fspeed-train deepspeed_config=ds_config.json
+  fspeed-train checkpoint.dir=outputs/run1/checkpoints checkpoint.resume=required
+  fspeed-export outputs/run1/checkpoints model.safetensors     # the trained weights
+
+The config groups and every key with its default follow (Hydra's help).
+"""
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -440,6 +480,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         os.environ[DEBUG_ENV] = "1"  # Hydra's own switch; the ranks of --launch inherit it
     argv = [a for a in argv if a not in ("--launch", "--debug")]
     args = get_args_parser().parse_args(argv)
+    if args.help:  # fspeed-train's own flags first; Hydra's help (groups, the composed config) follows
+        print(USAGE, flush=True)
+        argv.append("hydra.help.app_name=fspeed-train")
+        args.overrides.append(argv[-1])
     own_config_dir = args.config_dir is not None or args.config_path is not None
     try:
         overrides, translation = prepare_overrides(args.overrides, check_group_options=not own_config_dir)
@@ -478,13 +522,15 @@ def _launch(overrides: list[str], flags: list[str]) -> int:
                                    "a positive integer, e.g. parallel.data=2")])
     run = to_run_config(cfg, dp_world_size=data_size)
     ckpt_dir = Path(run.checkpoint.dir)
+    resume_tag = resumable_tag(run, Path(cfg.hydra.runtime.output_dir))
     if not isinstance(run.data, TargetConfig):  # a user's data target runs the user's code: the ranks build it
-        prepare_data(run, saved_tokenizer(ckpt_dir, checkpoint.latest_tag(ckpt_dir) if run.checkpoint.resume else None))
+        prepare_data(run, saved_tokenizer(ckpt_dir, resume_tag))
     try:
         checkpoint.probe_directory(ckpt_dir)
     except CheckpointError as e:
         raise ConfigError([Problem("checkpoint.dir", str(e))]) from None
-    return launch(["--num_gpus", str(data_size * tensor), "--module", "fspeed.cli.train", *flags, *overrides])
+    debug = ["--debug"] if debug_requested() else []
+    return launch(["--num_gpus", str(data_size * tensor), *debug, "--module", "fspeed.cli.train", *flags, *overrides])
 
 
 def _compose_as_the_ranks_will(overrides: list[str]) -> DictConfig:

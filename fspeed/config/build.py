@@ -6,6 +6,7 @@ This is the one place where config becomes calls; the library itself takes plain
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Optional
 
 import torch
@@ -39,16 +40,21 @@ def build_lr_schedule(run: RunConfig, lr: Optional[float] = None) -> schedules.S
     """
     sched, lr = run.scheduler, run.optimizer.lr if lr is None else lr
     total = getattr(sched, "total_num_steps", None) or run.train.steps
+    if sched.name in ("warmup_decay", "warmup_cosine"):
+        with warnings.catch_warnings():  # said below in config terms instead of the library's UserWarning
+            warnings.filterwarnings("ignore", "total_num_steps .* is less than warmup steps", UserWarning)
+            schedule = _warmup_then_decay(sched, lr, total)
+        if total < sched.warmup_num_steps:
+            source = "scheduler.total_num_steps" if sched.total_num_steps else "train.steps"
+            log.warning("scheduler.warmup_num_steps=%d is longer than the run (%s=%d): the learning rate is still "
+                        "warming up when training ends; lower scheduler.warmup_num_steps to decay within the run",
+                        sched.warmup_num_steps, source, total)
+        return schedule
     if sched.name == "constant":
         return schedules.constant(lr)
-    if sched.name in ("warmup", "warmup_decay"):
+    if sched.name == "warmup":
         max_lr = sched.warmup_max_lr if sched.warmup_max_lr is not None else lr
-        if sched.name == "warmup":
-            return schedules.warmup(sched.warmup_min_lr, max_lr, sched.warmup_num_steps, sched.warmup_type)
-        return schedules.warmup_decay(total, sched.warmup_min_lr, max_lr, sched.warmup_num_steps, sched.warmup_type)
-    if sched.name == "warmup_cosine":
-        return schedules.warmup_cosine(lr, total, sched.warmup_min_ratio, sched.warmup_num_steps,
-                                       sched.cos_min_ratio, sched.warmup_type)
+        return schedules.warmup(sched.warmup_min_lr, max_lr, sched.warmup_num_steps, sched.warmup_type)
     if sched.name == "one_cycle":
         log.info("scheduler one_cycle sets the lr (%g..%g); optimizer.lr=%g is not used, as in DeepSpeed",
                  sched.cycle_min_lr, sched.cycle_max_lr, lr)
@@ -63,6 +69,15 @@ def build_lr_schedule(run: RunConfig, lr: Optional[float] = None) -> schedules.S
                                        sched.lr_range_test_step_rate, sched.lr_range_test_staircase)
     raise ValueError(f"scheduler {sched.name!r} has no builder; allowed: constant, warmup, warmup_decay, "
                      "warmup_cosine, one_cycle, lr_range_test")
+
+
+def _warmup_then_decay(sched, lr: float, total: int) -> schedules.Schedule:
+    """WarmupDecayLR or WarmupCosineLR over `total` updates."""
+    if sched.name == "warmup_decay":
+        max_lr = sched.warmup_max_lr if sched.warmup_max_lr is not None else lr
+        return schedules.warmup_decay(total, sched.warmup_min_lr, max_lr, sched.warmup_num_steps, sched.warmup_type)
+    return schedules.warmup_cosine(lr, total, sched.warmup_min_ratio, sched.warmup_num_steps, sched.cos_min_ratio,
+                                   sched.warmup_type)
 
 
 def _betas(run: RunConfig) -> tuple[float | schedules.Schedule, float]:

@@ -38,13 +38,14 @@ def show_value(value: Any) -> str:
     return repr(value)
 
 
-def allowed_names(names: Iterable[str], limit: int = 16) -> str:
-    """Sorted names, comma-separated; long lists are cut at `limit` with a count of the rest."""
+def allowed_names(names: Iterable[str], limit: int | None = 16) -> str:
+    """Sorted names, comma-separated; long lists are cut at `limit` (None: never) with a count of the rest."""
     names = sorted(names)
     if not names:
         return "(none)"
-    shown = ", ".join(names[:limit])
-    return shown if len(names) <= limit else f"{shown}, ... ({len(names) - limit} more)"
+    if limit is None or len(names) <= limit:
+        return ", ".join(names)
+    return f"{', '.join(names[:limit])}, ... ({len(names) - limit} more)"
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,15 @@ def unknown_key(key: str, value: Any, allowed: Iterable[str], what: str = "unkno
     allowed = sorted(allowed)
     return Problem(key=key, value=value, reason=what, allowed=allowed_names(allowed),
                    suggestion=did_you_mean(key.rsplit(".", 1)[-1], allowed))
+
+
+def unknown_section(key: str, value: Any, sections: Iterable[str], what: str = "unknown key") -> Problem:
+    """A Problem for a dotted key whose first part is no top-level key: every top-level key (a short
+    list, never cut) and a did-you-mean for the whole key (`trian.steps` -> `train.steps`)."""
+    top, dot, rest = key.partition(".")
+    guess = did_you_mean(top, sections)
+    return Problem(key=key, value=value, reason=what, allowed=allowed_names(sections, limit=None),
+                   hint=f"did you mean '{guess}{dot}{rest}'?" if guess else None)
 
 
 def parse_overrides(overrides: Sequence[str]) -> list:

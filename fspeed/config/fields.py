@@ -80,6 +80,19 @@ def describe_type(tp: Any) -> str:
     return {bool: "boolean (true/false)", int: "integer", float: "number", str: "string"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 
+def _enumerable(options: list[Any]) -> tuple[Any, ...] | None:
+    """Every value a union of bools and Literals allows, in order; None if some option is open-ended."""
+    values: list[Any] = []
+    for option in options:
+        if option is bool:
+            values += [True, False]
+        elif typing.get_origin(option) is Literal:
+            values += typing.get_args(option)
+        else:
+            return None
+    return tuple(values)
+
+
 def coerce(value: Any, tp: Any) -> Any:
     """`value` converted to type `tp` as a config file means it, or `_Mismatch`."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -93,6 +106,12 @@ def coerce(value: Any, tp: Any) -> Any:
             except _Mismatch as err:
                 if len(options) == 1:
                     raise _Mismatch(describe_type(tp), err.allowed, err.hint) from None
+        choices = _enumerable(options)
+        if choices is not None:  # e.g. bool or Literal["required"]: list every allowed value
+            guess = did_you_mean(value, [str(c) for c in choices if isinstance(c, str)]) if isinstance(value, str) \
+                else None
+            raise _Mismatch("an allowed value", ", ".join(show_value(c) for c in choices),
+                            f"did you mean {show_value(guess)}?" if guess else None)
         raise _Mismatch(describe_type(tp))
     if origin is Literal:
         if value in args and type(value) is type(args[0]):

@@ -371,12 +371,13 @@ class DataConfig(ValidatedConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig(ValidatedConfig):
-    """Where and how often to save; resume loads `latest` from dir when present; how many to keep;
-    whether a failing or interrupted run saves where it stopped."""
+    """Where and how often to save; resume loads `latest` from dir (true: when present, saying so
+    when it is not; required: an error when it is not); how many to keep; whether a failing or
+    interrupted run saves where it stopped."""
 
     dir: str = required(NON_EMPTY)
     save_every: int = setting(0, NON_NEGATIVE)  # 0 = only at the end
-    resume: bool = False
+    resume: Union[bool, Literal["required"]] = False
     keep_last: int = setting(0, NON_NEGATIVE)  # keep the N newest global_step<N> checkpoints; 0 = all
     save_on_failure: bool = True  # on SIGTERM/SIGINT or a divergence stop, save the last good step first
     init_from: str = ""  # a safetensors file or directory (fspeed-export, HF): start from its weights (fine-tuning)

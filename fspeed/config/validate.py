@@ -20,7 +20,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .errors import ConfigError, Problem, did_you_mean, parse_overrides, unknown_key
+from .errors import ConfigError, Problem, did_you_mean, parse_overrides, unknown_key, unknown_section
 from .fields import ValidatedConfig, config_fields, from_mapping
 from .schema import GROUPS, KINDS, RUNTIME_FIELDS, SECTIONS, RunConfig, option_schema
 from .targets import TARGET_OPTION, TARGET_SECTIONS, TargetConfig
@@ -81,7 +81,8 @@ def run_config_from_mapping(data: Mapping[str, Any], *, dp_world_size: int = 1) 
     `ConfigError`; group nodes (optimizer, scheduler, precision) are checked against the class
     their `name` selects. The batch triad is resolved for `dp_world_size`.
     """
-    problems: list[Problem] = [unknown_key(str(k), v, CONFIG_KEYS) for k, v in data.items() if k not in CONFIG_KEYS]
+    problems: list[Problem] = [unknown_section(str(k), v, CONFIG_KEYS) for k, v in data.items()
+                               if k not in CONFIG_KEYS]
     sections: dict[str, Any] = {}
     for section in (*SECTIONS, *KINDS):
         if section not in data:
@@ -210,7 +211,7 @@ def _check_value_override(override: Override, choices: Mapping[str, list[str] | 
     if top not in CONFIG_KEYS:
         what = "unknown key (+ cannot add keys: fspeed's config has a fixed schema)" if override.is_add() \
             or override.is_force_add() else "unknown key"
-        return [unknown_key(key, value, CONFIG_KEYS, what)]
+        return [unknown_section(key, value, CONFIG_KEYS, what)]
     if override.is_delete():
         return [Problem(key, "keys cannot be deleted; set a value instead (null where the key allows it)")]
     if top == "deepspeed_config":

@@ -11,6 +11,13 @@ It also holds the tethers (`tether.py`): workers learn the agent's pid (`FSPEED_
 with it, and with `FSPEED_AGENT_TETHER=stdin` (set by the launcher) the agent stops its workers
 and exits when its stdin closes, i.e. when the launcher is gone.
 
+Unless `FSPEED_DEBUG=1` (`fspeed --debug`), a failure is not torchrun's traceback: a worker's
+failure exits with torchrun's code 1 after the report (the launcher prints one summary: the rank,
+its exit code and its message, which a worker leaves in torchrun's TORCHELASTIC_ERROR_FILE), and a
+stop by a signal exits with 128 + the signal's number; torchrun's log lines about stopping the
+other workers are left out as well. An agent without a report file (a remote node) prints the
+summary lines itself.
+
 And torchrun's `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` (how long a worker gets between SIGTERM and
 SIGKILL) also applies when a worker fails and torchrun stops the others: torchrun itself waits a
 fixed 30 s there, so a rank that hangs (stopped, or stuck in a kernel) held the whole job 30 s
@@ -20,12 +27,21 @@ after another rank had failed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
+from dataclasses import asdict
 from typing import Optional
 
-from .environment import REPORT_ENV
+from .environment import DEBUG_ENV, REPORT_ENV
+from .run import RankFailure
 from .tether import AGENT_PID_ENV, AGENT_TETHER_ENV, exit_when_stdin_closes, run_tether_by_path
+
+_NOISY_LOGGERS = (  # what they say on a failure, the launcher's summary says once
+    "torch.distributed.elastic.multiprocessing.api",
+    "torch.distributed.elastic.multiprocessing.errors",
+    "torch.distributed.elastic.agent.server.api",
+)
 
 __all__ = ["main"]
 
@@ -40,23 +56,48 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"fspeed: on {sys.platform} workers cannot be tied to their agent (no parent-death signal): "
               "if this agent is killed, stop its workers yourself", file=sys.stderr)
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     _stop_failed_groups_within_the_shutdown_timeout()
+    debug = os.environ.get(DEBUG_ENV) == "1"
+    if not debug:
+        for name in _NOISY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
     try:
         torchrun.main(run_tether_by_path(sys.argv[1:] if argv is None else argv))
     except ChildFailedError as error:
+        failures = [RankFailure(rank, failure.local_rank, failure.exitcode,
+                                failure.signal_name() if failure.exitcode < 0 else None, _worker_message(failure))
+                    for rank, failure in sorted(error.failures.items())]
+        root_rank, _ = error.get_first_failure()
         if report_path:
-            failures = [
-                {"rank": rank, "local_rank": failure.local_rank, "exitcode": failure.exitcode,
-                 "signal": failure.signal_name() if failure.exitcode < 0 else None}
-                for rank, failure in sorted(error.failures.items())
-            ]
-            root_rank, _ = error.get_first_failure()
             with open(report_path, "w") as file:
-                json.dump({"failures": failures, "root_cause_rank": root_rank}, file)
-        raise
+                json.dump({"failures": [asdict(f) for f in failures], "root_cause_rank": root_rank}, file)
+        if debug:
+            raise
+        if not report_path:
+            for failure in sorted(failures, key=lambda f: f.rank != root_rank):
+                print(f"fspeed: {failure.describe()}" + (f": {failure.message}" if failure.message else ""),
+                      file=sys.stderr, flush=True)
+        sys.exit(1)  # torchrun's own exit code for a failed worker group
+    except SignalException as error:
+        if debug:
+            raise
+        if not report_path:
+            print(f"fspeed: this node's agent was stopped by {error.sigval.name}; so were its workers",
+                  file=sys.stderr, flush=True)
+        sys.exit(128 + int(error.sigval))
+
+
+def _worker_message(failure) -> Optional[str]:
+    """The message a failed worker left in its TORCHELASTIC_ERROR_FILE (torchrun's `@record` writes the
+    exception; fspeed-train its one-line error), or None: torchrun's placeholder is not one."""
+    if not failure.error_file or not os.path.isfile(failure.error_file):
+        return None
+    message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
+    return str(message).strip() or None if message is not None else None
 
 
 def _stop_failed_groups_within_the_shutdown_timeout() -> None:

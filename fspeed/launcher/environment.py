@@ -26,14 +26,15 @@ from .hostfile import LaunchConfigError
 from .tether import AGENT_PID_ENV, AGENT_TETHER_ENV
 
 __all__ = [
-    "EXPORTED_PREFIXES", "NEVER_EXPORTED", "REPORT_ENV", "ENV_FILE_NAME", "parse_env_file", "parse_env_assignments",
-    "user_env", "exported_env",
+    "DEBUG_ENV", "EXPORTED_PREFIXES", "NEVER_EXPORTED", "REPORT_ENV", "ENV_FILE_NAME", "parse_env_file",
+    "parse_env_assignments", "user_env", "exported_env",
 ]
 
 EXPORTED_PREFIXES = (
     "NCCL", "GLOO", "UCX", "MV2", "MLFLOW", "PYTHON", "TORCH", "FSPEED", "OMP_", "MKL_", "HF_", "WANDB",
 )
 REPORT_ENV = "FSPEED_AGENT_REPORT"      # where a local agent writes its failure report (agent.py)
+DEBUG_ENV = "FSPEED_DEBUG"              # "1": agents show torchrun's tracebacks and logs on failure (--debug)
 NEVER_EXPORTED = ("CUDA_VISIBLE_DEVICES", "TORCHELASTIC_", "PYTHONHOME", REPORT_ENV, AGENT_PID_ENV, AGENT_TETHER_ENV)
 ENV_FILE_NAME = ".fspeed_env"
 

@@ -3,11 +3,13 @@
 Every node command starts at once (local ones directly, remote ones through their ssh argv); the
 launcher waits for all of them. When one node fails, the others get `grace_s` seconds to fail
 or finish on their own (peers of a dead rank usually error out quickly), then SIGTERM, which
-torchrun forwards to its workers. A SIGINT/SIGTERM to the launcher is forwarded the same way.
+torchrun forwards to its workers. A SIGINT/SIGTERM to the launcher is forwarded the same way (a
+local agent runs in a process group of its own: a terminal's Ctrl-C reaches the launcher alone).
 The exit code is 0 if every node succeeded; else, for the first node seen failing, the exit code
 of its root-cause rank when its agent reported one (a local node, see `agent.py`), or the
-node's own exit code (128+N for signal N). For remote nodes the message names the node and its
-ranks, and torchrun's failure summary arrives through ssh on stderr.
+node's own exit code (128+N for signal N). `LaunchResult.summary` names that rank, its exit code
+and the message it left; for remote nodes it names the node and its ranks, and the agent's own
+summary lines arrive through ssh on stderr.
 
 Each agent's stdin is a pipe this process holds open: if the launcher dies (even by SIGKILL) the
 agents read end-of-file and stop their workers (`tether.py`); workers die with their agent.
@@ -48,6 +50,7 @@ class RankFailure:
     local_rank: int
     exitcode: int
     signal: Optional[str] = None
+    message: Optional[str] = None  # what the worker left in TORCHELASTIC_ERROR_FILE (see agent.py)
 
     def describe(self) -> str:
         how = f"was killed by {self.signal}" if self.signal else f"exited with code {self.exitcode}"
@@ -80,13 +83,29 @@ class LaunchResult:
     def exit_code(self) -> int:
         if self.ok:
             return 0
-        first = self.outcomes[self.failure_order[0]] if self.failure_order else next(
-            o for o in self.outcomes if not o.ok)
-        code = first.returncode
-        for failure in first.failures:
-            if failure.rank == first.root_cause_rank:
-                code = failure.exitcode
+        root = self.root_cause()
+        code = root.exitcode if root is not None else self._first_failed().returncode
         return 128 - code if code < 0 else code
+
+    def _first_failed(self) -> NodeOutcome:
+        return self.outcomes[self.failure_order[0]] if self.failure_order else next(
+            o for o in self.outcomes if not o.ok)
+
+    def root_cause(self) -> Optional[RankFailure]:
+        """The failed rank the job's exit code comes from (torchrun's first failure on the first node
+        seen failing), when a local agent reported it."""
+        if self.ok:
+            return None
+        first = self._first_failed()
+        return next((f for f in first.failures if f.rank == first.root_cause_rank), None)
+
+    def summary(self) -> str:
+        """The failure in a few lines: the root-cause rank, its exit code and its message, then each node."""
+        root = self.root_cause()
+        head = f"the job failed: {root.describe()}" if root else f"the job failed (exit code {self.exit_code})"
+        if root is not None and root.message:
+            head += ":" + (f" {root.message}" if "\n" not in root.message else "\n" + _indent(root.message))
+        return head + "\n" + _indent(self.failure_message())
 
     def failure_message(self) -> str:
         """One line per failed node, naming the node, its ranks and (when known) the failed ranks."""
@@ -109,12 +128,16 @@ class LaunchResult:
         return "\n".join(lines)
 
 
+def _indent(text: str) -> str:
+    return "\n".join(f"  {line}" for line in text.splitlines())
+
+
 def _read_report(path: Path) -> tuple[tuple[RankFailure, ...], Optional[int]]:
     try:
         report = json.loads(path.read_text())
     except (OSError, ValueError):
         return (), None
-    failures = tuple(RankFailure(f["rank"], f["local_rank"], f["exitcode"], f.get("signal"))
+    failures = tuple(RankFailure(f["rank"], f["local_rank"], f["exitcode"], f.get("signal"), f.get("message"))
                      for f in report.get("failures", ()))
     return failures, report.get("root_cause_rank")
 
@@ -142,9 +165,11 @@ def run_node_commands(commands: Sequence[NodeCommand], *, environ: Optional[Mapp
                 if not command.remote:
                     env[REPORT_ENV] = str(reports[command.node_rank])
                     env[AGENT_TETHER_ENV] = "stdin"
-                try:  # the agent's stdin stays open while this process lives: the tether (tether.py)
-                    processes[command.node_rank] = subprocess.Popen(list(command.argv), env=env,
-                                                                    stdin=subprocess.PIPE)
+                try:  # the agent's stdin stays open while this process lives: the tether (tether.py); a local
+                    # agent has a process group of its own, so a Ctrl-C reaches this process alone, which stops it
+                    processes[command.node_rank] = subprocess.Popen(
+                        list(command.argv), env=env, stdin=subprocess.PIPE,
+                        process_group=None if command.remote else 0)
                 except OSError as error:
                     _stop(processes.values(), kill_after_s)
                     raise LaunchError(f"cannot start {command.describe()}: {command.argv[0]}: {error}") from None
