@@ -17,6 +17,8 @@ every allocation the call makes (timed calls run without the sampler, which woul
   flex          torch.compile(flex_attention) with the same BlockMask; forward only, because torch 2.13
                 has no FlexAttention backward on CPU
   fspeed_flash / fspeed_numba   fspeed's other CPU backends, at S=4096 only
+  fspeed_flex   fspeed's "flex" backend (the CUDA default) in its CPU form: compiled flex_attention forward
+                over the BlockMask built from the layout, fspeed's bmm backward; at S=4096 and 8192
 
 The longest sequence within MEMORY_BUDGET (forward+backward) is extrapolated per method from a
 least-squares fit of peak memory = a + b S + c S^2 over the measured S.
@@ -117,7 +119,8 @@ def measure(method: str, layout_name: str, S: int, reps: int, threads: int) -> d
         mask = sp.expand_layout(layout, BLOCK)[None]  # [1, H, S, S] bool
         fn = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=mask)  # noqa: E731
     elif method.startswith("fspeed"):
-        backend = {"fspeed": "auto", "fspeed_bmm": "bmm", "fspeed_numba": "numba", "fspeed_flash": "flash"}[method]
+        backend = {"fspeed": "auto", "fspeed_bmm": "bmm", "fspeed_numba": "numba", "fspeed_flash": "flash",
+                   "fspeed_flex": "flex"}[method]
         plan = sp.make_plan(layout, BLOCK)
         fn = lambda a, b, c: sp.attention(a, b, c, plan, backend=backend)  # noqa: E731
     elif method == "flex":
@@ -218,6 +221,8 @@ def main() -> None:
             methods = ["sdpa", "sdpa_mask", "fspeed", "flex"]
             if S == 4096:
                 methods += ["fspeed_flash", "fspeed_numba"]
+            if S in (4096, 8192):
+                methods += ["fspeed_flex"]
             for method in methods:
                 if method == "sdpa" and layout_name == "fixed":
                     results[(layout_name, method, S)] = results[("bigbird", method, S)]  # layout-independent
@@ -260,6 +265,8 @@ def main() -> None:
           "the dense way to compute the same attention.")
     print(f"sparse_speedup_at_10pct_density={speedup:.2f}")
     print(f"sparse_vs_flex={ms('flex', 'fwd') / ms('fspeed', 'fwd'):.2f}")
+    print(f"flex_backend_vs_default_cpu={ms('fspeed', 'fwdbwd') / ms('fspeed_flex', 'fwdbwd'):.2f}  "
+          "# forward+backward, bigbird S=8192: > 1 means backend 'flex' is faster than the CPU default")
     print(f"max_seq_ratio_vs_dense={longest[('bigbird', 'fspeed')] / longest[('bigbird', 'sdpa_mask')]:.1f}")
 
 

@@ -1,10 +1,17 @@
 """fspeed's CUDA paths on a real GPU: block-sparse attention, fused Adam/LAMB, activation checkpointing.
 
-For a session lent a GPU: one prepared run of a few minutes. The Numba CUDA kernels (backend
-"cuda") have so far run only in Numba's simulator; this checks them, and the default CUDA path
-(backend "bmm" on cuBLAS), against the float64 reference on the GPU, then times both against
-dense SDPA and compiled FlexAttention (which has a GPU backward) at B=1, H=8, D=64, block 64,
-bigbird at ~10% density, forward+backward, as benchmarks/sparse_attention.py does on CPU.
+For a session lent a GPU: one prepared run of a few minutes. fspeed's CUDA backends are checked
+against the float64 reference on the GPU: "flex" (the default on CUDA: compiled FlexAttention over
+the BlockMask fspeed builds from the layout's block table, with FlexAttention's fused backward; also
+under torch.func.grad, where the backward recomputes its forward), "bmm" (cuBLAS) and "cuda" (the
+Numba CUDA kernels, so far run only in Numba's simulator). Then all of them are timed against dense
+SDPA, dense FlexAttention (no mask) and FlexAttention with a mask_mod-built BlockMask, at B=1, H=8,
+D=64, block 64, bigbird at ~10% density, forward+backward, as benchmarks/sparse_attention.py does
+on CPU (fspeed's flex in bf16 at every S, the flex baselines at S=8192: each compile takes tens of
+seconds). The `tensorcore` section puts the Numba kernels' missing piece on the table: tensor-core
+MMA, through nvmath-python's device matmul (cuBLASDx, callable from Numba) when it is importable,
+and through CUDA C++ compiled by NVRTC (an `mma.sync` bf16 QK^T tile: compiled to PTX here, launched
+and checked against torch on the GPU).
 The Numba fused Adam and LAMB kernels (likewise simulator-only so far) are checked against the
 torch reference through the optimizers' public API, with a bf16 compute copy. Then the train step on
 CUDA with remat and cpu_checkpointing (side-stream copies, prefetched one block ahead), against no
@@ -32,8 +39,9 @@ then run with carry [".whl"] and a timeout of about 480 s:
 
 (fspeed is installed, not put on the path: its `fspeed.kernels` package lives in `kernels/`.)
 
-`--device cpu` runs the same script without a GPU (backend "cuda" and flex skipped, small S),
-which is how it is kept working here.
+`--device cpu` runs the same script without a GPU (backend "cuda" and the flex baselines skipped,
+small S; fspeed's flex runs its CPU form: compiled forward, bmm backward), which is how it is kept
+working here.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -50,11 +59,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import activation_memory  # noqa: E402
 from activation_memory import relative_error  # noqa: E402
 import fspeed.sparse as sp  # noqa: E402
+from fspeed.sparse.attention import resolve_backend  # noqa: E402
 import your_model  # noqa: E402
 from sparse_attention import BLOCK, D, H, make_layout  # noqa: E402
 
-# attention kernels, fused optimizers, remat + cpu_checkpointing, HF GPT-2, fs.initialize and fspeed-train on the device
-SECTIONS = ("sparse", "optim", "remat", "hf", "engine")
+# attention kernels, fused optimizers, remat + cpu_checkpointing, HF GPT-2, fs.initialize and fspeed-train on the
+# device, the tensor-core route for the Numba kernels
+SECTIONS = ("sparse", "optim", "remat", "hf", "engine", "tensorcore")
 # Largest error against the float64 reference, relative to the reference's largest magnitude.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # measured on CPU: 1e-6, 3e-3, 5e-4
 CASES = [  # (layout config, seq_len, causal, key padding)
@@ -65,11 +76,21 @@ CASES = [  # (layout config, seq_len, causal, key padding)
 ]
 
 
+def flex_checked(device: str, case: int, dtype: torch.dtype) -> bool:
+    """Whether backend "flex" is checked on this case and dtype: each (shape, dtype) compiles anew, so on
+    the GPU every case in bf16 (fp16 runs bf16's code) and the first in fp32 too, and in the CPU dry run
+    the first case in fp32."""
+    if device == "cuda":
+        return dtype == torch.bfloat16 or (case == 0 and dtype == torch.float32)
+    return case == 0 and dtype == torch.float32
+
+
 def check_correctness(device: str, backends: list[str]) -> list[str]:
-    """Output and q/k/v gradients of each backend and dtype against float64 `reference_attention`."""
+    """Output and q/k/v gradients of each backend and dtype against float64 `reference_attention`; for
+    "flex" also the gradients under torch.func.grad (the path that recomputes flex's forward)."""
     failures = []
-    print(f"{'case':46s} {'backend':7s} {'dtype':9s} {'out err':>9s} {'grad err':>9s}")
-    for config, S, causal, padded in CASES:
+    print(f"{'case':46s} {'backend':9s} {'dtype':9s} {'out err':>9s} {'grad err':>9s}")
+    for case, (config, S, causal, padded) in enumerate(CASES):
         layout = sp.layout(config, S, seed=1)
         g = torch.Generator(device=device).manual_seed(S)
         q, k, v, dout = (torch.randn(2, 4, S, 64, generator=g, device=device) for _ in range(4))
@@ -83,22 +104,38 @@ def check_correctness(device: str, backends: list[str]) -> list[str]:
             ref = sp.reference_attention(*ref_in, layout, **kwargs)
             ref_grads = torch.autograd.grad(ref, ref_in, dout.double())
             for backend in backends:
+                if backend == "flex" and not flex_checked(device, case, dtype):
+                    continue
                 inputs = [t.detach().requires_grad_() for t in x]
                 name = f"{type(config).__name__} S={S} causal={causal} pad={padded}"
-                try:
-                    out = sp.attention(*inputs, layout, backend=backend, **kwargs)
-                    grads = torch.autograd.grad(out, inputs, dout.to(dtype))
-                except Exception as error:  # a launch or compile failure is a finding, not a crash
-                    failures.append(f"{name} {backend} {dtype}: {type(error).__name__}: {error}")
-                    print(f"{name:46s} {backend:7s} {str(dtype)[6:]:9s} {'FAILED':>9s}")
-                    continue
-                out_err = relative_error(out, ref)
-                grad_err = max(relative_error(a, b) for a, b in zip(grads, ref_grads))
-                print(f"{name:46s} {backend:7s} {str(dtype)[6:]:9s} {out_err:9.1e} {grad_err:9.1e}")
-                if not out_err <= TOLERANCE[dtype] or not grad_err <= TOLERANCE[dtype]:
-                    failures.append(f"{name} {backend} {dtype}: out {out_err:.1e}, grads {grad_err:.1e} "
-                                    f"(tolerance {TOLERANCE[dtype]:.0e})")
+                runs = [(backend, lambda: _grads_autograd(inputs, layout, backend, kwargs, dout.to(dtype)))]
+                if backend == "flex" and case == 0:
+                    runs.append(("flex/func", lambda: _grads_func(x, layout, kwargs, dout.to(dtype))))
+                for label, run in runs:
+                    try:
+                        out, grads = run()
+                    except Exception as error:  # a launch or compile failure is a finding, not a crash
+                        failures.append(f"{name} {label} {dtype}: {type(error).__name__}: {error}")
+                        print(f"{name:46s} {label:9s} {str(dtype)[6:]:9s} {'FAILED':>9s}")
+                        continue
+                    out_err = relative_error(out, ref)
+                    grad_err = max(relative_error(a, b) for a, b in zip(grads, ref_grads))
+                    print(f"{name:46s} {label:9s} {str(dtype)[6:]:9s} {out_err:9.1e} {grad_err:9.1e}")
+                    if not out_err <= TOLERANCE[dtype] or not grad_err <= TOLERANCE[dtype]:
+                        failures.append(f"{name} {label} {dtype}: out {out_err:.1e}, grads {grad_err:.1e} "
+                                        f"(tolerance {TOLERANCE[dtype]:.0e})")
     return failures
+
+
+def _grads_autograd(inputs, layout, backend, kwargs, dout):
+    out = sp.attention(*inputs, layout, backend=backend, **kwargs)
+    return out, torch.autograd.grad(out, inputs, dout)
+
+
+def _grads_func(x, layout, kwargs, dout):
+    """Backend "flex" under torch.func.vjp: fspeed's Function, flex's backward after a recomputed forward."""
+    out, vjp = torch.func.vjp(lambda q, k, v: sp.attention(q, k, v, layout, backend="flex", **kwargs), *x)
+    return out, vjp(dout)
 
 
 def check_optimizers(device: str) -> list[str]:
@@ -241,7 +278,9 @@ def timed(fn, device: str, reps: int) -> float:
 
 def time_methods(device: str, seqs: list[int], dtypes: list[torch.dtype], backends: list[str], flex: bool,
                  reps: int) -> dict:
-    """Forward+backward milliseconds per (method, dtype, S): dense SDPA, fspeed backends, flex."""
+    """Forward+backward milliseconds per (method, dtype, S): dense SDPA, fspeed's backends (its "flex" in
+    bf16, or fp32 on the CPU, only), and with `flex`, at bf16 S=8192, dense FlexAttention and FlexAttention
+    over a mask_mod-built BlockMask."""
     results = {}
     print(f"\n{'S':>6s} {'dtype':9s} {'method':12s} {'f+b ms':>9s} {'vs sdpa':>8s}")
     for S in seqs:
@@ -252,6 +291,8 @@ def time_methods(device: str, seqs: list[int], dtypes: list[torch.dtype], backen
             q, k, v = (torch.randn(1, H, S, D, generator=g, device=device, dtype=dtype) for _ in range(3))
             methods = {"sdpa": lambda a, b, c: F.scaled_dot_product_attention(a, b, c)}
             for backend in backends:
+                if backend == "flex" and dtype != dtypes[0]:  # a compile per shape: the first dtype only
+                    continue
                 methods[f"fspeed_{backend}"] = lambda a, b, c, be=backend: sp.attention(a, b, c, plan, backend=be)
             if flex and dtype == torch.bfloat16 and S == 8192:  # each compile takes tens of seconds
                 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -261,6 +302,7 @@ def time_methods(device: str, seqs: list[int], dtypes: list[torch.dtype], backen
                                          Q_LEN=S, KV_LEN=S, BLOCK_SIZE=128, device=device)
                 compiled = torch.compile(flex_attention, dynamic=False)
                 methods["flex"] = lambda a, b, c: compiled(a, b, c, block_mask=mask)
+                methods["flex_dense"] = lambda a, b, c: compiled(a, b, c)
             for name, fn in methods.items():
                 def train(fn=fn):
                     a, b, c = (x.detach().requires_grad_() for x in (q, k, v))
@@ -275,6 +317,124 @@ def time_methods(device: str, seqs: list[int], dtypes: list[torch.dtype], backen
                 ratio = results[("sdpa", dtype, S)] / ms if ("sdpa", dtype, S) in results else float("nan")
                 print(f"{S:6d} {str(dtype)[6:]:9s} {name:12s} {ms:9.2f} {ratio:7.2f}x")
     return results
+
+
+# One warp multiplies a 16 x D bf16 query tile by an 8 x D key tile (S = Q K^T, fp32 accumulate) with the
+# tensor cores' mma.sync m16n8k16: the instruction a Numba attention kernel would need for its two
+# matmuls. Fragment layout per PTX ISA (mma.m16n8k16, .bf16): lane = 4 g + t holds A rows g and g + 8,
+# columns 2t, 2t+1 (and + 8); B column g, rows 2t, 2t+1 (and + 8); C rows g and g + 8, columns 2t, 2t+1.
+MMA_TILE_SOURCE = r"""
+extern "C" __global__ void qk_tile(const unsigned short* q, const unsigned short* k, float* s, int d) {
+  int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+  float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
+  for (int k0 = 0; k0 < d; k0 += 16) {
+    const unsigned short *q0 = q + g * d + k0 + 2 * t, *q8 = q0 + 8 * d, *kk = k + g * d + k0 + 2 * t;
+    unsigned a0 = q0[0] | (unsigned(q0[1]) << 16), a1 = q8[0] | (unsigned(q8[1]) << 16);
+    unsigned a2 = q0[8] | (unsigned(q0[9]) << 16), a3 = q8[8] | (unsigned(q8[9]) << 16);
+    unsigned b0 = kk[0] | (unsigned(kk[1]) << 16), b1 = kk[8] | (unsigned(kk[9]) << 16);
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+  s[g * 8 + 2 * t] = c0; s[g * 8 + 2 * t + 1] = c1; s[(g + 8) * 8 + 2 * t] = c2; s[(g + 8) * 8 + 2 * t + 1] = c3;
+}
+"""
+
+
+def _nvrtc_ptx(source: str, arch: str) -> str:
+    """PTX of CUDA C++ `source` for `arch` (e.g. "compute_90") through NVRTC; needs no GPU or driver."""
+    from cuda.bindings import nvrtc  # noqa: PLC0415
+
+    def ok(result):
+        err, *rest = result
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"NVRTC: {err}")
+        return rest[0] if len(rest) == 1 else rest
+
+    prog = ok(nvrtc.nvrtcCreateProgram(source.encode(), b"qk_tile.cu", 0, [], []))
+    opts = [f"--gpu-architecture={arch}".encode()]
+    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        size = ok(nvrtc.nvrtcGetProgramLogSize(prog))
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError(f"NVRTC compile failed: {log.decode(errors='replace').strip()}")
+    ptx = b" " * ok(nvrtc.nvrtcGetPTXSize(prog))
+    ok((nvrtc.nvrtcGetPTX(prog, ptx)[0], None))
+    return ptx.decode().rstrip("\x00 ")
+
+
+def tensor_core_route(device: str) -> list[str]:
+    """What a tensor-core Numba attention kernel could be built on, as far as this machine shows it.
+
+    The Numba CUDA kernels multiply with scalar FMAs (numba-cuda has no MMA intrinsic), which is why
+    they trail cuBLAS and FlexAttention's Triton kernels by an order of magnitude on an H200. Two ways
+    to give them tensor cores: nvmath-python's device matmul (cuBLASDx, called from inside a Numba
+    kernel), and CUDA C++ device code with `mma.sync`, compiled by NVRTC (numba-cuda can link such a
+    .cu into a kernel: `cuda.jit(link=[...])` with `cuda.declare_device`). Each part runs if its
+    package is importable and says why not otherwise; nothing here is a timing."""
+    failures = []
+    print("tensor-core route for the Numba kernels (not timed):")
+    try:
+        import nvmath  # noqa: PLC0415
+        from nvmath.device import matmul as device_matmul  # noqa: PLC0415
+    except ImportError as error:
+        print(f"  nvmath-python: not importable ({error}); it would be `pip install nvmath-python[cu13]` plus "
+              "libmathdx, and a Numba kernel then calls a cuBLASDx block GEMM (nvmath.device.matmul)")
+    else:
+        try:
+            mm = device_matmul(size=(BLOCK, BLOCK, D), precision=np.float16, data_type="real",
+                               arrangement=("row_major", "col_major", "row_major"), execution="Block",
+                               compiler="numba", code_type=("lto", "sm_90"))
+            print(f"  nvmath-python {nvmath.__version__}: device matmul {BLOCK}x{BLOCK}x{D} fp16 built for Numba, "
+                  f"block_dim {getattr(mm, 'block_dim', '?')}")
+        except Exception as error:  # noqa: BLE001 - a finding, not a crash
+            print(f"  nvmath-python {getattr(nvmath, '__version__', '?')} importable, device matmul not built: "
+                  f"{type(error).__name__}: {error}")
+    try:
+        arch = "compute_90"
+        if device == "cuda":
+            major, minor = torch.cuda.get_device_capability()
+            arch = f"compute_{major}{minor}"
+        ptx = _nvrtc_ptx(MMA_TILE_SOURCE, arch)
+    except ImportError as error:
+        print(f"  CUDA C++ through NVRTC: cuda-bindings' nvrtc not importable ({error})")
+        return failures
+    except Exception as error:  # noqa: BLE001 - e.g. libnvrtc missing
+        print(f"  CUDA C++ through NVRTC: not compiled: {type(error).__name__}: {error}")
+        return failures
+    mmas = sum("mma.sync.aligned.m16n8k16" in line for line in ptx.splitlines())
+    print(f"  CUDA C++ through NVRTC ({arch}): bf16 QK^T tile compiled to PTX with {mmas} mma.sync.m16n8k16 "
+          "instruction(s)")
+    if mmas == 0:
+        failures.append("tensorcore: NVRTC's PTX of the MMA tile has no mma.sync instruction")
+    if device != "cuda":
+        print("  (no GPU: the tile is compiled, not launched)")
+        return failures
+    try:
+        from cuda.core import Device, LaunchConfig, Program, ProgramOptions, launch  # noqa: PLC0415
+
+        dev = Device()
+        dev.set_current()
+        stream = dev.create_stream()
+        kernel = Program(MMA_TILE_SOURCE, "c++", ProgramOptions(arch=f"sm_{dev.arch}")).compile("cubin") \
+            .get_kernel("qk_tile")
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(16, D, generator=g, device=device).to(torch.bfloat16)
+        k = torch.randn(8, D, generator=g, device=device).to(torch.bfloat16)
+        s = torch.empty(16, 8, device=device)
+        torch.cuda.synchronize()
+        launch(stream, LaunchConfig(grid=1, block=32), kernel, q.data_ptr(), k.data_ptr(), s.data_ptr(), np.int32(D))
+        stream.sync()
+        err = relative_error(s, q.double() @ k.double().T)
+        print(f"  launched through cuda.core on {torch.cuda.get_device_name()}: relative error {err:.1e} against "
+              "torch (fp32 accumulate)")
+        if not err <= 1e-5:
+            failures.append(f"tensorcore: the NVRTC mma.sync tile differs from torch by {err:.1e}")
+    except Exception as error:  # noqa: BLE001 - a finding, not a crash
+        failures.append(f"tensorcore: launching the NVRTC tile failed: {type(error).__name__}: {error}")
+        print(f"  launch failed: {type(error).__name__}: {error}")
+    return failures
 
 
 def main() -> None:
@@ -293,9 +453,11 @@ def main() -> None:
     if args.profile:
         activation_memory.gpu_profile(args.profile)
         return
-    backends = ["bmm", "cuda"] if gpu else ["bmm"]
+    backends = ["flex", "bmm", "cuda"] if gpu else ["bmm", "flex"]
     name = torch.cuda.get_device_name() if gpu else "cpu"
-    print(f"torch {torch.__version__} on {name}; bigbird ~10% density, B=1 H={H} D={D} block={BLOCK}\n")
+    default = resolve_backend("auto", device, torch.bfloat16)
+    print(f"torch {torch.__version__} on {name}; bigbird ~10% density, B=1 H={H} D={D} block={BLOCK}; "
+          f"backend 'auto' here (bf16) is {default!r}\n")
 
     run = set(args.sections)
     failures, results = [], {}
@@ -322,6 +484,9 @@ def main() -> None:
     if "engine" in run:
         print()
         failures += check_engine_on_device(device, **({} if gpu else dict(steps=2, cli_steps=(3, 4))))
+    if "tensorcore" in run:
+        print()
+        failures += tensor_core_route(device)
 
     print()
     for f in failures:
@@ -338,6 +503,15 @@ def main() -> None:
         print(f"gpu_numba_cuda_vs_bmm={results[('fspeed_bmm', dt, S)] / results[('fspeed_cuda', dt, S)]:.2f}")
     if ("flex", dt, S) in results:
         print(f"gpu_sparse_vs_flex={results[('flex', dt, S)] / best[0]:.2f}")
+    if ("fspeed_flex", dt, S) in results:
+        ours = results[("fspeed_flex", dt, S)]
+        print(f"gpu_flex_backend_vs_sdpa_bf16_s8192={results[('sdpa', dt, S)] / ours:.2f}")
+        for other, key in (("flex", "gpu_flex_backend_vs_flex_mask_mod"),
+                           ("flex_dense", "gpu_flex_backend_vs_flex_dense"),
+                           ("fspeed_cuda", "gpu_flex_backend_vs_numba_cuda"),
+                           ("fspeed_bmm", "gpu_flex_backend_vs_bmm")):
+            if (other, dt, S) in results:
+                print(f"{key}={results[(other, dt, S)] / ours:.2f}")
     print(f"gpu_sparse_speedup_bf16_s8192={results[('sdpa', dt, S)] / best[0]:.2f}  # fastest fspeed: {best[1]}")
     sys.exit(1 if failures else 0)
 

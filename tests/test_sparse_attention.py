@@ -282,8 +282,11 @@ def test_errors_name_the_problem():
         sp.attention(q, q, q, layout, key_padding_mask=torch.ones(1, 15, dtype=torch.bool))
     with pytest.raises(ValueError, match="attn_mask must be"):
         sp.attention(q, q, q, layout, attn_mask=torch.ones(2, 2, 16, 16))
-    with pytest.raises(ValueError, match="backend='nope' must be one of"):
+    with pytest.raises(ValueError, match="backend='nope' is not a block-sparse attention backend; choose one of "
+                                         r"'auto' \(flex on CUDA, bmm otherwise\), 'flex'"):
         sp.attention(q, q, q, layout, backend="nope")
+    with pytest.raises(ValueError, match="backend='Flex' is not a block-sparse"):
+        sp.SparseSelfAttention(sp.FixedConfig(num_heads=2, block=4), max_seq_length=16, backend="Flex")
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         sp.attention(q, q, q, layout, backend="cuda")
     with pytest.raises(ValueError, match="causal=True disagrees"):

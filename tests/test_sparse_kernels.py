@@ -164,3 +164,5 @@ def test_gpu_check_script_runs_without_a_gpu():
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "gpu_correctness_failures=0" in done.stdout and "fspeed_bmm" in done.stdout
+    assert "fspeed_flex" in done.stdout and "flex/func" in done.stdout  # the default CUDA backend, in its CPU form
+    assert "tensor-core route for the Numba kernels" in done.stdout

@@ -10,14 +10,21 @@ O(nnz x block^2) tensor is kept between the passes). Masks follow DeepSpeed's so
 row with nothing left gives 0 (not NaN).
 
 Backends (`backend=`), all computing only the layout's blocks, O(S x D + chunk) memory:
-"bmm" (gather + bmm + in-place softmax + bmm in torch ops, any device, `torch_blocks`), "flash"
-(CPU: row chunks through torch's fused CPU flash-attention kernel, `flash_blocks`), "numba"
-(fused flash-style Numba CPU kernels) and "cuda" (Numba CUDA kernels, CUDA tensors). "auto"
-is "bmm" on every device. On 2 CPU threads at S=4096, forward+backward, bmm takes 80 ms against
-flash's 106 and numba's 345 (bigbird, 9% dense) and 133 against 259 and 927 (fixed, 23% dense;
-benchmarks/sparse_attention.py), because its bmms run at dense flash attention's FLOP rate. On
-CUDA tensors it runs on cuBLAS; the Numba CUDA kernels are opt-in (`backend="cuda"`) until they
-have been timed against it on a GPU: so far they have run only in Numba's simulator.
+"flex" (PyTorch's FlexAttention, compiled, over one BlockMask built from the layout's block
+table, `flex_backend`; on CUDA its fused Triton forward and backward, on the CPU its compiled
+forward with the "bmm" backward), "bmm" (gather + bmm + in-place softmax + bmm in torch ops, any
+device, `torch_blocks`), "flash" (CPU: row chunks through torch's fused CPU flash-attention
+kernel, `flash_blocks`), "numba" (fused flash-style Numba CPU kernels) and "cuda" (Numba CUDA
+kernels, CUDA tensors). "auto" is "flex" on CUDA tensors (fp32/fp16/bf16, where Triton is
+installed) and "bmm" otherwise. On an H200 (torch 2.11, bf16, S=8192, bigbird at ~10%,
+forward+backward) bmm took 17-23 ms and the Numba kernels (no tensor cores) 280-310 ms, against
+2.6 ms for compiled FlexAttention over the same layout (and 1.2 ms for dense flash SDPA, which
+computes every score), so CUDA goes to FlexAttention. On 2 CPU threads at S=4096,
+forward+backward, bmm takes 80 ms against flash's 106 and numba's 345 (bigbird, 9% dense) and 133
+against 259 and 927 (fixed, 23% dense; benchmarks/sparse_attention.py), because its bmms run at
+dense flash attention's FLOP rate; flex on the CPU compiles for seconds per new shape, and its
+eager path (fp64 on the CPU, or past Dynamo's recompile limit) holds O(S^2) scores, so the CPU
+default stays bmm.
 The plain O(S^2) definition is `reference_attention`.
 """
 
@@ -29,15 +36,40 @@ import numpy as np
 import torch
 
 from ..torch_internals import decomposed_ops_needed
-from . import flash_blocks, torch_blocks
+from . import flash_blocks, flex_backend, torch_blocks
 from .plan import BlockPlan, layout_array, make_plan
 
-BACKENDS = ("auto", "flash", "bmm", "numba", "cuda")
+BACKENDS = ("auto", "flex", "bmm", "flash", "numba", "cuda")
+_BACKEND_HELP = ("'auto' (flex on CUDA, bmm otherwise), 'flex' (FlexAttention), 'bmm' (gather + bmm, any device), "
+                 "'flash' (CPU flash kernel per chunk), 'numba' (Numba CPU kernels), 'cuda' (Numba CUDA kernels)")
+
+
+def check_backend(name) -> None:
+    """A clear error for a backend name that is not one of BACKENDS."""
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise ValueError(f"backend={name!r} is not a block-sparse attention backend; choose one of {_BACKEND_HELP}")
+
+
+def resolve_backend(name: str, device, dtype: torch.dtype) -> str:
+    """The backend `name` runs as for tensors of `dtype` on `device`: "auto" becomes "flex" on CUDA
+    (fp32/fp16/bf16, FlexAttention and Triton present) and "bmm" everywhere else."""
+    check_backend(name)
+    if name != "auto":
+        return name
+    device = torch.device(device)
+    if device.type == "cuda" and flex_backend.supports(dtype) and flex_backend.available(device):
+        return "flex"
+    return "bmm"
 
 
 def _backend_module(name: str, device: torch.device):
     if name in ("auto", "bmm"):
         return torch_blocks
+    if name == "flex":
+        if not flex_backend.available(device):
+            raise ValueError(f"backend='flex' needs torch.nn.attention.flex_attention (torch >= 2.5) and, on CUDA, "
+                             f"Triton; not available for tensors on {device}")
+        return flex_backend
     if name == "flash":
         if device.type != "cpu" or not flash_blocks.available():
             raise ValueError(f"backend='flash' needs CPU tensors and torch's CPU flash-attention op "
@@ -54,7 +86,8 @@ def _backend_module(name: str, device: torch.device):
         from . import cuda_backend
         cuda_backend.require()
         return cuda_backend
-    raise ValueError(f"backend={name!r} must be one of {BACKENDS}")
+    check_backend(name)
+    raise ValueError(f"backend={name!r} is not a block-sparse attention backend")
 
 
 def _fold_batch(n: int, in_dims, tensors, masks):
@@ -180,6 +213,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Union[t
               attn_mask_mode: str = "add", scale: Optional[float] = None, backend: str = "auto") -> torch.Tensor:
     """Block-sparse softmax(q k^T * scale + masks) v over the blocks of `layout`.
 
+    backend: one of BACKENDS (see the module docstring); "auto" is "flex" on CUDA, "bmm" elsewhere.
+
     q, k, v: [batch, heads, seq, head_dim] (fp32, fp64, fp16 or bf16; the softmax and
     accumulation run in fp32, or fp64 for fp64). layout: [heads or 1, blocks, blocks] 0/1
     (row = query block), or a `BlockPlan` from `make_plan` to skip rebuilding the index tables each
@@ -210,15 +245,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Union[t
         key_bias = additive_mask(key_padding_mask.to(q.device), cd, key_padding_mask_mode, name="key_padding_mask")
     if attn_mask is not None:
         attn_bias = _canonical_attn_mask(attn_mask.to(q.device), B, H, S, cd, attn_mask_mode)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+    check_backend(backend)
     if decomposed_ops_needed():  # the Function has no forward-mode rule and one backward
         return reference_attention(q, k, v, plan.layout, block=plan.block, causal=plan.causal,
                                    key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                                    key_padding_mask_mode=key_padding_mask_mode, attn_mask_mode=attn_mask_mode,
                                    scale=scale)
-    out, _ = BlockSparseAttention.apply(q, k, v, key_bias, attn_bias, plan,
-                                         float(D ** -0.5 if scale is None else scale), backend)
+    scale = float(D ** -0.5 if scale is None else scale)
+    backend = resolve_backend(backend, q.device, q.dtype)
+    if backend == "flex" and flex_backend.direct(q):
+        # FlexAttention's own autograd: its fused backward, nothing recomputed
+        _backend_module(backend, q.device)
+        if any(m is not None and m.requires_grad for m in (key_bias, attn_bias)):
+            raise NotImplementedError(
+                "fspeed.sparse.attention does not differentiate through key_padding_mask or attn_mask; "
+                "pass masks that do not require grad (detach them)")
+        return flex_backend.flex(q, k, v, flex_backend.block_mask(plan, q.device), scale, key_bias, attn_bias)
+    out, _ = BlockSparseAttention.apply(q, k, v, key_bias, attn_bias, plan, scale, backend)
     return out
 
 

@@ -4,8 +4,9 @@ Tensors reach the kernels zero-copy through `__cuda_array_interface__` (bf16 as 
 pattern, since numba has no bf16 array type); outputs are fp32 buffers cast back by torch.
 Kernels launch on the default CUDA stream, which orders with torch's default stream (not with
 other torch streams). Needs numba-cuda; `require()` names the packages when it is missing.
-Not run on a GPU yet: the kernels are verified in the simulator and compiled to PTX only, so
-`backend="auto"` does not pick them (it takes "bmm", cuBLAS on CUDA tensors).
+Opt-in (`backend="cuda"`): `backend="auto"` takes FlexAttention on CUDA tensors ("flex"). On an
+H200 (torch 2.11, bf16, S=8192, bigbird ~10%, forward+backward) these kernels, scalar FMAs without
+tensor cores, took 280-310 ms against 2.6 ms for compiled FlexAttention over the same layout.
 """
 
 from __future__ import annotations

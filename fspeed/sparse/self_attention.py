@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .attention import BACKENDS, additive_mask, attention
+from .attention import additive_mask, attention, check_backend
 from .config import AnySparsityConfig, SparseAttentionConfig
 from .layouts import layout
 from .plan import BlockPlan, make_plan
@@ -53,8 +53,7 @@ class SparseSelfAttention:
         for name in ("key_padding_mask_mode", "attn_mask_mode"):
             if getattr(self, name) not in ("add", "mul"):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be 'add' or 'mul'")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r} must be one of {BACKENDS}")
+        check_backend(self.backend)
         object.__setattr__(self, "master_layout", layout(self.sparsity_config, self.max_seq_length, seed=self.seed))
         object.__setattr__(self, "_plans", {})  # per padded length: an index cache, not state that changes results
 
