@@ -12,6 +12,11 @@ did not answer. The next call on a world that lost a rank starts a fresh one, so
 fails one test, not every later test that shares the world. `collective_timeout_s` (default
 `timeout_s`) is the process group's timeout: a collective waiting longer raises
 `fspeed.CommError` on its rank.
+
+The ranks are started with multiprocessing's spawn method, which imports the main script again in
+every new process: a script must create its world (or call `assert_trains_like_one_process`) under
+`if __name__ == "__main__":`. Without it, the ranks stop at once and the world raises one error
+saying so.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import queue
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -32,6 +38,22 @@ from typing import Any, Callable, Optional
 
 class WorkerError(RuntimeError):
     """A function raised on a worker rank (the message holds the rank's traceback)."""
+
+
+# a rank's exit code when it found itself creating a world while importing its parent's main script
+_UNGUARDED_MAIN_EXIT = 86
+
+_UNGUARDED_MAIN = (
+    "{script} creates a GlooWorld when it is imported: the world's ranks are started with multiprocessing's "
+    "spawn method, which imports the main script again in every new process, so each rank tried to start a "
+    "world of its own. Put the code that creates the world or calls assert_trains_like_one_process under "
+    "`if __name__ == \"__main__\":`")
+
+
+def _bootstrapping() -> bool:
+    """Whether this process is a spawned child still importing its parent's main script (the state
+    in which multiprocessing refuses to start processes)."""
+    return bool(getattr(mp.current_process(), "_inheriting", False))
 
 
 def free_port() -> int:
@@ -74,6 +96,8 @@ class GlooWorld:
                  collective_timeout_s: Optional[float] = None):
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
+        if _bootstrapping():  # a rank importing an unguarded script: stop quietly, the parent says why
+            raise SystemExit(_UNGUARDED_MAIN_EXIT)
         self.world_size, self.timeout_s = world_size, timeout_s
         self.threads_per_rank, self.collective_timeout_s = threads_per_rank, collective_timeout_s or timeout_s
         self.stack_dir = tempfile.mkdtemp(prefix="fspeed-world-")
@@ -136,6 +160,10 @@ class GlooWorld:
                 out[rank] = pickle.loads(value)
             else:
                 failures.append((rank, value))
+        if any(self.procs[r].exitcode == _UNGUARDED_MAIN_EXIT for r, _ in failures):
+            self._stop()
+            main = getattr(sys.modules.get("__main__"), "__file__", None)
+            raise RuntimeError(_UNGUARDED_MAIN.format(script=main or "the main script"))
         if failures:
             rank, tb = min(failures)
             details = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(failures))
