@@ -58,22 +58,29 @@ MASK_CACHE_SIZE = 64
 
 _compiled = None
 _MASKS: OrderedDict = OrderedDict()
+_AVAILABLE: dict = {}
 
 
 def available(device) -> bool:
     """FlexAttention importable and able to run on `device` (CUDA needs Triton for its kernels)."""
+    kind = torch.device(device).type
+    if kind not in _AVAILABLE:
+        _AVAILABLE[kind] = _available(kind)
+    return _AVAILABLE[kind]
+
+
+def _available(kind: str) -> bool:
     try:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
     except ImportError:
         return False
-    device = torch.device(device)
-    if device.type == "cuda":
+    if kind == "cuda":
         try:
             from torch.utils._triton import has_triton
         except ImportError:
             return False
         return bool(has_triton())
-    return device.type == "cpu"
+    return kind == "cpu"
 
 
 def supports(dtype: torch.dtype) -> bool:
