@@ -386,12 +386,15 @@ class AccumulatedGrads(_SummedInPlace, GradSink):
 
 class _PackedBuckets:
     """Gradient pieces copied, in arrival order, into one of two (overlap) or one bucket
-    buffers of `size` elements; a full bucket is launched, and `apply` gets its records after
-    the collective is done (DeepSpeed's IPG buckets)."""
+    buffers of `size` elements (DeepSpeed's IPG buckets). Each piece is labelled `(owner rank,
+    offset in the owner's partition)`; a full bucket is reduced onto the owners, one collective per
+    run of pieces with the same owner, and once done this rank adds its own pieces into
+    `partition()` (the sink's accumulator, read at that moment)."""
 
-    def __init__(self, size: int, dtype: torch.dtype, device: torch.device, overlap: bool, launch, apply):
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device, overlap: bool, comm: AxisComm,
+                 partition: Callable[[], torch.Tensor]):
         self.size, self.dtype, self.device, self.overlap = size, dtype, device, overlap
-        self.launch, self.apply = launch, apply
+        self.comm, self.partition = comm, partition
         self.buffers: list[torch.Tensor] = []
         self.free: list[torch.Tensor] = []
         self.in_flight: deque = deque()
@@ -422,6 +425,21 @@ class _PackedBuckets:
             done += take
             if self.fill == self.size:
                 self.flush()
+
+    def launch(self, buf: torch.Tensor, records: list) -> list[Pending]:
+        pendings, start = [], 0
+        for k in range(1, len(records) + 1):  # one reduce per run of pieces with the same owner
+            if k == len(records) or records[k][0][0] != records[start][0][0]:
+                lo, hi = records[start][1], records[k - 1][1] + records[k - 1][2]
+                pendings.append(self.comm.start_reduce(buf[lo:hi], records[start][0][0]))
+                start = k
+        return pendings
+
+    def apply(self, buf: torch.Tensor, records: list) -> None:
+        partition, rank = self.partition(), self.comm.rank
+        for (owner, at), lo, count in records:
+            if owner == rank:
+                partition[at:at + count].add_(buf[lo:lo + count].to(partition.device))
 
     def flush(self) -> None:
         if self.current is None or not self.records:
@@ -460,7 +478,7 @@ class PartitionGrads(_SummedInPlace, GradSink):
         self.part = layout.partition_numel
         self.acc = torch.zeros(self.part, dtype=dtype, device=device)
         size = max(1, min(self.bucket, layout.local.numel))
-        self.buckets = _PackedBuckets(size, dtype, device, self.overlap, self._launch, self._apply)
+        self.buckets = _PackedBuckets(size, dtype, device, self.overlap, comm, lambda: self.acc)
         local = layout.local
         ranges, members = _aligned_ranges(local.offsets, local.sizes, self.bucket,
                                           [k * self.part for k in range(1, comm.size)])
@@ -488,21 +506,6 @@ class PartitionGrads(_SummedInPlace, GradSink):
         hi = min(lo + self.part, self.summed.numel())
         self.acc[:hi - lo].copy_(self.summed[lo:hi])  # past the local numel: padding, zero since begin_step
         self.summed = None
-
-    def _launch(self, buf: torch.Tensor, records: list) -> list[Pending]:
-        pendings, start = [], 0
-        for k in range(1, len(records) + 1):  # one reduce per run of pieces with the same owner
-            if k == len(records) or records[k][0][0] != records[start][0][0]:
-                lo, hi = records[start][1], records[k - 1][1] + records[k - 1][2]
-                pendings.append(self.comm.start_reduce(buf[lo:hi], records[start][0][0]))
-                start = k
-        return pendings
-
-    def _apply(self, buf: torch.Tensor, records: list) -> None:
-        rank = self.comm.rank
-        for (owner, at), lo, count in records:
-            if owner == rank:
-                self.acc[at:at + count].add_(buf[lo:lo + count])
 
     def begin_step(self, reduce: bool, micro_batches: int) -> None:
         super().begin_step(reduce, micro_batches)
@@ -562,7 +565,7 @@ class ShardGrads(GradSink):
             self.part, lo = layout.persistent_part, layout.persistent_start
             self.partition = self.acc[lo:lo + self.part]
             self.buckets = _PackedBuckets(max(1, min(self.bucket, persistent.numel)), dtype, self.comm_device,
-                                          self.overlap, self._launch, self._apply)
+                                          self.overlap, comm, lambda: self.partition)
         else:
             segments = dict(zip(storage.paths, storage.segments(self.acc)))
             self.param_seg = {i: segments[layout.params[i].path] for u in layout.units for i in u.resident_params}
@@ -610,21 +613,6 @@ class ShardGrads(GradSink):
                 hi = min(flat.numel(), (owner + 1) * self.part - offset)
                 self.buckets.add(flat[lo:hi], lambda d, o=owner, at=offset + lo - owner * self.part: (o, at + d))
                 lo = hi
-
-    def _launch(self, buf: torch.Tensor, records: list) -> list[Pending]:
-        pendings, start = [], 0
-        for k in range(1, len(records) + 1):  # one reduce per run of pieces with the same owner
-            if k == len(records) or records[k][0][0] != records[start][0][0]:
-                lo, hi = records[start][1], records[k - 1][1] + records[k - 1][2]
-                pendings.append(self.comm.start_reduce(buf[lo:hi], records[start][0][0]))
-                start = k
-        return pendings
-
-    def _apply(self, buf: torch.Tensor, records: list) -> None:
-        rank = self.comm.rank
-        for (owner, at), lo, count in records:
-            if owner == rank:
-                self.partition[at:at + count].add_(buf[lo:lo + count].to(self.partition.device))
 
     def end_micro(self) -> None:
         super().end_micro()
