@@ -4,7 +4,9 @@ The ZeRO paper counts an all-reduce of Psi elements as 2 Psi (a reduce-scatter p
 all-gather), so stages 0-2 move 2 Psi per step and stage 3 moves 3 Psi (the parameters are
 all-gathered in forward and again in backward, the gradients reduce-scattered once). Here every
 collective fspeed issues is logged (op and message size); the volume counts an all-reduce of S
-bytes as 2S and a reduce-scatter or all-gather as the full (world-size times the per-rank) buffer.
+bytes as 2S, a reduce-scatter or all-gather as the full (world-size times the per-rank) buffer, and
+a reduce onto one owner or a broadcast from one (ZeRO-1/2's partitions and their parameters, ZeRO-3's
+persistent parameters) as its message S: what each rank sends or receives.
 
     python benchmarks/zero_comm.py [--ranks 4] [--layers 8] [--d-model 256]
 
@@ -41,7 +43,7 @@ def measure(stage: int, layers: int, d_model: int) -> dict:
     volume = {}
     for op, sizes in log.records.items():
         total = sum(size * len(lat) for size, lat in sizes.items())
-        volume[op] = total * (2 if op == "all_reduce" else n) / 4  # elements (fp32)
+        volume[op] = total * {"all_reduce": 2, "reduce": 1, "broadcast": 1}.get(op, n) / 4  # elements (fp32)
     calls = {op: sum(len(lat) for lat in sizes.values()) for op, sizes in log.records.items()}
     return {"psi": state.layout.local.numel, "volume": volume, "calls": calls, "summary": log.summary()}
 
@@ -59,8 +61,8 @@ def main() -> None:
             print(f"  stage {stage} measured", flush=True)
     psi = results[0]["psi"]
     print(f"\nGPT {psi / 1e6:.2f}M parameters (Psi), {args.ranks} gloo ranks, one fp32 step; elements per rank")
-    print(f"{'stage':<6}{'all_reduce':>13}{'reduce_scatter':>16}{'all_gather':>13}{'total':>13}{'theory':>10}"
-          f"{'ratio':>8}  calls")
+    print(f"{'stage':<6}{'all_reduce':>13}{'reduce':>13}{'broadcast':>13}{'reduce_scatter':>16}{'all_gather':>13}"
+          f"{'total':>13}{'theory':>10}{'ratio':>8}  calls")
     ratio3 = None
     for stage, r in results.items():
         v = r["volume"]
@@ -69,8 +71,9 @@ def main() -> None:
         ratio = total / theory
         ratio3 = ratio if stage == 3 else ratio3
         calls = ", ".join(f"{op} {c}" for op, c in sorted(r["calls"].items()))
-        print(f"{stage:<6}{v.get('all_reduce', 0):>13,.0f}{v.get('reduce_scatter', 0):>16,.0f}"
-              f"{v.get('all_gather', 0):>13,.0f}{total:>13,.0f}{f'{3 if stage == 3 else 2} Psi':>10}{ratio:>8.3f}  {calls}")
+        print(f"{stage:<6}{v.get('all_reduce', 0):>13,.0f}{v.get('reduce', 0):>13,.0f}{v.get('broadcast', 0):>13,.0f}"
+              f"{v.get('reduce_scatter', 0):>16,.0f}{v.get('all_gather', 0):>13,.0f}{total:>13,.0f}"
+              f"{f'{3 if stage == 3 else 2} Psi':>10}{ratio:>8.3f}  {calls}")
     print("\nstage 3, rank 0, DeepSpeed-style comm log of the measured step:")
     print(results[3]["summary"])
     print(f"zero3_comm_over_theory={ratio3:.3f}")
