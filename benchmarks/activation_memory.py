@@ -37,7 +37,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import fspeed as fs
-from fspeed.activation_budget import bytes_kept_for_backward
+from fspeed.remat_budget import bytes_kept_for_backward
 from fspeed.host_memory import live_host_bytes
 from fspeed.models.gpt_module import GPTModule, load_params_into_module
 
@@ -184,7 +184,7 @@ def gpu_check(layers: int = 24, width: int = 1024, seq: int = 1024, batch: int =
     time per variant against plain PyTorch with and without torch.utils.checkpoint (fp32 with TF32
     matmuls on both sides). Returns the correctness failures; prints a table and name=value lines.
     `device="cpu"` runs the same code (inline copies) to keep it working without a GPU."""
-    from fspeed.activation_checkpointing import Remat, apply_remat
+    from fspeed.rematerialization import Remat, apply_remat
     from fspeed.host_copies import HostCopies
     from fspeed.pytree import tree_leaves
 

@@ -39,7 +39,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from fspeed.parallel.pipeline import _params_used
+from fspeed.parallel.pipeline_transform import _params_used
 from fspeed.pytree import tree_flatten_with_paths, tree_unflatten
 from fspeed.testing import free_port
 
@@ -133,7 +133,7 @@ def _worker(args: argparse.Namespace) -> None:
     from deepspeed.pipe import PipelineModule
 
     from fspeed.models.gpt import GPTConfig, gpt, gpt_layers
-    from fspeed.parallel.pipeline import uniform_bounds
+    from fspeed.parallel.pipeline_transform import uniform_bounds
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")

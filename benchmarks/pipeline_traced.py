@@ -109,7 +109,7 @@ def last_stage_kept_bytes(args: argparse.Namespace, vocab: int = 50257, rows: in
     """One process: what the traced GPT-2's last pipeline layer keeps for backward (the part of its
     forward a 1F1B last stage holds per micro-batch), with the module's own loss and with
     `fs.causal_lm_loss` (the head fused with the loss), at GPT-2's vocabulary."""
-    from fspeed.activation_budget import bytes_kept_for_backward  # noqa: PLC0415
+    from fspeed.remat_budget import bytes_kept_for_backward  # noqa: PLC0415
 
     torch.set_num_threads(1)
     module = build_gpt2(2, args.width, vocab)

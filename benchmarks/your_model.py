@@ -155,7 +155,7 @@ def fused_head(args, vocabs=(VOCAB, 50257), steps: int = 6) -> dict:
     `fs.causal_lm_loss` (the head fused with the loss), alternating: per vocabulary, the bytes the
     forward keeps for backward (malloc's, at backward start) and the step time."""
     import fspeed as fs
-    from fspeed.activation_budget import bytes_kept_for_backward
+    from fspeed.remat_budget import bytes_kept_for_backward
 
     torch.set_num_threads(args.threads)
     fs.retain_freed_host_memory()
@@ -187,7 +187,7 @@ def fused_ops_kept(args) -> dict:
     """Bytes the forward keeps for backward (malloc's, at backward start), fspeed with fused_ops on and
     off (the Python GELU keeps its intermediates), one step each after one to warm up."""
     import fspeed as fs
-    from fspeed.activation_budget import bytes_kept_for_backward
+    from fspeed.remat_budget import bytes_kept_for_backward
 
     torch.set_num_threads(args.threads)
     fs.retain_freed_host_memory()

@@ -12,12 +12,11 @@
 
 from . import checkpoint, data, models, optim, precision, sparse
 from . import monitor, profile
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from . import parallel
 from .flat import Flat, FlatLayout, LooseGrads
 from .host_memory import retain_freed_host_memory
-from .activation_budget import BudgetChoice, measure_activations, remat_within_budget
-from .activation_checkpointing import Remat, RematPolicy, RematProfile, checkpoint_name, remat, remat_policies
+from .remat_budget import BudgetChoice, measure_activations, remat_within_budget
+from .rematerialization import Remat, RematPolicy, RematProfile, remat_name, remat, remat_policies
 from .parallel import pipeline
 from .parallel import (
     CommError, CommLog, MemoryEstimate, Mesh, OffloadOptimizerConfig, OffloadParamConfig, P, PartitionSpec, Plan,
@@ -30,8 +29,7 @@ from .pytree import tree_flatten_with_paths, tree_map, tree_paths
 from .engine import Engine, initialize
 from .train_init import init_train_state
 from .train_state import DonatedStateError, TrainState
-from .train_step import make_eval_step, make_train_step
-from .checkpoint import export_weights, import_deepspeed, init_from_weights  # universal checkpoints
+from .train_step import NonFiniteError, TrainStep, make_eval_step, make_train_step
 from .timers import StepTimers
 
 __version__ = "0.1.0"
@@ -40,12 +38,11 @@ __all__ = [
     "CommError", "CommLog", "Mesh", "P", "PartitionSpec", "Plan", "ZeroConfig", "explain", "gather_params",
     "init_distributed", "parallel", "pipeline", "shutdown_distributed", "tensor_slicing", "UnitParams", "zero",
     "MemoryEstimate", "OffloadOptimizerConfig", "OffloadParamConfig", "estimate_memory",
-    "CheckpointError", "checkpoint", "data", "load_checkpoint", "save_checkpoint", "sparse",
+    "checkpoint", "data", "sparse", "NonFiniteError", "TrainStep",
     "DonatedStateError", "Flat", "FlatLayout", "LooseGrads", "LossScaleAtMinimumError", "LossScaleState", "Model",
     "Engine", "TrainState", "causal_lm_loss", "functionalize", "initialize", "init_train_state", "make_eval_step", "make_train_step", "models",
     "monitor", "optim", "precision", "profile", "StepTimers",
     "to_module", "tp_plan_from", "tree_flatten_with_paths", "tree_map", "tree_paths",
-    "BudgetChoice", "Remat", "RematPolicy", "RematProfile", "checkpoint_name", "measure_activations", "remat",
+    "BudgetChoice", "Remat", "RematPolicy", "RematProfile", "remat_name", "measure_activations", "remat",
     "remat_policies", "remat_within_budget", "retain_freed_host_memory",
-    "export_weights", "import_deepspeed", "init_from_weights",
 ]

@@ -102,7 +102,7 @@ def preflight_case(directory):
         checks.shutil.disk_usage = lambda p: shutil._ntuple_diskusage(total=100, used=99, free=1)
     try:
         fs.checkpoint.preflight(directory, state, mesh=mesh)
-    except fs.CheckpointError as e:
+    except fs.checkpoint.CheckpointError as e:
         return str(e), e.on_every_rank
     finally:
         checks.shutil.disk_usage = shutil.disk_usage

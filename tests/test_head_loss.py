@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fspeed as fs
-from fspeed.activation_budget import bytes_kept_for_backward
+from fspeed.remat_budget import bytes_kept_for_backward
 from fspeed.models.head_loss import head_loss
 from tests.fresh_process import in_fresh_process
 

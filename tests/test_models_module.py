@@ -111,8 +111,8 @@ def test_batchnorm_statistics_live_in_the_state_and_evaluation_leaves_them_alone
     with torch.no_grad():
         assert loss == pytest.approx(float(cnn_loss(twin(x), (x, y))), rel=1e-6)
     # checkpoints carry them; a resumed run is exact
-    fs.save_checkpoint(tmp_path, state)
-    resumed, _ = fs.load_checkpoint(tmp_path, fs.init_train_state(model.init(), opt, model=model))
+    fs.checkpoint.save_checkpoint(tmp_path, state)
+    resumed, _ = fs.checkpoint.load_checkpoint(tmp_path, fs.init_train_state(model.init(), opt, model=model))
     assert torch.equal(resumed.buffers["blocks"]["1"]["bn"]["running_var"], state.buffers["blocks"]["1"]["bn"]["running_var"])
     a, _ = step(state, cnn_batch(8, 1))
     b, _ = step(resumed, cnn_batch(8, 1))
@@ -156,8 +156,8 @@ def test_dropout_draws_from_the_seed_and_a_resumed_run_is_exact(tmp_path):
     half = fs.init_train_state(model.init(), opt, seed=7, model=model)
     for batch in batches[:2]:
         half, _ = step(half, batch)
-    fs.save_checkpoint(tmp_path, half)
-    resumed, _ = fs.load_checkpoint(tmp_path, fs.init_train_state(model.init(), opt, seed=0, model=model))
+    fs.checkpoint.save_checkpoint(tmp_path, half)
+    resumed, _ = fs.checkpoint.load_checkpoint(tmp_path, fs.init_train_state(model.init(), opt, seed=0, model=model))
     for batch in batches[2:]:
         resumed, _ = step(resumed, batch)
     assert torch.equal(resumed.params.buffer, straight.params.buffer)

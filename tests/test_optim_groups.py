@@ -342,8 +342,8 @@ def test_grouped_state_checkpoint_resumes_bit_exact(tmp_path):
     state = fresh()
     for b in batches[:2]:
         state, _ = step(state, b)
-    fs.save_checkpoint(tmp_path, state)
-    resumed, _ = fs.load_checkpoint(tmp_path, fresh())
+    fs.checkpoint.save_checkpoint(tmp_path, state)
+    resumed, _ = fs.checkpoint.load_checkpoint(tmp_path, fresh())
     for b in batches[2:]:
         resumed, _ = step(resumed, b)
     assert torch.equal(resumed.params.buffer, straight.params.buffer)

@@ -221,8 +221,8 @@ def test_checkpoint_of_a_torch_optimizer_resumes_bit_exact(tmp_path):
     state = fs.init_train_state(params, opt)
     for i in range(2):
         state, _ = step(state, batch_for(cfg, 2, i))
-    fs.save_checkpoint(tmp_path, state)
-    resumed, _ = fs.load_checkpoint(tmp_path, fs.init_train_state(params, opt))
+    fs.checkpoint.save_checkpoint(tmp_path, state)
+    resumed, _ = fs.checkpoint.load_checkpoint(tmp_path, fs.init_train_state(params, opt))
     assert torch.equal(resumed.opt_state[1].elementwise["sum"].buffer, state.opt_state[1].elementwise["sum"].buffer)
     for i in range(2, 4):
         resumed, _ = step(resumed, batch_for(cfg, 2, i))

@@ -138,8 +138,8 @@ def test_offloaded_state_checkpoint_resumes_bit_exact(tmp_path, stage, offload_p
     x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
     batch = {"inputs": x[:, :-1], "targets": x[:, 1:]}
     state, _ = step(fresh(), batch)
-    fs.save_checkpoint(tmp_path, state, mesh=mesh)
-    resumed, _ = fs.load_checkpoint(tmp_path, fresh(), mesh=mesh)
+    fs.checkpoint.save_checkpoint(tmp_path, state, mesh=mesh)
+    resumed, _ = fs.checkpoint.load_checkpoint(tmp_path, fresh(), mesh=mesh)
     assert resumed.master.device.type == "cpu" and resumed.opt_state[1].mu.device.type == "cpu"
     a, _ = step(state, batch)
     b, _ = step(resumed, batch)

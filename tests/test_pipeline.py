@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fspeed as fs
-from fspeed.parallel.pipeline import balanced_bounds, partition_layers, uniform_bounds
+from fspeed.parallel.pipeline_transform import balanced_bounds, partition_layers, uniform_bounds
 from fspeed.testing import assert_trains_like_one_process
 from tests.fresh_process import in_fresh_process
 from tests.hf_models import (hf_gpt2_layers, hf_gpt2_traced, hf_llama_layers, hf_llama_traced, lm_batch,
@@ -418,7 +418,7 @@ def test_a_tuple_of_tensors_crosses_the_stages(world4, schedule):
     """(hidden, bool mask) between every layer: one message per tensor, gradients for the floating
     one; on 4 stages, with checkpointed groups (their tuple input kept on the host) under zero
     bubble, on 2 stages x 2 chunks; and evaluation through the stages."""
-    from fspeed.activation_checkpointing import Remat
+    from fspeed.rematerialization import Remat
     pipe, virtual = (2, 2) if schedule == "interleaved_1f1b" else (4, 1)
     remat = Remat("full", offload=True) if schedule == "zero_bubble" else None  # the tuple's hidden on the host
     plan = fs.zero(1) | fs.pipeline(4, schedule, "uniform", virtual, remat=remat,
@@ -604,10 +604,10 @@ def _resume(directory: str):
     state, straight = fresh(0), []
     for i in range(4):
         if i == 2:
-            fs.save_checkpoint(directory, state, mesh=mesh)
+            fs.checkpoint.save_checkpoint(directory, state, mesh=mesh)
         state, metrics = step(state, batch(2, i))
         straight.append(metrics["loss"])
-    resumed, _ = fs.load_checkpoint(directory, fresh(1), mesh=mesh)
+    resumed, _ = fs.checkpoint.load_checkpoint(directory, fresh(1), mesh=mesh)
     again = []
     for i in range(2, 4):
         resumed, metrics = step(resumed, batch(2, i))
@@ -625,7 +625,7 @@ def test_a_pipeline_run_resumes_exactly_and_loads_into_one_process(world4, tmp_p
     model = gpt(2)
     assert sorted(full) == sorted(fs.tree_paths(model.init(torch.Generator().manual_seed(0))))
     opt = fs.optim.adamw(1e-3)
-    local, _ = fs.load_checkpoint(tmp_path / "ck", fs.init_train_state(model.init(torch.Generator().manual_seed(1)),
+    local, _ = fs.checkpoint.load_checkpoint(tmp_path / "ck", fs.init_train_state(model.init(torch.Generator().manual_seed(1)),
                                                                         opt, model=model))
     # each data rank trained on the same batch(2, i) as 2 micro-batches: here the 4 of the global batch
     step = fs.make_train_step(model.loss, opt, grad_accum=4)
@@ -690,7 +690,7 @@ def test_zero_bubble_defers_the_linears_also_in_checkpointed_groups(kind):
     recompute runs them again in B (activation_checkpoint_interval, policies full and save_matmuls),
     and the gradients stay those of 1F1B. So do Hugging Face's Conv1D (`torch.addmm`, eager in a
     layer list or `aten.addmm` in a traced graph) and a traced graph's `aten.linear`."""
-    from fspeed.activation_checkpointing import Remat
+    from fspeed.rematerialization import Remat
     from fspeed.parallel.pipeline_runtime import PipelineExecutor
     from fspeed.train_step import split_micro_batches
     if kind == "modules":
@@ -971,10 +971,10 @@ def _stateful_resume(directory: str):
     losses = []
     for s in range(3):
         if s == 1:
-            fs.save_checkpoint(directory, state, mesh=mesh)
+            fs.checkpoint.save_checkpoint(directory, state, mesh=mesh)
         state, metrics = step(state, cnn_batch(4, s))
         losses.append(metrics["loss"])
-    resumed, _ = fs.load_checkpoint(directory, fs.init_train_state(model.init(), sgd(), plan=plan, mesh=mesh,
+    resumed, _ = fs.checkpoint.load_checkpoint(directory, fs.init_train_state(model.init(), sgd(), plan=plan, mesh=mesh,
                                                                    model=model), mesh=mesh)
     again = []
     for s in range(1, 3):

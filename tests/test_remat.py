@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fspeed as fs
-from fspeed.activation_budget import bytes_kept_for_backward
+from fspeed.remat_budget import bytes_kept_for_backward
 from fspeed.host_memory import live_host_bytes
 from tests.fresh_process import in_fresh_process
 from tests.hf_models import SEQ, VOCAB, hf_gpt2, hf_llama
@@ -330,7 +330,7 @@ def test_synchronize_checkpoint_boundary_syncs_each_blocks_forward_and_backward(
 
 
 def test_contiguous_arena_reuses_one_buffer():
-    from fspeed.activation_checkpointing import ContiguousArena
+    from fspeed.rematerialization import ContiguousArena
 
     arena = ContiguousArena()
     for _ in range(3):

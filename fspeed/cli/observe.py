@@ -16,7 +16,7 @@ from typing import Any, Optional
 from ..config import ConfigError, Problem
 from ..config.schema import RunConfig
 from ..models import Model
-from ..activation_checkpointing import METRIC_KEYS as REMAT_METRIC_KEYS
+from ..rematerialization import METRIC_KEYS as REMAT_METRIC_KEYS
 from ..monitor import TRAIN_COLUMNS, CSVMonitor, MissingExtraError, Monitors, TensorBoardMonitor, WandbMonitor
 from ..parallel import gather_params
 from ..plot import lr_range_test_pick, plot_lr_range_test

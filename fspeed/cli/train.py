@@ -46,8 +46,8 @@ from ..config.build import (
 from ..config.schema import Bf16Config, RunConfig
 from ..config.targets import TargetConfig
 from ..engine import fs_rules
-from ..activation_budget import remat_within_budget
-from ..activation_checkpointing import RematProfile
+from ..remat_budget import remat_within_budget
+from ..rematerialization import RematProfile
 from ..host_memory import retain_freed_host_memory
 from ..loss_scale import LossScaleAtMinimumError
 from ..models import GPT_RULES, Model, count_params, gpt

@@ -212,9 +212,9 @@ def build_model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
 
 
 def apply_activation_checkpointing(run: RunConfig, model):
-    """(`model` with the run's activation checkpointing (`fspeed.activation_checkpointing`), its
+    """(`model` with the run's activation checkpointing (`fspeed.rematerialization`), its
     timing profile or None); `model` unchanged with policy none."""
-    from ..activation_checkpointing import apply_remat  # noqa: PLC0415
+    from ..rematerialization import apply_remat  # noqa: PLC0415
 
     remat = run.activation_checkpointing.to_library()
     if remat is None:

@@ -588,7 +588,7 @@ def _comms_logger(ds: Mapping[str, Any], w: _Ledger) -> None:
 
 
 def _activation_checkpointing(ds: Mapping[str, Any], w: _Ledger) -> None:
-    """`activation_checkpointing` -> fspeed's (fspeed.activation_checkpointing). In DeepSpeed the
+    """`activation_checkpointing` -> fspeed's (fspeed.rematerialization). In DeepSpeed the
     block configures the checkpointing a model's code turns on; a block that turns a setting on
     turns fspeed's checkpointing on (policy full, every block) for the model fspeed trains.
     number_checkpoints sizes DeepSpeed's contiguous buffers; fspeed's buffer sizes itself."""

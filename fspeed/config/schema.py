@@ -547,7 +547,7 @@ PRECISIONS: dict[str, type] = {"fp32": Fp32Config, "bf16": Bf16Config, "fp16": F
 
 @dataclass(frozen=True, kw_only=True)
 class ActivationCheckpointingConfig(ValidatedConfig):
-    """Activation checkpointing (`fspeed.activation_checkpointing`): which blocks keep only what `policy` saves and are
+    """Activation checkpointing (`fspeed.rematerialization`): which blocks keep only what `policy` saves and are
     recomputed in backward; DeepSpeed's `activation_checkpointing` block translates here."""
 
     policy: Literal["none", "full", "save_matmuls"] = "none"  # none: every activation is kept
@@ -584,7 +584,7 @@ class ActivationCheckpointingConfig(ValidatedConfig):
         if self.policy == "none":
             return None
         # the schema module stays free of torch imports
-        from fspeed.activation_checkpointing import ContiguousArena, Remat, RematProfile  # noqa: PLC0415
+        from fspeed.rematerialization import ContiguousArena, Remat, RematProfile  # noqa: PLC0415
 
         return Remat(self.policy, self.every, self.cpu_checkpointing, self.partition_activations,
                      RematProfile() if self.profile else None,
@@ -597,7 +597,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")  # fsp
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineSection(ValidatedConfig):
-    """Pipeline parallelism (`fspeed.parallel.pipeline`), used when parallel.pipe > 1. Its micro-batches
+    """Pipeline parallelism (`fspeed.parallel.pipeline_transform`), used when parallel.pipe > 1. Its micro-batches
     are the gradient accumulation (train.grad_accum), as DeepSpeed's PipelineEngine."""
 
     micro_batches: Optional[int] = setting(None, POSITIVE)  # null: train.grad_accum; set: it is train.grad_accum
@@ -619,7 +619,7 @@ class PipelineSection(ValidatedConfig):
 
     def to_library(self, micro_batches: int, remat=None):
         """The `fs.pipeline(...)` plan of these keys with the run's micro-batch count."""
-        from fspeed.parallel.pipeline import pipeline  # noqa: PLC0415 (the schema module stays free of torch)
+        from fspeed.parallel.pipeline_transform import pipeline  # noqa: PLC0415 (the schema module stays free of torch)
 
         partition = self.partition
         if partition and partition[0].isdigit():

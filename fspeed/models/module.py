@@ -150,7 +150,7 @@ class ModuleLoss:
             self.members.setdefault(unit, []).append(name)
         self.shapes = {n: p.shape for n, p in module.named_parameters()}
         self.takes_use_cache = "use_cache" in inspect.signature(module.forward).parameters
-        self.remat: Any = None  # fspeed.activation_checkpointing.Remat for the units in remat_units
+        self.remat: Any = None  # fspeed.rematerialization.Remat for the units in remat_units
         self.slots: dict[int, Slots] = {}  # by id of the (sub)module they swap tensors into
         self.modules = dict(module.named_modules())
         # what each module computes when its route calls it: an instance forward set before (e.g. a
@@ -170,7 +170,7 @@ class ModuleLoss:
 
     def with_remat(self, remat: Any, where: Optional[Sequence[str]] = None) -> "ModuleLoss":
         """A copy whose units matching `where` (default: the repeated blocks) are checkpointed
-        with `remat` (`fspeed.activation_checkpointing`): every `remat.every`-th of them in forward order."""
+        with `remat` (`fspeed.rematerialization`): every `remat.every`-th of them in forward order."""
         order = list(dict.fromkeys(self.units.values()))  # units in parameter (= forward) order
         if where is None:
             blocks = set(repeated_blocks(self.module))
@@ -326,7 +326,7 @@ class ModuleLoss:
         hf_layers = self._hf_checkpointed(modules) if train else {}
         hf_remat = None
         if hf_layers:
-            from ..activation_checkpointing import Remat  # noqa: PLC0415 (it imports the models package)
+            from ..rematerialization import Remat  # noqa: PLC0415 (it imports the models package)
 
             hf_remat = Remat()  # Hugging Face's own checkpointing: full, on every flagged layer
         computes = dict(self.fused)

@@ -31,9 +31,9 @@ TAGS = {
     "curriculum_seqlen": "Train/curriculum_seqlen",
     "curriculum_difficulty": "Train/curriculum_difficulty",
     "pld_theta": "Train/pld_theta",
-    "remat_forward_ms": "Train/activation_checkpointing/forward_ms",
-    "remat_recompute_ms": "Train/activation_checkpointing/recompute_ms",
-    "remat_backward_ms": "Train/activation_checkpointing/backward_ms",
+    "remat_forward_ms": "Train/remat/forward_ms",
+    "remat_recompute_ms": "Train/remat/recompute_ms",
+    "remat_backward_ms": "Train/remat/backward_ms",
 }
 """Metric column -> tag; columns not here (step, elapsed_s) are not logged as scalars."""
 

@@ -25,10 +25,10 @@ from .plan import Placement, Plan, Transform
 from .runtime import gather_params
 from .schedules import SCHEDULES, Action, Schedule, build_schedule, zero_bubble_for_costs
 from .specs import P, PartitionSpec
-from .tensor_slicing import tensor_slicing
+from .tensor_slicing_transform import tensor_slicing
 from .layer_costs import balanced_partition, layer_costs, profiled_partition
-from .pipeline import StagePlan, pipeline, show_schedule
-from .zero import zero
+from .pipeline_transform import StagePlan, pipeline, show_schedule
+from .zero_transform import zero
 
 __all__ = [
     "SCHEDULES", "Action", "CommError", "CommLog", "Layout", "MemoryEstimate", "Mesh", "OffloadOptimizerConfig",

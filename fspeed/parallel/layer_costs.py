@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..models.layers import with_state
 from ..pytree import PyTree, tree_leaves, tree_map
-from .pipeline import balanced_bounds
+from .pipeline_transform import balanced_bounds
 from .plan import Plan
 
 

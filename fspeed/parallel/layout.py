@@ -44,7 +44,7 @@ from ..flat import FlatLayout
 from ..pytree import PyTree, subtree, tree_flatten, tree_flatten_with_paths, tree_unflatten
 from .comm import ceil_div
 from .config import ZeroConfig
-from .pipeline import StagePlan
+from .pipeline_transform import StagePlan
 from .plan import ParamEntry, Placement, Plan
 from .specs import PartitionSpec, local_shape
 

@@ -11,7 +11,7 @@ becomes tensors, right where the model uses it:
 - a ZeRO-3 sharded unit is gathered just in time (`_GatheredUnit`): its all-gather starts one
   unit ahead (`prefetch`), its gathered weights are freed after its forward and gathered again
   for its backward, whose gradient is reduce-scattered into the shard;
-- a call with remat (`fspeed.activation_checkpointing`, or `zero.recompute_blocks`) keeps only what its policy saves and
+- a call with remat (`fspeed.rematerialization`, or `zero.recompute_blocks`) keeps only what its policy saves and
   is recomputed in backward (inside the unit's second gather under ZeRO-3).
 
 A model that is not parallel-aware (or whose units are not subtrees, like `functionalize`'s flat
@@ -28,7 +28,7 @@ import torch
 
 from ..models.ops import BlockFn, BlockRngs, DenseOps, block_generators
 from ..pytree import PyTree, tree_flatten, tree_unflatten
-from ..activation_checkpointing import Remat, checkpointed
+from ..rematerialization import Remat, checkpointed
 from ..torch_internals import apply_function, below_functorch, unwrapped
 from .comm import AxisComm
 from .grads import GradSink, deliver_on_backward
@@ -138,7 +138,7 @@ class _GatheredUnit(torch.autograd.Function):
     gathered storage: the graph keeps views of it, which hold no memory while it is empty.
     Backward gathers again into that same storage (no version bump: the bits are what the graph
     saw), runs the recorded vjp and delivers the unit's gradients. With remat the recorded graph
-    is a checkpoint's (`fspeed.activation_checkpointing`): the vjp recomputes inside that same gather.
+    is a checkpoint's (`fspeed.rematerialization`): the vjp recomputes inside that same gather.
     """
 
     @staticmethod

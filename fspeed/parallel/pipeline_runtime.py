@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..activation_checkpointing import Remat, checkpointed
+from ..rematerialization import Remat, checkpointed
 from ..flat import Flat
 from ..models.layers import with_state
 from ..models.ops import DenseOps, flat_linear

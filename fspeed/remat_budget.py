@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .activation_checkpointing import RematProfile, remat
+from .rematerialization import RematProfile, remat
 from .host_memory import live_host_bytes
 from .models.model import Model
 from .pytree import PyTree

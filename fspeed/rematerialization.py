@@ -11,7 +11,7 @@ with plain autograd) with torch's selective-checkpoint contexts for the policies
 - `full`: save only the block's inputs (and parameters); recompute everything;
 - `save_matmuls`: also save the outputs of matmuls (mm, addmm, bmm, linear, attention), so the
   recompute redoes only the cheap elementwise ops;
-- `save_named(*names)`: save the tensors tagged `fs.checkpoint_name(x, "name")`.
+- `save_named(*names)`: save the tensors tagged `fs.remat_name(x, "name")`.
 
 `every=k` checkpoints every k-th block (DeepSpeed's interval), the others keep their activations.
 `offload=True` (DeepSpeed's `cpu_checkpointing`) keeps the saved block inputs in host memory
@@ -45,7 +45,7 @@ MATMUL_OPS = frozenset({
 })
 
 
-@torch.library.custom_op("fspeed::checkpoint_name", mutates_args=())
+@torch.library.custom_op("fspeed::remat_name", mutates_args=())
 def _name_op(x: torch.Tensor, name: str) -> torch.Tensor:
     return x.clone()
 
@@ -58,8 +58,8 @@ def _(x, name):
 _name_op.register_autograd(lambda ctx, grad: (grad, None))
 
 
-def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
-    """`x`, tagged `name` for `remat_policies.save_named(name)` (JAX's `checkpoint_name`); outside
+def remat_name(x: torch.Tensor, name: str) -> torch.Tensor:
+    """`x`, tagged `name` for `remat_policies.save_named(name)` (JAX's `remat_name`); outside
     a remat block it is only a copy."""
     return _name_op(x, name)
 
@@ -67,7 +67,7 @@ def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
 @dataclass(frozen=True)
 class RematPolicy:
     """Which tensors a checkpointed block saves: `full` none but its inputs, else the outputs of
-    `saved_ops`, or of the `checkpoint_name` tags in `names`."""
+    `saved_ops`, or of the `remat_name` tags in `names`."""
 
     name: str
     saved_ops: frozenset = frozenset()
@@ -79,7 +79,7 @@ class RematPolicy:
         saved, names = self.saved_ops, set(self.names)
 
         def policy(ctx, op, *args, **kwargs):
-            if op in saved or (op is torch.ops.fspeed.checkpoint_name.default and args[1] in names):
+            if op in saved or (op is torch.ops.fspeed.remat_name.default and args[1] in names):
                 return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
         return lambda: create_selective_checkpoint_contexts(policy)
@@ -89,7 +89,7 @@ class RematPolicy:
 
 
 def save_named(*names: str) -> RematPolicy:
-    """Save the tensors tagged with `checkpoint_name(x, name)` for one of `names`; recompute the rest."""
+    """Save the tensors tagged with `remat_name(x, name)` for one of `names`; recompute the rest."""
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"save_named needs one or more non-empty tag names, got {names!r}")
     return RematPolicy("save_named", names=tuple(names))
@@ -421,5 +421,5 @@ def apply_remat(model: Model, config: Remat, where: Optional[Sequence[str]] = No
     return dataclasses.replace(model, loss=wrapped(model.loss), apply=wrapped(model.apply))
 
 
-__all__ = ["ContiguousArena", "Remat", "RematOps", "RematPolicy", "RematProfile", "apply_remat", "checkpoint_name",
+__all__ = ["ContiguousArena", "Remat", "RematOps", "RematPolicy", "RematProfile", "apply_remat", "remat_name",
            "checkpointed", "remat", "remat_policies"]
