@@ -26,7 +26,7 @@ from .parallel import (
 from .loss_scale import LossScaleAtMinimumError, LossScaleState
 from .models import Model, causal_lm_loss, functionalize, to_module, tp_plan_from
 from .pytree import tree_flatten_with_paths, tree_map, tree_paths
-from .engine import Engine, initialize
+from .engine import Engine, add_config_arguments, initialize
 from .train_init import init_train_state
 from .train_state import DonatedStateError, TrainState
 from .train_step import NonFiniteError, TrainStep, make_eval_step, make_train_step
@@ -40,7 +40,7 @@ __all__ = [
     "MemoryEstimate", "OffloadOptimizerConfig", "OffloadParamConfig", "estimate_memory",
     "checkpoint", "data", "sparse", "NonFiniteError", "TrainStep",
     "DonatedStateError", "Flat", "FlatLayout", "LooseGrads", "LossScaleAtMinimumError", "LossScaleState", "Model",
-    "Engine", "TrainState", "causal_lm_loss", "functionalize", "initialize", "init_train_state", "make_eval_step", "make_train_step", "models",
+    "Engine", "add_config_arguments", "TrainState", "causal_lm_loss", "functionalize", "initialize", "init_train_state", "make_eval_step", "make_train_step", "models",
     "monitor", "optim", "precision", "profile", "StepTimers",
     "to_module", "tp_plan_from", "tree_flatten_with_paths", "tree_map", "tree_paths",
     "BudgetChoice", "Remat", "RematPolicy", "RematProfile", "remat_name", "measure_activations", "remat",

@@ -28,7 +28,9 @@ engine passes `curriculum_seqlen` and `pld_theta` to the model.
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -97,8 +99,13 @@ class Engine:
 
     # -- DeepSpeed's loop ------------------------------------------------------------------
 
-    def __call__(self, batch: PyTree) -> torch.Tensor:
-        """One micro-batch's forward and backward; returns its loss (a 0-d tensor)."""
+    def __call__(self, batch: PyTree = None, /, **inputs: Any) -> torch.Tensor:
+        """One micro-batch's forward and backward; returns its loss (a 0-d tensor). `engine(**batch)`
+        is `engine(batch)` for a dict batch (the module is called with its keys either way)."""
+        if inputs:
+            if batch is not None:
+                raise TypeError("engine(batch) or engine(**batch): pass the micro-batch one way, not both")
+            batch = inputs
         if self._pending_loss is not None:
             raise RuntimeError("engine(batch) was called twice without engine.backward(loss) in between "
                                "(DeepSpeed's loop: loss = engine(batch); engine.backward(loss); engine.step())")
@@ -164,6 +171,30 @@ class Engine:
 
     # -- state -------------------------------------------------------------------------------
 
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (the launcher's LOCAL_RANK; 0 on one process)."""
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def global_rank(self) -> int:
+        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+    @property
+    def device(self) -> torch.device:
+        """Where the step computes (the parameters' device): move a batch's tensors here, or let the step."""
+        return self.state.params.buffer.device
+
+    def fp16_enabled(self) -> bool:
+        return self.state.precision.name == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.state.precision.name == "bf16"
+
     def get_lr(self) -> list[float]:
         return [self.state.lr]
 
@@ -222,7 +253,8 @@ class Engine:
         return f"{load_dir}/{tag}", client
 
 
-def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: Optional[Callable] = None,
+def initialize(model: Union[nn.Module, Model], config: Any = None, *, args: Any = None, config_params: Any = None,
+               loss_fn: Optional[Callable] = None,
                model_parameters: Optional[Sequence] = None, optimizer: Any = None, lr_scheduler: Any = None,
                training_data: Any = None, collate_fn: Optional[Callable] = None, overrides: Sequence[str] = (),
                tp_plan: Union[str, dict, None] = None, mesh: Optional[Mesh] = None, mpu: Any = None,
@@ -237,7 +269,9 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
     `lr_scheduler(optimizer)` building one, or an fspeed schedule of the step (`engine_optimizer`).
     `mpu`: a Megatron-style model-parallel unit whose groups become the mesh (`Mesh.from_mpu`).
     `fused_ops`: an `nn.Module`'s Python tanh-GELUs run as torch's fused kernel (`functionalize`'s
-    argument; False runs the module's own ops)."""
+    argument; False runs the module's own ops). `args`: DeepSpeed's parsed arguments, whose
+    `deepspeed_config` (`add_config_arguments`) is the config; `config_params` is DeepSpeed's older
+    name for `config`."""
     from .config.build import (  # noqa: PLC0415
         apply_activation_checkpointing, build_device, build_precision, build_zero_config,
     )
@@ -246,6 +280,7 @@ def initialize(model: Union[nn.Module, Model], config: Any = None, *, loss_fn: O
 
     if mpu is not None and mesh is not None:
         raise ValueError("initialize: pass mesh= or mpu=, not both (a Mesh serves the mpu interface itself)")
+    config = _deepspeed_config(args, config, config_params)
     retain_freed_host_memory()  # host_memory's docstring
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else _env_world()
     if world > 1 and not torch.distributed.is_initialized():
@@ -425,9 +460,36 @@ def fs_rules(model: Model):
 
 
 def _env_world() -> int:
-    import os  # noqa: PLC0415
-
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's `add_config_arguments`: `--deepspeed` (a flag for the script's own use) and
+    `--deepspeed_config FILE`, which `initialize(args=...)` reads (and the deprecated `--deepscale`,
+    `--deepscale_config`); returns the parser."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable DeepSpeed (a flag for the script's own code)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON configuration file")
+    group.add_argument("--deepscale", default=False, action="store_true", help="deprecated: --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str, help="deprecated: --deepspeed_config")
+    return parser
+
+
+def _deepspeed_config(args: Any, config: Any, config_params: Any) -> Any:
+    """The config `initialize` was given: `config`, `config_params` or `args.deepspeed_config`
+    (DeepSpeed's three ways; more than one is an error, as in DeepSpeed)."""
+    if config_params is not None:
+        if config is not None:
+            raise ValueError("initialize: pass config= or config_params= (DeepSpeed's older name), not both")
+        config = config_params
+    path = None if args is None else \
+        getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if path is not None:
+        if config is not None:
+            raise ValueError(f"initialize: args.deepspeed_config ({path}) and config= both give the config; pass one")
+        config = path
+    return config
 
 
 def _loader(dataset, collate_fn, run, mesh: Optional[Mesh]):
@@ -442,4 +504,4 @@ def _loader(dataset, collate_fn, run, mesh: Optional[Mesh]):
                   shuffle=True, seed=run.train.seed, drop_last=True, epoch_per_loop=True)
 
 
-__all__ = ["Engine", "initialize"]
+__all__ = ["Engine", "add_config_arguments", "initialize"]
