@@ -19,13 +19,13 @@ A micro-batch of 8 x 128 tokens by default (about 5 minutes with DeepSpeed): at 
 per-operation Python cost of zero bubble's split backward is a visible share of these small layers.
 
 Last lines (1F1B, 8 micro-batches unless said): pipeline_bubble_over_theory (1F1B with each backward
-whole, the issue's, against its theory), pipeline_bubble_over_sim (the same over the bubble the stages'
+whole, the classic 1F1B, against its theory), pipeline_bubble_over_sim (the same over the bubble the stages'
 measured, unequal costs leave), ..._input_grad_first (the same two for fspeed's default 1F1B),
 pipeline_transfer_lag_ms (1F1B with each backward whole: how long after its input was produced and
 its stage free an action that takes a transfer starts, the part of the bubble the transfers make),
 pipeline_step_time_vs_torch (fspeed's default / torch, median of steps in turn), ..._whole_backward
 (fspeed with each backward whole / torch), zero_bubble_over_1f1b (4 micro-batches, step span, against
-1F1B with each backward whole: the issue's figure, theory 0.867), zero_bubble_over_1f1b_input_grad_first
+1F1B with each backward whole, theory 0.867), zero_bubble_over_1f1b_input_grad_first
 (against fspeed's 1F1B, theory 0.929), pipeline_step_time_vs_deepspeed (or the reason it did not run).
 """
 
@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_deepspeed import LayersModule  # noqa: E402 (the same layers-as-module for every engine)
 
 # (schedule, micro-batches, virtual stages, input_grad_first): fspeed's default sends the cooldown's input
-# gradients first; "1f1b" with False runs each backward whole, as DeepSpeed and torch do (the issue's 1F1B)
+# gradients first; "1f1b" with False runs each backward whole, as DeepSpeed and torch do (the classic 1F1B)
 SCHEDULE_RUNS = tuple((name, m, v, first) for m in (4, 8) for name, v, first in (
     ("gpipe", 1, True), ("1f1b", 1, True), ("1f1b", 1, False), ("zero_bubble", 1, True), ("interleaved_1f1b", 2, True)))
 
@@ -304,7 +304,7 @@ def main() -> None:
 
     by = {(r["schedule"], r["micro"], r["first"]): r for r in rows}
     one_f, whole = by[("1f1b", 8, True)], by[("1f1b", 8, False)]
-    for row, what in ((whole, "each backward whole (the issue's 1F1B, as DeepSpeed and torch run it)"),
+    for row, what in ((whole, "each backward whole (the classic 1F1B, as DeepSpeed and torch run it)"),
                       (one_f, "fspeed's default, the cooldown's input gradients first")):
         holds = "the embedding and blocks" if row["busier"] == 0 else "blocks, the head and the loss"
         print(f"\n  1F1B, 8 micro-batches, {what}: theory {row['theory']:.3f}, measured {row['measured']:.3f} "

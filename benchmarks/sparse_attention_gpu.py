@@ -1,10 +1,10 @@
 """fspeed's CUDA paths on a real GPU: block-sparse attention, fused Adam/LAMB, activation checkpointing.
 
-For a session lent a GPU: one prepared run of a few minutes. fspeed's CUDA backends are checked
-against the float64 reference on the GPU: "flex" (the default on CUDA: compiled FlexAttention over
-the BlockMask fspeed builds from the layout's block table, with FlexAttention's fused backward; also
-under torch.func.grad, where the backward recomputes its forward), "bmm" (cuBLAS) and "cuda" (the
-Numba CUDA kernels, so far run only in Numba's simulator). Then all of them are timed against dense
+One run of a few minutes on one GPU. fspeed's CUDA backends are checked against the float64
+reference on the GPU: "flex" (the default on CUDA: compiled FlexAttention over the BlockMask fspeed
+builds from the layout's block table, with FlexAttention's fused backward; also under
+torch.func.grad, where the backward recomputes its forward), "bmm" (cuBLAS) and "cuda" (the Numba
+CUDA kernels, which the test suite runs in Numba's simulator). Then all of them are timed against dense
 SDPA, dense FlexAttention (no mask) and FlexAttention with a mask_mod-built BlockMask, at B=1, H=8,
 D=64, block 64, bigbird at ~10% density, forward+backward, as benchmarks/sparse_attention.py does
 on CPU (fspeed's flex in bf16 at every S, the flex baselines at S=8192: each compile takes tens of
@@ -12,7 +12,7 @@ seconds). The `tensorcore` section puts the Numba kernels' missing piece on the 
 MMA, through nvmath-python's device matmul (cuBLASDx, callable from Numba) when it is importable,
 and through CUDA C++ compiled by NVRTC (an `mma.sync` bf16 QK^T tile: compiled to PTX here, launched
 and checked against torch on the GPU).
-The Numba fused Adam and LAMB kernels (likewise simulator-only so far) are checked against the
+The Numba fused Adam and LAMB kernels (likewise tested in the simulator) are checked against the
 torch reference through the optimizers' public API, with a bf16 compute copy. Then the train step on
 CUDA with remat and cpu_checkpointing (side-stream copies, prefetched one block ahead), against no
 remat, and their kept bytes and step time against plain PyTorch with torch.utils.checkpoint
@@ -22,26 +22,26 @@ remat, and their kept bytes and step time against plain PyTorch with torch.utils
 train, checkpoint, resume). Correctness failures are listed and make the exit status 1; timing
 always runs. `--sections` picks some of these.
 
-The device image has every dependency but optree and hydra (the `engine` section's), and its
-numba-cuda fails under its numpy 2.5 (`np.row_stack` is gone): carry numpy 2.4.6 and numba-cuda
-0.30.4 (the pinned one) too, all as wheels (see /work/.library/device/README.md). Here:
+On a GPU machine without network access, bring fspeed's wheels along. An image with torch, numpy
+and numba-cuda already installed still needs optree and hydra (the `engine` section's), and numba-cuda
+0.30.4 fails under numpy 2.5 (`np.row_stack` is gone), so numpy 2.4.6 and numba-cuda 0.30.4 come too.
+On a machine with network access:
 
-    echo /.whl/ >> .git/info/exclude
     WHEELS="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64"
     python3 -m pip download $WHEELS -d .whl optree==0.20.0 numpy==2.4.6 numba-cuda==0.30.4
     python3 -m pip download --no-deps --only-binary=:all: -d .whl hydra-core==1.3.8 omegaconf==2.3.1
     python3 -m pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3     # an sdist: built here
 
-then run with carry [".whl"] and a timeout of about 480 s:
+then, on the GPU machine, with the repository and `.whl/` copied over:
 
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . .whl/*.whl &&
-    PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 benchmarks/sparse_attention_gpu.py | tee $OUT/gpu.txt
+    PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 benchmarks/sparse_attention_gpu.py | tee gpu.txt
 
 (fspeed is installed, not put on the path: its `fspeed.kernels` package lives in `kernels/`.)
 
 `--device cpu` runs the same script without a GPU (backend "cuda" and the flex baselines skipped,
-small S; fspeed's flex runs its CPU form: compiled forward, bmm backward), which is how it is kept
-working here.
+small S; fspeed's flex runs its CPU form: compiled forward, bmm backward), which is how the test
+suite keeps it working.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def check_engine_on_device(device: str, steps: int = 3, cli_steps: tuple[int, in
     """`train.device`: a Hugging Face GPT-2 through `fs.initialize` (a DeepSpeed config, batches on
     the CPU that the step moves), with its own loss and with `fs.causal_lm_loss` (the fused head),
     equals the same run on the CPU (fp32, no TF32); then `fspeed-train` trains, checkpoints and
-    resumes on the device. Needs hydra (carry its wheels)."""
+    resumes on the device. Needs hydra."""
     import copy  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
     import tempfile  # noqa: PLC0415

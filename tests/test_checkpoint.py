@@ -168,7 +168,7 @@ def test_missing_checkpoint_and_mismatched_state(tmp_path):
 
 
 def test_checkpoints_move_between_precisions(tmp_path, caplog):
-    """Defect 7: a changed precision was accepted silently; it is now an explicit, logged conversion."""
+    """Loading a checkpoint saved under another precision is an explicit, logged conversion."""
     bf16 = run(fresh(fs.precision.bf16()), 0, 2)
     save_checkpoint(tmp_path / "bf16", bf16)
     with caplog.at_level(logging.WARNING, logger="fspeed"):
@@ -210,7 +210,8 @@ def resign(path, meta):
 
 
 def test_meta_json_has_a_schema_and_a_checksum_and_errors_name_the_file_and_field(tmp_path):
-    """Defect 7: `"step": "five"` gave a TypeError, a missing client_state a bare KeyError."""
+    """A wrongly typed field (`"step": "five"`) or a missing one (client_state) is an error naming the
+    file and the field."""
     path = save_checkpoint(tmp_path, run(fresh(), 0, 1))
     meta_file = path / "meta.json"
     good = json.loads(meta_file.read_text())
@@ -232,7 +233,8 @@ def test_meta_json_has_a_schema_and_a_checksum_and_errors_name_the_file_and_fiel
 
 @pytest.mark.parametrize("key, dtype", [("params/wte", torch.int64), ("opt_state.1.mu/wte", torch.bfloat16)])
 def test_a_tensor_of_another_dtype_is_refused_even_with_a_valid_checksum(tmp_path, key, dtype):
-    """Defect 7: an int64 tensor with a valid checksum was copied into fp32 params."""
+    """A tensor of another dtype than the state's (int64 for fp32 params) is refused, even when the
+    checksum is valid."""
     from fspeed.checkpoint.tensor_file import file_info, write_tensor_file
 
     path = save_checkpoint(tmp_path, run(fresh(), 0, 1))
@@ -247,7 +249,7 @@ def test_a_tensor_of_another_dtype_is_refused_even_with_a_valid_checksum(tmp_pat
 
 
 def test_a_binary_latest_and_a_file_as_directory_are_named(tmp_path):
-    """Defect 7: a binary `latest` gave UnicodeDecodeError, a regular file as the directory FileExistsError."""
+    """A binary `latest` file and a regular file given as the checkpoint directory are named in the error."""
     save_checkpoint(tmp_path, run(fresh(), 0, 1))
     (tmp_path / "latest").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(CheckpointError, match=f"{tmp_path / 'latest'} is corrupted: it is not text"):
@@ -259,7 +261,8 @@ def test_a_binary_latest_and_a_file_as_directory_are_named(tmp_path):
 
 
 def test_a_failed_save_names_the_path_and_the_cause_and_keeps_latest(tmp_path, monkeypatch):
-    """Defect 7 (ENOSPC named no path); the issue's 'a failed save never loses the run'."""
+    """A failed save (ENOSPC) names the path and the cause, and `latest` still names the previous
+    checkpoint: a failed save never loses the run."""
     import fspeed.checkpoint.state_io as state_io
 
     save_checkpoint(tmp_path, run(fresh(), 0, 1))
@@ -275,7 +278,7 @@ def test_a_failed_save_names_the_path_and_the_cause_and_keeps_latest(tmp_path, m
 
 
 def test_a_state_holding_nan_is_never_saved(tmp_path):
-    """Defect 6: a diverged state's checkpoint became `latest`."""
+    """A state holding NaN is refused by save, and `latest` is left as it was."""
     save_checkpoint(tmp_path, run(fresh(), 0, 1))
     broken = run(fresh(), 0, 2)
     broken.params.buffer[3] = float("nan")
@@ -286,7 +289,8 @@ def test_a_state_holding_nan_is_never_saved(tmp_path):
 
 
 def test_crashed_saves_are_cleaned_up_and_keep_last_retains_the_newest(tmp_path, caplog):
-    """Defects 3 and 4: leftovers of crashed saves stayed forever; every checkpoint was kept forever."""
+    """Leftovers of crashed saves are removed (a save still in progress, holding its lock, is left
+    alone), an overwrite interrupted between its renames is restored, and keep_last keeps the newest."""
     save_checkpoint(tmp_path, run(fresh(), 0, 1), tag="best")
     (tmp_path / ".global_step9.tmp-dead").mkdir()
     (tmp_path / ".global_step9.tmp-dead" / "tensors.safetensors").write_bytes(b"x" * 1000)
@@ -312,7 +316,8 @@ def test_crashed_saves_are_cleaned_up_and_keep_last_retains_the_newest(tmp_path,
 
 
 def test_checkpoints_are_created_with_the_umask(tmp_path):
-    """Defect 9: directories were 0700 (mkdtemp), so other accounts could not read a team's checkpoints."""
+    """Checkpoint directories and files follow the umask (not mkdtemp's 0700), so other accounts can
+    read a team's checkpoints."""
     old = os.umask(0o022)
     try:
         path = save_checkpoint(tmp_path, run(fresh(), 0, 1))
@@ -323,7 +328,7 @@ def test_checkpoints_are_created_with_the_umask(tmp_path):
 
 
 def test_preflight_finds_an_unwritable_or_full_directory_before_training(tmp_path, monkeypatch):
-    """Defect 1: an unwritable checkpoint.dir was found only at the first save, after training."""
+    """An unwritable or full checkpoint.dir is found by the preflight check, before training starts."""
     import fspeed.checkpoint.preflight_checks as preflight_module
 
     state = fresh()

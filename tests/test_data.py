@@ -125,7 +125,8 @@ def test_text_corpus_reads_a_file_and_rejects_missing_or_empty(tmp_path):
 
 
 def test_a_binary_corpus_is_an_error_naming_the_first_bad_byte_unless_replaced(tmp_path):
-    """Defect 8: undecodable bytes became U+FFFD silently."""
+    """Undecodable bytes are an error naming the first bad byte and its offset, unless the corpus
+    asks for replacement."""
     path = tmp_path / "corpus.bin"
     path.write_bytes("héllo\n".encode() + b"\xfe" + b"more")
     with pytest.raises(CorpusDecodeError, match="0xfe at byte offset 7") as info:

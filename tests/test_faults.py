@@ -2,12 +2,12 @@
 
 A few trials each (benchmarks/fault_injection.py runs many, with the same `fspeed.fault_injection`
 harness): kill -9 during training and saving (one process; a 2-rank ZeRO-3 rank), the torchrun
-agent or the launcher killed, a full disk, a stopped rank. Issue 18's defects each have a test
-here or in the module's own tests: 1 preflight (here; test_checkpoint), 2 orphans (here),
-3 interrupted overwrite on resume (here; test_checkpoint), 4 cleanup and keep_last (here;
-test_checkpoint), 5 clean errors (here; test_config), 6 divergence (here; test_train_step,
-test_checkpoint), 7 verified checkpoints (test_checkpoint), 8 binary corpus (here; test_data),
-9 permissions (here; test_checkpoint).
+agent or the launcher killed, a full disk, a stopped rank. Each guarantee is tested here end to end
+and in its module's own tests: the checkpoint directory checked before training (test_checkpoint),
+no orphaned workers, an interrupted overwrite recovered on resume and crashed saves cleaned up with
+keep_last (test_checkpoint), user errors as one message (test_config), divergence stopped and never
+checkpointed (test_train_step, test_checkpoint), verified checkpoints (test_checkpoint), binary
+corpora refused (test_data), and files readable under the umask (test_checkpoint).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def train(*overrides: str, cwd: Path, launch: bool = False, **popen) -> subproce
 # ------------------------------------------------------------------------------ user errors
 
 def test_every_user_error_is_one_message_and_exit_2_before_training(tmp_path):
-    """Defects 1, 5, 7 (a checkpoint that cannot be loaded) and 8, end to end, all at once (an empty or
+    """An unwritable checkpoint.dir, a config error, a checkpoint that cannot be loaded and a binary
+    corpus each end fspeed-train before training with one message and exit code 2 (an empty or
     directory corpus and a file as checkpoint.dir take the same paths: test_data, test_checkpoint)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
@@ -113,7 +114,7 @@ SLEEPER = textwrap.dedent("""
 
 @pytest.mark.parametrize("target", ["agent", "launcher"])
 def test_no_worker_outlives_its_agent_or_the_launcher(tmp_path, target):
-    """Defect 2: killing the torchrun agent or the launcher left both workers running."""
+    """Killing the torchrun agent or the launcher with SIGKILL leaves no worker running."""
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
     command = [sys.executable, "-m", "fspeed.cli.launch", "--num_gpus", "2", str(script)]
@@ -122,7 +123,9 @@ def test_no_worker_outlives_its_agent_or_the_launcher(tmp_path, target):
 
 
 def test_resume_recovers_an_interrupted_overwrite_cleans_up_and_keeps_the_last_n(tmp_path):
-    """Defects 3 (the CLI read meta.json of a tag directly), 4 (leftovers, no retention), 9 (0700)."""
+    """Resume goes through the checkpoint directory's protocol (an interrupted overwrite is restored
+    from its old copy, not read half-written), leftovers of crashed saves are removed, keep_last keeps
+    the newest, and the files are readable by others (0644 under the default umask)."""
     ck = tmp_path / "ck"
     common = (*fi.TINY_RUN, "checkpoint.save_every=1", f"checkpoint.dir={ck}")
     first = train(*common, "train.steps=3", f"hydra.run.dir={tmp_path / 'first'}", cwd=tmp_path)
@@ -145,7 +148,8 @@ def test_resume_recovers_an_interrupted_overwrite_cleans_up_and_keeps_the_last_n
 
 
 def test_divergence_stops_naming_the_step_and_latest_stays_finite(tmp_path):
-    """Defect 6: lr=1e6 without clipping exited 0 and published a checkpoint of 84 NaN tensors."""
+    """lr=1e6 without clipping diverges: the run stops with exit code 2 and a message naming the step,
+    and `latest` names a checkpoint whose tensors are all finite."""
     ck = tmp_path / "ck"
     proc = train(*fi.TINY_RUN, "optimizer.lr=1000000", "scheduler=constant", "train.gradient_clipping=0",
                  "train.steps=50", f"checkpoint.dir={ck}", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)

@@ -401,7 +401,8 @@ def test_gpt_trains_with_onebit_adam_like_adam(world2):
 
 
 def test_fspeed_train_launch_with_onebit_adam_then_resume(tmp_path):
-    """The issue's command at a small size: compressed steps after freeze_step, per-rank checkpoint, resume."""
+    """fspeed-train --launch with 1-bit Adam on 2 ranks at a small size: compressed steps after
+    freeze_step, a per-rank checkpoint, and a resume from it."""
     import csv
 
     from tests.test_cli import fspeed_train

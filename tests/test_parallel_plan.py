@@ -1,5 +1,5 @@
 """fspeed.parallel.plan, zero, tensor_slicing, layout and explain: placements, their composition,
-per-parameter persistence, and every option that used to be accepted without effect."""
+per-parameter persistence, and every option refused where it would have no effect."""
 
 import math
 
@@ -55,7 +55,7 @@ def test_units_layout_and_explain():
 
 def test_persistence_threshold_is_per_parameter_as_in_deepspeed():
     """DeepSpeed keeps each parameter of at most param_persistence_threshold elements whole; a layer
-    with big matrices and small biases is partly sharded (the whole layer used to stay whole)."""
+    with big matrices and small biases is partly sharded (its biases whole, its matrices sharded)."""
     cfg = fs.models.GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=64)
     model = fs.models.gpt(cfg)
     params = model.init(torch.Generator())

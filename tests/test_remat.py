@@ -379,7 +379,7 @@ def test_budget_picks_the_cheapest_policy_that_fits():
 
 
 def test_host_copies_give_the_values_back_in_backward_order():
-    """The CPU path of cpu_checkpointing's copies (inline; CUDA's side streams ran on an H200, see
+    """The CPU path of cpu_checkpointing's copies (inline; CUDA's side streams are checked on a GPU by
     benchmarks/sparse_attention_gpu.py): each block input comes back as it was, also to a second
     recompute, and the chain of inputs ends with the backward that consumed it."""
     from fspeed.host_copies import HostCopies

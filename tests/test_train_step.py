@@ -139,7 +139,8 @@ def test_bf16_nan_skips_step_fp32_does_not():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16_static"])
 def test_divergence_guard_stops_naming_the_step_or_skips(precision):
-    """Defect 6: a non-finite fp32 step was applied (NaN weights, and a NaN checkpoint became latest)."""
+    """A non-finite step is never applied (fp32, bf16, static fp16): on_nonfinite='stop' raises naming
+    the step and leaves the state untouched, 'skip' skips the step; an unknown value is refused."""
     cfg, model = tiny_gpt()
     params = model.init(torch.Generator().manual_seed(0))
     opt = sgd(0.1)
