@@ -317,4 +317,7 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/activation_memory.json
+
+    with recorded("activation_memory"):
+        main()

@@ -159,4 +159,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/checkpoint_io.json
+
+    with recorded("checkpoint_io"):
+        main()

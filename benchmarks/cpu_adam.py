@@ -181,4 +181,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/cpu_adam.json
+
+    with recorded("cpu_adam"):
+        main()

@@ -116,4 +116,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/fault_injection.json
+
+    with recorded("fault_injection"):
+        main()

@@ -120,4 +120,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/onebit_comm.json
+
+    with recorded("onebit_comm"):
+        main()

@@ -343,4 +343,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/pipeline.json
+
+    with recorded("pipeline"):
+        main()

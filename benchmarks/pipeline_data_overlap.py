@@ -107,4 +107,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/pipeline_data_overlap.json
+
+    with recorded("pipeline_data_overlap"):
+        main()

@@ -216,4 +216,7 @@ def parse_args() -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/pipeline_tp.json
+
+    with recorded("pipeline_tp"):
+        main(parse_args())

@@ -216,4 +216,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/pipeline_traced.json
+
+    with recorded("pipeline_traced"):
+        main()

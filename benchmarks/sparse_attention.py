@@ -271,4 +271,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/sparse_attention.json
+
+    with recorded("sparse_attention"):
+        main()

@@ -517,4 +517,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from figures import recorded  # benchmarks/figures.py: a GPU run's figures (the CPU dry run writes none)
+
+    on = argparse.ArgumentParser(add_help=False)
+    on.add_argument("--device", default="cuda")
+    with recorded("sparse_attention_gpu", enabled=on.parse_known_args()[0].device == "cuda"):
+        main()

@@ -112,4 +112,7 @@ def parse_args() -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/tensor_parallel.json
+
+    with recorded("tensor_parallel"):
+        main(parse_args())

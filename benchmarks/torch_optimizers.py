@@ -121,4 +121,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/torch_optimizers.json
+
+    with recorded("torch_optimizers"):
+        main()

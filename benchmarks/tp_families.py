@@ -107,4 +107,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/tp_families.json
+
+    with recorded("tp_families"):
+        main()

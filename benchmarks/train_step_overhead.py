@@ -257,4 +257,7 @@ def optimizer_table(threads: int, repeats: int = 7) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/train_step_overhead.json
+
+    with recorded("train_step_overhead"):
+        main()

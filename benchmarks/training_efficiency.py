@@ -148,4 +148,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/training_efficiency.json
+
+    with recorded("training_efficiency"):
+        main()

@@ -398,4 +398,10 @@ def parse_args() -> argparse.Namespace:
 
 if __name__ == "__main__":
     arguments = parse_args()
-    worker(arguments) if arguments.worker else main(arguments)
+    if arguments.worker:
+        worker(arguments)
+    else:
+        from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/vs_deepspeed.json
+
+        with recorded("vs_deepspeed"):
+            main(arguments)

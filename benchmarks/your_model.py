@@ -459,4 +459,10 @@ def parse_args():
 
 if __name__ == "__main__":
     arguments = parse_args()
-    worker(arguments) if arguments.worker else main(arguments)
+    if arguments.worker:
+        worker(arguments)
+    else:
+        from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/your_model.json
+
+        with recorded("your_model"):
+            main(arguments)

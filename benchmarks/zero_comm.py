@@ -80,4 +80,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/zero_comm.json
+
+    with recorded("zero_comm"):
+        main()

@@ -223,4 +223,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/zero_memory.json
+
+    with recorded("zero_memory"):
+        main()

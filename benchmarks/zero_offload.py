@@ -128,4 +128,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from figures import recorded  # benchmarks/figures.py: the figures to benchmarks/results/zero_offload.json
+
+    with recorded("zero_offload"):
+        main()
