@@ -29,72 +29,25 @@ and loading the result streams as any fspeed checkpoint does.
 from __future__ import annotations
 
 import os
-import pickle
 import re
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from .. import optim
+from ..train_init import init_train_state
 from ..train_state import TrainState
+from .deepspeed_files import (
+    DeepSpeedRecord, DeepSpeedState, adam_hparams, adam_moments, adam_step, client_state_of, counters_of,
+    read_deepspeed_file, zero12_tensors, zero_optimizer_states,
+)
 from .deepspeed_pipeline import is_pipeline_checkpoint, read_deepspeed_pipeline
 from .errors import CheckpointError
 from .meta import META_FILE
 from .slices import Box
+from .state_io import _replace_scalars, save_checkpoint, state_entries
 from .universal import SHARED, ChunkReader, fill_slot, global_shape, state_slots
-
-_DEEPSPEED_MODULES = ("deepspeed.",)
-
-
-class DeepSpeedRecord:
-    """An inert stand-in for a DeepSpeed object in a checkpoint pickle: its constructor arguments
-    and its state, nothing executed."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        self.args, self.kwargs, self.state = args, kwargs, None
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __repr__(self) -> str:
-        return f"{type(self).__qualname__}{self.args}"
-
-
-def _allowed_globals() -> dict[str, Any]:
-    from torch._weights_only_unpickler import _get_allowed_globals
-
-    return _get_allowed_globals()
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(_DEEPSPEED_MODULES) or module == "deepspeed":
-            return type(name, (DeepSpeedRecord,), {"__module__": "fspeed.checkpoint.deepspeed_import"})
-        allowed = _allowed_globals().get(f"{module}.{name}")
-        if allowed is None:
-            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed (only torch's weights-only globals "
-                                         "and DeepSpeed's own classes, as inert records)")
-        return allowed
-
-
-class _RestrictedPickle:
-    """A `pickle_module` for torch.load whose Unpickler is restricted (module docstring)."""
-
-    Unpickler = _RestrictedUnpickler
-    load = staticmethod(lambda f, **kw: _RestrictedUnpickler(f, **kw).load())
-    __name__ = "fspeed_restricted_pickle"
-
-
-def read_deepspeed_file(path: Path) -> Any:
-    """One DeepSpeed .pt file, read with the restricted unpickler; CheckpointError naming it."""
-    try:
-        return torch.load(path, map_location="cpu", pickle_module=_RestrictedPickle, weights_only=False)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
-    except Exception as e:  # torch's zip reader and pickle raise many types
-        raise CheckpointError(f"{path} cannot be read as a DeepSpeed checkpoint file ({type(e).__name__}: {e})") \
-            from None
-
 
 def resolve_deepspeed_dir(path: str | os.PathLike) -> Path:
     """The tag directory: `path` itself, or the one its `latest` file names."""
@@ -106,15 +59,6 @@ def resolve_deepspeed_dir(path: str | os.PathLike) -> Path:
     return path
 
 
-# what DeepSpeed's engine writes into a model-states file itself; a user's `client_state` is the rest
-_DEEPSPEED_KEYS = frozenset({
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
-    "checkpoint_parallel_dimensions", "ds_config", "ds_version",
-})
-
-
 def find_deepspeed_checkpoint(load_dir: str | os.PathLike, tag: Optional[str] = None) -> Optional[Path]:
     """The DeepSpeed checkpoint's tag directory that `load_dir` (and `tag`, else its `latest`) names,
     or None where it holds none (an fspeed checkpoint, say): what `Engine.load_checkpoint` asks."""
@@ -124,40 +68,6 @@ def find_deepspeed_checkpoint(load_dir: str | os.PathLike, tag: Optional[str] = 
     except (CheckpointError, OSError):
         return None
     return None if (path / META_FILE).exists() else path
-
-
-class DeepSpeedState:
-    """Full tensors by parameter name (`weights`, `exp_avg`, `exp_avg_sq`) and the counters, read
-    from the tag directory `where` (set by `read_deepspeed`). `client_state`: the entries a DeepSpeed
-    user saved with `save_checkpoint(client_state=...)`, those of the first model-states file that
-    DeepSpeed's engine does not write itself (its load returns them)."""
-
-    def __init__(self, stage: int, weights: dict, exp_avg: dict, exp_avg_sq: dict, buffers: dict, counters: dict,
-                 hparams: dict, config: dict, client_state: dict):
-        self.stage, self.weights, self.exp_avg, self.exp_avg_sq = stage, weights, exp_avg, exp_avg_sq
-        self.buffers, self.counters, self.hparams, self.config = buffers, counters, hparams, config
-        self.client_state = client_state
-        self.where: Optional[Path] = None
-
-
-def client_state_of(model_states: dict) -> dict:
-    """What a model-states file holds beside DeepSpeed's own entries (`DeepSpeedState.client_state`)."""
-    return {k: v for k, v in model_states.items() if k not in _DEEPSPEED_KEYS}
-
-
-def counters_of(model_states: dict) -> dict:
-    """The run's counters as a model-states file records them."""
-    return {"step": int(model_states.get("global_steps", 0)), "samples": int(model_states.get("global_samples", 0)),
-            "skipped_steps": int(model_states.get("skipped_steps", 0))}
-
-
-def zero_optimizer_states(files: list[Path]) -> tuple[list[dict], int]:
-    """The ZeRO optimizer states of `files` (one per data rank, in rank order) and their ZeRO stage."""
-    states = [r.get("optimizer_state_dict") if isinstance(r, dict) else None for r in map(read_deepspeed_file, files)]
-    if any(not isinstance(s, dict) for s in states):
-        raise CheckpointError(f"{files[0]} is not a DeepSpeed ZeRO optimizer-states file")
-    value = states[0].get("zero_stage")
-    return states, int(value.args[0]) if isinstance(value, DeepSpeedRecord) else int(value)
 
 
 def _rank_of(name: str) -> int:
@@ -200,39 +110,12 @@ def _read_data_parallel(path: Path) -> DeepSpeedState:
     if stage == 3:
         weights, avg, avg_sq, base = _stage3(states, shapes)
     elif stage in (1, 2):
-        weights, avg, avg_sq, base = _stage12(states, model.get("param_shapes"), optim_files[0])
+        weights, avg, avg_sq, base = zero12_tensors(states, model.get("param_shapes"), optim_files[0])
     else:
         raise CheckpointError(f"{optim_files[0]}: unknown ZeRO stage {stage!r}")
-    counters["adam_step"] = _adam_step(base, optim_files[0])
-    return DeepSpeedState(stage, weights, avg, avg_sq, buffers, counters, _hparams(base, optim_files[0]), config,
+    counters["adam_step"] = adam_step(base, optim_files[0])
+    return DeepSpeedState(stage, weights, avg, avg_sq, buffers, counters, adam_hparams(base, optim_files[0]), config,
                           client_state_of(model))
-
-
-def _hparams(optimizer_state: dict, where: Path) -> dict:
-    try:
-        group = optimizer_state["param_groups"][0]
-        return {"lr": float(group["lr"]), "betas": tuple(group["betas"]), "eps": float(group["eps"]),
-                "weight_decay": float(group.get("weight_decay", 0.0)),
-                "decoupled": bool(group.get("decoupled_weight_decay", group.get("adam_w_mode", True)))}
-    except (KeyError, IndexError, TypeError) as e:
-        raise CheckpointError(f"{where}: the optimizer state has no Adam param group ({e}); only Adam/AdamW "
-                              "checkpoints are imported") from None
-
-
-def _adam_step(optimizer_state: dict, where: Path) -> int:
-    steps = {int(s["step"]) for s in optimizer_state.get("state", {}).values() if "step" in s}
-    if len(steps) != 1:
-        raise CheckpointError(f"{where}: expected one Adam step count over the parameters, found {sorted(steps)}; "
-                              "only Adam/AdamW checkpoints are imported")
-    return steps.pop()
-
-
-def _moments(state: dict, index: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    entry = state.get("state", {}).get(index)
-    if not entry or "exp_avg" not in entry or "exp_avg_sq" not in entry:
-        raise CheckpointError(f"{where}: no Adam moments (exp_avg, exp_avg_sq) for {index!r}; only Adam/AdamW "
-                              "checkpoints are imported")
-    return entry["exp_avg"].float(), entry["exp_avg_sq"].float()
 
 
 def _stage0(path: Path, model: dict, module: dict, buffer_names: set, buffers: dict, counters: dict,
@@ -248,32 +131,10 @@ def _stage0(path: Path, model: dict, module: dict, buffer_names: set, buffers: d
     weights, avg, avg_sq = {}, {}, {}
     for name, index in zip(names, order):
         weights[name] = module[name].float()
-        avg[name], avg_sq[name] = _moments(optimizer, index, str(path))
-    counters["adam_step"] = _adam_step(optimizer, path)
-    return DeepSpeedState(0, weights, avg, avg_sq, buffers, counters, _hparams(optimizer, path), config,
+        avg[name], avg_sq[name] = adam_moments(optimizer, index, str(path))
+    counters["adam_step"] = adam_step(optimizer, path)
+    return DeepSpeedState(0, weights, avg, avg_sq, buffers, counters, adam_hparams(optimizer, path), config,
                           client_state_of(model))
-
-
-def _stage12(states: list[dict], param_shapes: list, where: Path):
-    weights, avg, avg_sq = {}, {}, {}
-    for g, group in enumerate(param_shapes):
-        flat = torch.cat([s["single_partition_of_fp32_groups"][g].float() for s in states])
-        moments = [_moments(s["base_optimizer_state"], g, str(where)) for s in states]
-        flat_avg = torch.cat([m[0] for m in moments])
-        flat_sq = torch.cat([m[1] for m in moments])
-        if any(any(p for p in paddings) for s in states for paddings in s.get("param_alignment_paddings") or []):
-            raise CheckpointError(f"{where}: parameters padded inside a ZeRO group (param_alignment_paddings) are "
-                                  "not supported")
-        offset = 0
-        for name, shape in group.items():
-            n = int(torch.Size(shape).numel())
-            if offset + n > flat.numel():
-                raise CheckpointError(f"{where}: group {g} holds {flat.numel()} elements, fewer than its parameters")
-            weights[name] = flat[offset:offset + n].view(shape).clone()
-            avg[name] = flat_avg[offset:offset + n].view(shape).clone()
-            avg_sq[name] = flat_sq[offset:offset + n].view(shape).clone()
-            offset += n
-    return weights, avg, avg_sq, states[0]["base_optimizer_state"]
 
 
 def _stage3(states: list[dict], shapes: dict[str, tuple]):
@@ -282,7 +143,7 @@ def _stage3(states: list[dict], shapes: dict[str, tuple]):
     inner = [s["optimizer_state_dict"] for s in states]
     avgs, sqs = [], []
     for s in inner:
-        pairs = [_moments(s, i, "optimizer_state_dict") for i in sorted(s["state"])]
+        pairs = [adam_moments(s, i, "optimizer_state_dict") for i in sorted(s["state"])]
         avgs.append(torch.cat([p[0] for p in pairs]))
         sqs.append(torch.cat([p[1] for p in pairs]))
     weights, avg, avg_sq = {}, {}, {}
@@ -318,8 +179,6 @@ def import_deepspeed(source: str | os.PathLike, template: TrainState, model: Opt
 
 def fill_from_deepspeed(ds: DeepSpeedState, template: TrainState) -> TrainState:
     """`template` filled from the checkpoint `read_deepspeed` gave (`import_deepspeed` after its read)."""
-    from .state_io import _replace_scalars, state_entries
-
     where = ds.where
     sources: dict[str, dict[str, torch.Tensor]] = {}
     slots, _ = state_slots(template)
@@ -366,8 +225,6 @@ def fill_from_deepspeed(ds: DeepSpeedState, template: TrainState) -> TrainState:
 def template_optimizer(ds: DeepSpeedState) -> Any:
     """The fspeed optimizer a DeepSpeed run's Adam/AdamW is (behind clipping when its config clips),
     built as `fspeed-train` builds it, so that the imported checkpoint resumes there."""
-    from .. import optim
-
     h = ds.hparams
     make = optim.adamw if h["decoupled"] else optim.adam
     opt = make(h["lr"], b1=h["betas"][0], b2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"])
@@ -378,9 +235,6 @@ def template_optimizer(ds: DeepSpeedState) -> Any:
 def convert_deepspeed(source: str | os.PathLike, out: str | os.PathLike, tag: Optional[str] = None) -> Path:
     """Write the DeepSpeed checkpoint at `source` as a one-process fspeed checkpoint under `out`
     (any layout loads it). Its parameter tree is flat by name; loading matches by path."""
-    from ..train_init import init_train_state
-    from .state_io import save_checkpoint
-
     ds = read_deepspeed(source)
     params = {name: torch.zeros(t.shape) for name, t in ds.weights.items()}
     template = init_train_state(params, template_optimizer(ds), buffers=dict(ds.buffers))

@@ -28,6 +28,10 @@ from typing import Any, Optional
 import torch
 
 from ..pytree import tree_flatten_with_paths
+from .deepspeed_files import (
+    DeepSpeedState, adam_hparams, adam_moments, adam_step, client_state_of, counters_of, read_deepspeed_file,
+    zero12_tensors, zero_optimizer_states,
+)
 from .errors import CheckpointError
 
 _LAYER_FILE = re.compile(r"layer_(\d+)-(.*)model_states\.pt$")
@@ -48,8 +52,6 @@ def fspeed_name(ds_name: str) -> str:
 def read_deepspeed_pipeline(path: Path, model: Optional[Any] = None):
     """The checkpoint in the tag directory `path` (module docstring) as a `DeepSpeedState`, in
     fspeed's names. `model`: the `fs.models.sequential` model of the same layers (needed at ZeRO 0)."""
-    from .deepspeed_import import DeepSpeedState, _adam_step, _hparams, client_state_of, counters_of, read_deepspeed_file
-
     numbered = [(int(m.group(1)), p) for p in path.iterdir() if (m := _STAGE_FILE.match(p.name))]
     stage_files = [p for _, p in sorted(numbered)]
     if not stage_files:
@@ -84,18 +86,16 @@ def read_deepspeed_pipeline(path: Path, model: Optional[Any] = None):
         zero, (weights, avg, avg_sq, base), where = 0, _zero0(path, stages, layers, model, known), stage_files[0]
     buffers = _buffers(layers, weights, known)
     first = stages[0]
-    counters = {**counters_of(first), "adam_step": _adam_step(base, where)}
+    counters = {**counters_of(first), "adam_step": adam_step(base, where)}
 
     def named(table: dict) -> dict:
         return {fspeed_name(k): v for k, v in table.items()}
     return DeepSpeedState(zero, named(weights), named(avg), named(avg_sq), buffers, counters,
-                          _hparams(base, where), first.get("ds_config") or {}, client_state_of(first))
+                          adam_hparams(base, where), first.get("ds_config") or {}, client_state_of(first))
 
 
 def _zero12(path: Path, stages: list[dict], optim: list[tuple[int, int, Path]]):
     """Weights and moments from each stage's ZeRO-1/2 partitions (a tied parameter from its first stage)."""
-    from .deepspeed_import import _stage12, zero_optimizer_states
-
     weights: dict = {}
     avg: dict = {}
     avg_sq: dict = {}
@@ -107,7 +107,7 @@ def _zero12(path: Path, stages: list[dict], optim: list[tuple[int, int, Path]]):
         states, zero = zero_optimizer_states(files)
         if zero not in (1, 2):
             raise CheckpointError(f"{files[0]}: ZeRO stage {zero} in a pipeline checkpoint; allowed: 0-2")
-        w, a, q, stage_base = _stage12(states, stage["param_shapes"], files[0])
+        w, a, q, stage_base = zero12_tensors(states, stage["param_shapes"], files[0])
         for name in w:
             if name not in weights:
                 weights[name], avg[name], avg_sq[name] = w[name], a[name], q[name]
@@ -119,8 +119,6 @@ def _zero0(path: Path, stages: list[dict], layers: dict[int, dict], model: Any, 
     """Weights from the layer files; each stage's positional Adam state matched to its layers: the
     stage bounds are those under which the stage's parameter order (module docstring) has the shapes
     of its optimizer entries."""
-    from .deepspeed_import import _moments
-
     seq = model.layers.layers
     buffer_names = known or set()
     prefixes = []
@@ -159,7 +157,7 @@ def _zero0(path: Path, stages: list[dict], layers: dict[int, dict], model: Any, 
             raise CheckpointError(f"{path}: stage {s}'s ZeRO-0 checkpoint holds no torch optimizer state_dict (fp16/bf16 "
                                   "stage-0 optimizers are not imported); allowed: fp32 Adam/AdamW or ZeRO 1-2")
         order = [i for group in opt["param_groups"] for i in group["params"]]
-        optimizers.append((opt, order, [tuple(_moments(opt, i, str(path))[0].shape) for i in order]))
+        optimizers.append((opt, order, [tuple(adam_moments(opt, i, str(path))[0].shape) for i in order]))
 
     @functools.lru_cache(maxsize=None)
     def bounds_from(s: int, a: int) -> Optional[tuple[int, ...]]:
@@ -182,7 +180,7 @@ def _zero0(path: Path, stages: list[dict], layers: dict[int, dict], model: Any, 
         opt, order, _ = optimizers[s]
         for name, index in zip(stage_names(a, b), order):
             if name not in avg:
-                avg[name], avg_sq[name] = _moments(opt, index, str(path))
+                avg[name], avg_sq[name] = adam_moments(opt, index, str(path))
     return weights, avg, avg_sq, optimizers[0][0]
 
 

@@ -15,7 +15,7 @@ import fspeed.optim as optim
 import fspeed.precision as precision
 from fspeed.models import GPTConfig, pad_vocab
 from fspeed.optim import schedules
-from fspeed import ZeroConfig
+from fspeed.parallel.config import ZeroConfig
 from fspeed.parallel.mesh import local_device
 
 from .errors import ConfigError, Problem

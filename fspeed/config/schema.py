@@ -35,7 +35,7 @@ from .fields import (
 )
 
 if TYPE_CHECKING:
-    import fspeed
+    from fspeed.parallel.config import ZeroConfig
 
 Betas = tuple[float, float]
 WarmupType = Literal["log", "linear"]
@@ -462,13 +462,13 @@ class ZeroSection(ValidatedConfig):
             return [Problem(named.group(1) if named else "offload_optimizer", message)]
         return []
 
-    def to_library(self) -> fspeed.ZeroConfig:
+    def to_library(self) -> ZeroConfig:
         """The `fspeed.ZeroConfig` these keys describe (raises ValueError on a bad combination)."""
-        import fspeed  # noqa: PLC0415 (the schema module stays free of torch imports)
+        from fspeed.parallel.config import ZeroConfig  # noqa: PLC0415 (the schema module stays free of torch imports)
 
         fields = ("stage", "reduce_bucket_size", "allgather_bucket_size", "param_persistence_threshold",
                   "model_persistence_threshold", "overlap_comm", "prefetch", "recompute_blocks")
-        return fspeed.ZeroConfig(**{f: getattr(self, f) for f in fields},
+        return ZeroConfig(**{f: getattr(self, f) for f in fields},
                                  offload_optimizer=dataclasses.asdict(self.offload_optimizer),
                                  offload_param=dataclasses.asdict(self.offload_param))
 
@@ -584,7 +584,7 @@ class ActivationCheckpointingConfig(ValidatedConfig):
         if self.policy == "none":
             return None
         # the schema module stays free of torch imports
-        from fspeed.rematerialization import ContiguousArena, Remat, RematProfile  # noqa: PLC0415
+        from fspeed.remat_blocks import ContiguousArena, Remat, RematProfile  # noqa: PLC0415
 
         return Remat(self.policy, self.every, self.cpu_checkpointing, self.partition_activations,
                      RematProfile() if self.profile else None,

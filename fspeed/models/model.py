@@ -11,6 +11,7 @@ import the parallel transforms.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -55,3 +56,13 @@ class Model:
 
 def count_params(params: PyTree) -> int:
     return sum(leaf.numel() for leaf in tree_flatten_with_paths(params)[1])
+
+
+def accepts_keyword(fn: Callable, name: str) -> bool:
+    """Whether `fn` takes the keyword `name` (by name or through **kwargs): how the step learns which
+    of a loss's optional keywords (`ops=`, `buffers=`, `train=`) it may pass."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())

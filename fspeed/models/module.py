@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from ..pytree import PyTree, tree_flatten_with_paths
+from ..remat_blocks import Remat
 from .attention import decomposed_attention
 from .causal_lm import FusedHead, labels_of, output_head
 from .fused_ops import fused_forwards
@@ -150,7 +151,7 @@ class ModuleLoss:
             self.members.setdefault(unit, []).append(name)
         self.shapes = {n: p.shape for n, p in module.named_parameters()}
         self.takes_use_cache = "use_cache" in inspect.signature(module.forward).parameters
-        self.remat: Any = None  # fspeed.rematerialization.Remat for the units in remat_units
+        self.remat: Any = None  # fspeed.remat_blocks.Remat for the units in remat_units
         self.slots: dict[int, Slots] = {}  # by id of the (sub)module they swap tensors into
         self.modules = dict(module.named_modules())
         # what each module computes when its route calls it: an instance forward set before (e.g. a
@@ -326,8 +327,6 @@ class ModuleLoss:
         hf_layers = self._hf_checkpointed(modules) if train else {}
         hf_remat = None
         if hf_layers:
-            from ..rematerialization import Remat  # noqa: PLC0415 (it imports the models package)
-
             hf_remat = Remat()  # Hugging Face's own checkpointing: full, on every flagged layer
         computes = dict(self.fused)
         if sliced or (_below_fp32(dtype) and self.fp32_modules):

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..remat_blocks import checkpointed
 from ..torch_internals import func_transforms_active
 from .head_loss import head_loss, loss_dtype
 
@@ -94,12 +95,10 @@ class DenseOps:
     def call(self, p: Any, fn: Callable[..., Any], *args: Any, _remat: Any = None, _hint: Optional[int] = None,
              _label: str = "block", **kwargs: Any) -> Any:
         """`fn(params, *args, **kwargs)` with one unit's parameters (the unit of ZeRO-3 gathering,
-        recompute and gradient delivery under a plan); `_remat` (`fspeed.rematerialization.Remat`) checkpoints
+        recompute and gradient delivery under a plan); `_remat` (`fspeed.remat_blocks.Remat`) checkpoints
         the call when autograd records it, outside `torch.func`'s transforms (they refuse the saved-tensor
         hooks of `torch.utils.checkpoint`: under them the call runs whole, as without remat)."""
         if _remat is not None and torch.is_grad_enabled() and not func_transforms_active():
-            from ..rematerialization import checkpointed  # noqa: PLC0415 (remat imports this module)
-
             return checkpointed(_remat, fn, self.param(p), *args, label=_label, **kwargs)
         return fn(self.param(p), *args, **kwargs)
 

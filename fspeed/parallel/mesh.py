@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import AxisComm, CommLog, all_gather_objects
+from .mpu import mpu_axes
 
 AXES = ("pipe", "data", "model")
 
@@ -117,9 +118,17 @@ class Mesh:
     def from_mpu(cls, mpu: Any, *, log: Optional[CommLog] = None) -> "Mesh":
         """A mesh over an external Megatron-style mpu's process groups (DeepSpeed's
         `initialize(mpu=...)`); every rank calls it. See `fspeed.parallel.mpu`."""
-        from .mpu import mesh_from_mpu  # noqa: PLC0415
-
-        return mesh_from_mpu(cls, mpu, log)
+        axes = mpu_axes(mpu, _ravel)
+        mesh = cls.__new__(cls)
+        mesh.sizes = {axis: size for axis, (size, _, _, _) in axes.items()}
+        mesh.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        mesh.rank = dist.get_rank() if dist.is_initialized() else 0
+        mesh.log = log if log is not None else CommLog(enabled=False)
+        mesh.timeout = _world_timeout()
+        mesh.coords = {axis: coord for axis, (_, coord, _, _) in axes.items()}
+        mesh.comms = {axis: AxisComm(axis, group, ranks, mesh.log, mesh.rank)
+                      for axis, (_, _, ranks, group) in axes.items()}
+        return mesh
 
     def _axis_comm(self, axis: str) -> AxisComm:
         """Create every group of `axis` (all ranks must create all groups, in the same order)."""

@@ -16,41 +16,36 @@ fastest, then data, then pipe (its tied-stage groups are computed from it).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from .comm import AxisComm, CommLog, all_gather_objects
+from .comm import all_gather_objects
 
 AXES = ("pipe", "data", "model")
+# one axis of the grid: (size, this rank's coordinate, the group's global ranks in group order, the group or None)
+MpuAxis = tuple[int, int, list[int], Optional[dist.ProcessGroup]]
 _PREFIXES = {"data": ("get_data_parallel",), "model": ("get_tensor_model_parallel", "get_model_parallel"),
              "pipe": ("get_pipeline_model_parallel", "get_pipe_parallel")}
 
 
-def mesh_from_mpu(cls: type, mpu: Any, log: Optional[CommLog] = None):
-    """`cls` (Mesh) over `mpu`'s groups (module docstring)."""
-    from .mesh import _ravel, _world_timeout  # noqa: PLC0415
-
+def mpu_axes(mpu: Any, ravel: Callable[[list[int], list[int]], int]) -> dict[str, MpuAxis]:
+    """Each mesh axis of `mpu`'s groups, checked by every rank together to tile the world (module
+    docstring); `ravel(coords, sizes)` is the rank fspeed's own layout puts at `coords`."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     axes = {axis: _axis(mpu, axis, rank) for axis in AXES}
     sizes = {axis: size for axis, (size, _, _, _) in axes.items()}
     mine = (rank, {axis: coord for axis, (_, coord, _, _) in axes.items()},
             {axis: ranks for axis, (_, _, ranks, _) in axes.items()})
-    problem = _tiling_problem(all_gather_objects(mine, "mpu groups", world, rank), sizes, world, _ravel)
+    problem = _tiling_problem(all_gather_objects(mine, "mpu groups", world, rank), sizes, world, ravel)
     if problem:
         raise ValueError(f"Mesh.from_mpu: the mpu's groups do not form a pipe x data x model grid: {problem}")
-    mesh = cls.__new__(cls)
-    mesh.sizes, mesh.world_size, mesh.rank = sizes, world, rank
-    mesh.log = log if log is not None else CommLog(enabled=False)
-    mesh.timeout = _world_timeout()
-    mesh.coords = mine[1]
-    mesh.comms = {axis: AxisComm(axis, group, ranks, mesh.log, rank) for axis, (_, _, ranks, group) in axes.items()}
-    return mesh
+    return axes
 
 
-def _axis(mpu: Any, axis: str, rank: int) -> tuple[int, int, list[int], Optional[dist.ProcessGroup]]:
-    """(size, this rank's coordinate, the group's global ranks in group order, the group or None)."""
+def _axis(mpu: Any, axis: str, rank: int) -> MpuAxis:
+    """`axis` of `mpu`'s grid, as this rank sees it."""
     prefix = next((p for p in _PREFIXES[axis] if hasattr(mpu, f"{p}_world_size")), None)
     if prefix is None:
         if axis == "pipe":
@@ -95,4 +90,4 @@ def _tiling_problem(gathered: list, sizes: dict[str, int], world: int, ravel) ->
     return None
 
 
-__all__ = ["mesh_from_mpu"]
+__all__ = ["mpu_axes"]

@@ -28,7 +28,7 @@ import torch
 
 from ..models.ops import BlockFn, BlockRngs, DenseOps, block_generators
 from ..pytree import PyTree, tree_flatten, tree_unflatten
-from ..rematerialization import Remat, checkpointed
+from ..remat_blocks import Remat, checkpointed
 from ..torch_internals import apply_function, below_functorch, unwrapped
 from .comm import AxisComm
 from .grads import GradSink, deliver_on_backward

@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..rematerialization import Remat, checkpointed
 from ..flat import Flat
 from ..models.layers import with_state
 from ..models.ops import DenseOps, flat_linear
 from ..pytree import PyTree, subtree, tensor_leaves, tree_flatten_with_paths, tree_unflatten
+from ..remat_blocks import Remat, checkpointed
 from .comm import AxisComm, Pending
 from .layout import Layout
 from .mesh import AXES, process_group

@@ -23,36 +23,16 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
-from ..models.model import Model
+from ..models.model import Model, accepts_keyword
 from ..models.ops import DenseOps, block_generators
 from ..pytree import PyTree, tree_flatten_with_paths
 from ..torch_internals import flop_counter_with_scopes
-from ..train_step import _accepts_keyword as accepts_keyword
-
-
-@dataclass(frozen=True)
-class ModuleProfile:
-    """One module path's totals in the profiled forward."""
-
-    path: str
-    params: int
-    flops: int
-    latency_s: float
-    calls: int
-
-    @property
-    def macs(self) -> int:
-        return self.flops // 2
-
-    @property
-    def depth(self) -> int:
-        return self.path.count(".") + 1
+from .report import FlopsProfile, ModuleProfile
 
 
 class _Scopes:
@@ -170,36 +150,6 @@ def _module_scopes(root: nn.Module, scopes: _Scopes) -> Iterator[None]:
     finally:
         pre.remove()
         post.remove()
-
-
-class FlopsProfile:
-    """The result of `flops(...)`: totals and `modules` (path -> `ModuleProfile`), with DeepSpeed's
-    printouts (`table`, `detailed`; `fspeed.profile.report` for the whole report)."""
-
-    def __init__(self, modules: dict[str, ModuleProfile], total_flops: int, total_params: int, latency_s: float,
-                 batch_rows: int):
-        self.modules, self.total_flops, self.total_params = modules, total_flops, total_params
-        self.latency_s, self.batch_rows = latency_s, batch_rows
-
-    @property
-    def total_macs(self) -> int:
-        return self.total_flops // 2
-
-    def __enter__(self) -> "FlopsProfile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def table(self, depth: int = -1, top: int = 1) -> str:
-        from .report import aggregated
-
-        return aggregated(self, depth, top)
-
-    def detailed(self, depth: int = -1) -> str:
-        from .report import detailed
-
-        return detailed(self, depth)
 
 
 def flops(model: Model, params: PyTree, batch: PyTree, *, rng: Optional[torch.Generator] = None,

@@ -1,5 +1,6 @@
-"""The flops profiler's printout in DeepSpeed's layout: header and summary, the aggregated profile
-(top modules per depth by params, MACs and forward latency) and the detailed module tree.
+"""A flops profile (what `fspeed.profile.flops` measures) and its printout in DeepSpeed's layout:
+header and summary, the aggregated profile (top modules per depth by params, MACs and forward
+latency) and the detailed module tree.
 
 Throughput follows DeepSpeed's formulas: backward = (2 + recompute_fwd_factor) x forward flops,
 forward+backward = (3 + recompute_fwd_factor) x forward flops, over the measured latencies.
@@ -7,9 +8,54 @@ forward+backward = (3 + recompute_fwd_factor) x forward flops, over the measured
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
-from .flops import FlopsProfile, ModuleProfile
+
+@dataclass(frozen=True)
+class ModuleProfile:
+    """One module path's totals in the profiled forward."""
+
+    path: str
+    params: int
+    flops: int
+    latency_s: float
+    calls: int
+
+    @property
+    def macs(self) -> int:
+        return self.flops // 2
+
+    @property
+    def depth(self) -> int:
+        return self.path.count(".") + 1
+
+
+class FlopsProfile:
+    """The result of `flops(...)`: totals and `modules` (path -> `ModuleProfile`), with DeepSpeed's
+    printouts (`table`, `detailed`; `fspeed.profile.report` for the whole report)."""
+
+    def __init__(self, modules: dict[str, ModuleProfile], total_flops: int, total_params: int, latency_s: float,
+                 batch_rows: int):
+        self.modules, self.total_flops, self.total_params = modules, total_flops, total_params
+        self.latency_s, self.batch_rows = latency_s, batch_rows
+
+    @property
+    def total_macs(self) -> int:
+        return self.total_flops // 2
+
+    def __enter__(self) -> "FlopsProfile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def table(self, depth: int = -1, top: int = 1) -> str:
+        return aggregated(self, depth, top)
+
+    def detailed(self, depth: int = -1) -> str:
+        return detailed(self, depth)
+
 
 _RULE = "-" * 90
 
@@ -126,4 +172,4 @@ def report(profile: FlopsProfile, *, step: int, name: str = "model", world_size:
     return "\n".join(lines)
 
 
-__all__ = ["aggregated", "detailed", "duration", "report", "si"]
+__all__ = ["FlopsProfile", "ModuleProfile", "aggregated", "detailed", "duration", "report", "si"]
