@@ -75,17 +75,6 @@ def render(page: str, home: dict[str, str]) -> str:
     mod = MODULES[page]
     own = [name for name, where in home.items() if where == mod]
     lines = [f"# `{mod}`", ""]
-    doc = inspect.getdoc(importlib.import_module(mod)) or ""
-    first = doc.split("\n\n", 1)[0].replace("\n", " ")
-    if first:
-        lines += [first, ""]
-    elsewhere = {name: where for name, where in home.items() if where != mod}
-    if elsewhere:
-        lines += ["Also exported here, documented with their module:", "",
-                  "| name | documented in |", "|---|---|"]
-        for name, where in elsewhere.items():
-            lines.append(f"| [`{mod}.{name}`][{identifier(where, name)}] | [`{where}`]({MODULES_PAGE[where]}) |")
-        lines.append("")
     lines += [f"::: {mod}", "    options:", "      show_root_heading: false", "      show_root_toc_entry: false",
               "      members:"]
     lines += [f"        - {name}" for name in own if not shadowed(mod, name)]
@@ -93,6 +82,13 @@ def render(page: str, home: dict[str, str]) -> str:
     for name in own:
         if shadowed(mod, name):
             lines += [f"::: {identifier(mod, name)}", ""]
+    elsewhere = {name: where for name, where in home.items() if where != mod}
+    if elsewhere:
+        lines += ["## Exported here, documented with their module", "",
+                  "| name | documented in |", "|---|---|"]
+        for name, where in elsewhere.items():
+            lines.append(f"| [`{mod}.{name}`][{identifier(where, name)}] | [`{where}`]({MODULES_PAGE[where]}) |")
+        lines.append("")
     return "\n".join(lines)
 
 
