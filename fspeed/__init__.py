@@ -29,7 +29,8 @@ from .pytree import tree_flatten_with_paths, tree_map, tree_paths
 from .engine import Engine, add_config_arguments, initialize
 from .train_init import init_train_state
 from .train_state import DonatedStateError, TrainState
-from .train_step import NonFiniteError, TrainStep, make_eval_step, make_train_step
+from .eval_step import make_eval_step
+from .train_step import NonFiniteError, TrainStep, make_train_step
 from .timers import StepTimers
 
 __version__ = "0.1.0"

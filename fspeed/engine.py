@@ -45,12 +45,14 @@ from .models.layer_drop import PLD_BATCH_KEY, step_layer_drop, supports_layer_dr
 from .models.module import ModuleLoss, output_loss
 from .engine_monitor import EngineMonitor
 from .engine_optimizer import engine_optimizer
+from .eval_step import make_eval_step
+from .micro_batches import stack_micro_batches
 from .optim.base import GradientTransformation
 from .parallel import CommLog, Mesh, Plan, gather_params, init_distributed, profiled_partition, tensor_slicing, zero
 from .pytree import PyTree
 from .train_init import init_train_state
 from .train_state import TrainState
-from .train_step import TrainStep, make_eval_step, make_train_step, stack_micro_batches
+from .train_step import TrainStep, make_train_step
 
 log = logging.getLogger("fspeed")
 

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from ..config import ConfigError, Problem
 from ..config.schema import RunConfig
+from ..micro_batches import on_device, split_micro_batches
 from ..models import Model
 from ..monitor import TRAIN_COLUMNS, CSVMonitor, MissingExtraError, Monitors, TensorBoardMonitor, WandbMonitor
 from ..parallel import gather_params
@@ -22,7 +23,6 @@ from ..plot import lr_range_test_pick, plot_lr_range_test
 from ..profile import FlopsProfile, flops, measure_peak_tflops, report, step_tflops
 from ..remat_blocks import METRIC_KEYS as REMAT_METRIC_KEYS
 from ..timers import METRIC_KEYS, StepTimers, breakdown_line
-from ..train_step import on_device, split_micro_batches
 
 THROUGHPUT_COLUMNS = ("tflops", "mfu")
 

@@ -46,10 +46,12 @@ from ..config.build import (
 from ..config.schema import Bf16Config, RunConfig
 from ..config.targets import TargetConfig
 from ..engine import fs_rules
+from ..eval_step import make_eval_step
 from ..remat_budget import remat_within_budget
 from ..rematerialization import RematProfile
 from ..host_memory import retain_freed_host_memory
 from ..loss_scale import LossScaleAtMinimumError
+from ..micro_batches import split_micro_batches
 from ..models import GPT_RULES, Model, count_params, gpt
 from ..monitor import comm_scalars
 from ..parallel import (CommLog, Mesh, Plan, estimate_memory, init_distributed, profiled_partition,
@@ -57,7 +59,7 @@ from ..parallel import (CommLog, Mesh, Plan, estimate_memory, init_distributed, 
 from ..parallel.memory import state_bytes_per_parameter
 from ..train_init import init_train_state
 from ..timers import METRIC_KEYS, breakdown_summary
-from ..train_step import NonFiniteError, make_eval_step, make_train_step, split_micro_batches
+from ..train_step import NonFiniteError, make_train_step
 from .observe import (FlopsWatch, check_monitor_packages, finish_lr_range_test, metrics_csv_path, open_monitors,
                       progress_line, step_timers)
 from .run_batches import LOADER_KEY, RunBatches

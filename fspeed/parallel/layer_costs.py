@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from ..micro_batches import on_device
 from ..models.layers import with_state
 from ..pytree import PyTree, tree_leaves, tree_map
 from .pipeline_transform import balanced_bounds
@@ -91,8 +92,6 @@ def profiled_partition(plan: Plan, model: Any, example: Union[Any, Callable[[], 
     pipe = plan.find("pipeline")
     if pipe is None or not isinstance(pipe.partition, str) or pipe.partition.lower() != "profile":
         return plan
-    from ..train_step import on_device  # noqa: PLC0415 (train_step imports the parallel package)
-
     example = example() if callable(example) else example
     params = None
     if device is not None:
