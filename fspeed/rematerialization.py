@@ -32,7 +32,7 @@ import torch
 from .models.model import Model
 from .models.ops import DENSE, BlockFn, BlockRngs, block_generators
 from .remat_blocks import (
-    METRIC_KEYS, ContiguousArena, Remat, RematPolicy, RematProfile, checkpointed, remat_name, remat_policies,
+    ContiguousArena, Remat, RematPolicy, RematProfile, checkpointed, remat_name, remat_policies,
 )
 
 

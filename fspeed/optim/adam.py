@@ -141,58 +141,8 @@ def adam(
         lr_t, b1_t, bc1, bc2 = hparams(state.count)
         hp = dict(lr=lr_t, beta1=b1_t, beta2=b2, eps=eps, weight_decay=weight_decay, step=state.count + 1,
                   adam_w_mode=adam_w_mode, bias_correction=bias_correction)
-        after = AdamState(state.count + 1, resolve(lr, state.count + 1), state.mu, state.nu)
-        # loose gradients over flat buffers (or a group's runs of them): one pass whose runs follow
-        # from the gradients' sizes (`adam_step_loose`)
-        loose = is_loose(grads)
-        if loose and cast_to is None:
-            runs = [grads] if isinstance(grads, LooseGrads) else grads
-            flats = [flat_list(x) for x in (params, state.mu, state.nu)]
-            if all(f is not None and len(f) == len(runs) for f in flats):
-                p, m, v = ([f.buffer for f in run_flats] for run_flats in flats)
-                kernel = numba_kernel(name, backend, _KERNELS, p[:1])
-                if hasattr(kernel, "adam_step_loose") and kernel.adam_step_loose(
-                        p, [g.tensors for g in runs], m, v, **hp, grad_sq=grad_sq):
-                    return params, after
-        if loose:  # backward's own tensors: the buffers' per-parameter views match them
-            p, g, m, v = segments(params), segments(grads), segments(state.mu), segments(state.nu)
-            c = segments(cast_to) if cast_to is not None else [None] * len(p)
-        else:
-            p, g, m, v = (tensor_leaves(x) for x in (params, grads, state.mu, state.nu))
-            c = cast_targets(cast_to, p) if cast_to is not None else [None] * len(p)
-        # many tensors (a group's runs, loose gradients): the CPU kernel takes them in one pass
-        # (adam_step_runs: as fast as torch's multi-tensor launch; 8.3 against 8.7 ms alone on a
-        # GPT-2's 76 tensors, the same within noise in its training step)
-        kernel = numba_kernel(name, backend, _KERNELS, p)
-        rest = []  # (p, g, m, v, cast) groups for the torch path
-        runs = []  # fp32 groups the kernel takes in one pass (a group's runs, loose gradients)
-        cpu_kernel = hasattr(kernel, "adam_step_runs")  # (the CUDA kernel has no runs pass)
-        many = len(p) > 1 and cpu_kernel
-        # grad_sq: the CPU kernels sum the squared gradients in the update's own pass; the other
-        # paths take the sum separately
-        sums = grad_sq is not None and cpu_kernel
-        squared = dict(grad_sq=grad_sq) if sums else {}
-        unsummed = []  # gradients whose squares no kernel sums (the CUDA kernel, torch's path)
-        for group in zip(p, g, m, v, c):
-            if many and group[4] is None and kernel.supports_runs(*group[:4]):
-                runs.append(group[:4])
-            elif kernel is not None and (backend == "numba" or kernel.supports(*group)):
-                kernel.adam_step(*group[:4], **hp, cast_out=group[4], **squared)
-                if not sums:
-                    unsummed.append(group[1])
-            else:
-                rest.append(group)
-                unsummed.append(group[1])
-        if grad_sq is not None and unsummed:  # read before torch's path below (which may cast them)
-            grad_sq.extend(float(n.double().square()) for n in torch._foreach_norm(unsummed))
-        if len(runs) == 1:
-            kernel.adam_step(*runs[0], **hp, **squared)
-        elif runs:
-            kernel.adam_step_runs(*map(list, zip(*runs)), **hp, checked=True, **squared)
-        if rest:
-            _torch_adam(*map(list, zip(*rest)), state.count + 1, lr_t, b1_t, b2, eps, weight_decay,
-                        adam_w_mode, bias_correction, bc1, bc2)
-        return params, after
+        _fused_step(name, backend, grads, params, state.mu, state.nu, hp, bc1, bc2, cast_to, grad_sq)
+        return params, AdamState(state.count + 1, resolve(lr, state.count + 1), state.mu, state.nu)
 
     info = TransformInfo(
         name,
@@ -202,6 +152,68 @@ def adam(
     )
     return GradientTransformation(init, update, apply, info,
                                   capabilities=ELEMENTWISE._replace(loose_grads=True, sums_grad_squares=True))
+
+
+def _fused_step(name: str, backend: str, grads: Any, params: Any, mu: Any, nu: Any, hp: dict, bc1: float,
+                bc2: float, cast_to: Any, grad_sq: Optional[list]) -> None:
+    """One Adam step in place over `params`, `mu` and `nu` (flat buffers, a group's runs of them, or
+    with backward's own gradient tensors): the Numba kernels where they take the tensors, torch's
+    path for the rest (module docstring). `hp`: the kernels' hyperparameters for this step."""
+    loose = is_loose(grads)
+    if loose and cast_to is None and _loose_in_one_pass(name, backend, grads, params, mu, nu, hp, grad_sq):
+        return
+    if loose:  # backward's own tensors: the buffers' per-parameter views match them
+        p, g, m, v = segments(params), segments(grads), segments(mu), segments(nu)
+        c = segments(cast_to) if cast_to is not None else [None] * len(p)
+    else:
+        p, g, m, v = (tensor_leaves(x) for x in (params, grads, mu, nu))
+        c = cast_targets(cast_to, p) if cast_to is not None else [None] * len(p)
+    # many tensors (a group's runs, loose gradients): the CPU kernel takes them in one pass
+    # (adam_step_runs: as fast as torch's multi-tensor launch; 8.3 against 8.7 ms alone on a
+    # GPT-2's 76 tensors, the same within noise in its training step)
+    kernel = numba_kernel(name, backend, _KERNELS, p)
+    rest = []  # (p, g, m, v, cast) groups for the torch path
+    runs = []  # fp32 groups the kernel takes in one pass (a group's runs, loose gradients)
+    cpu_kernel = hasattr(kernel, "adam_step_runs")  # (the CUDA kernel has no runs pass)
+    many = len(p) > 1 and cpu_kernel
+    # grad_sq: the CPU kernels sum the squared gradients in the update's own pass; the other
+    # paths take the sum separately
+    sums = grad_sq is not None and cpu_kernel
+    squared = dict(grad_sq=grad_sq) if sums else {}
+    unsummed = []  # gradients whose squares no kernel sums (the CUDA kernel, torch's path)
+    for group in zip(p, g, m, v, c):
+        if many and group[4] is None and kernel.supports_runs(*group[:4]):
+            runs.append(group[:4])
+        elif kernel is not None and (backend == "numba" or kernel.supports(*group)):
+            kernel.adam_step(*group[:4], **hp, cast_out=group[4], **squared)
+            if not sums:
+                unsummed.append(group[1])
+        else:
+            rest.append(group)
+            unsummed.append(group[1])
+    if grad_sq is not None and unsummed:  # read before torch's path below (which may cast them)
+        grad_sq.extend(float(n.double().square()) for n in torch._foreach_norm(unsummed))
+    if len(runs) == 1:
+        kernel.adam_step(*runs[0], **hp, **squared)
+    elif runs:
+        kernel.adam_step_runs(*map(list, zip(*runs)), **hp, checked=True, **squared)
+    if rest:
+        _torch_adam(*map(list, zip(*rest)), hp["step"], hp["lr"], hp["beta1"], hp["beta2"], hp["eps"],
+                    hp["weight_decay"], hp["adam_w_mode"], hp["bias_correction"], bc1, bc2)
+
+
+def _loose_in_one_pass(name: str, backend: str, grads: Any, params: Any, mu: Any, nu: Any, hp: dict,
+                       grad_sq: Optional[list]) -> bool:
+    """Loose gradients over flat buffers (or a group's runs of them) in the CPU kernel's one pass,
+    whose runs follow from the gradients' sizes (`adam_step_loose`); False where it does not apply."""
+    runs = [grads] if isinstance(grads, LooseGrads) else grads
+    flats = [flat_list(x) for x in (params, mu, nu)]
+    if not all(f is not None and len(f) == len(runs) for f in flats):
+        return False
+    p, m, v = ([f.buffer for f in run_flats] for run_flats in flats)
+    kernel = numba_kernel(name, backend, _KERNELS, p[:1])
+    return bool(hasattr(kernel, "adam_step_loose") and kernel.adam_step_loose(
+        p, [g.tensors for g in runs], m, v, **hp, grad_sq=grad_sq))
 
 
 def adamw(

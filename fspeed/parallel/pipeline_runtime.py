@@ -11,7 +11,7 @@ A step on stage s executes `schedule.actions[s]` in order (`fspeed.parallel.sche
               input gradient first (`schedules.early_input_grads`: the cooldown's), the
               linears' weight gradients are left to the end of the B, after the send, as W's are
     W(m, c)   zero-bubble schedules only: B left every linear layer's weight gradient for later
-              (`_DeferredLinear`: B computes the input's gradient, W the weight's, dW = dYᵀ X);
+              (`deferred_weight_grads`: B computes the input's gradient, W the weight's, dW = dYᵀ X);
               after its first step, zero bubble re-plans where its W's go from the stages'
               measured F, B and W times (`_replan`, `schedules.zero_bubble_for_costs`)
 
@@ -34,15 +34,14 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from ..flat import Flat
 from ..models.layers import with_state
-from ..models.ops import DenseOps, flat_linear
+from ..models.ops import DenseOps
 from ..pytree import PyTree, subtree, tensor_leaves, tree_flatten_with_paths, tree_unflatten
 from ..remat_blocks import Remat, checkpointed
 from .comm import AxisComm, Pending
+from .deferred_weight_grads import DeferringOps, DeferWeightGrads, add_weight_grad
 from .layout import Layout
 from .mesh import AXES, process_group
 from .schedules import Action, Schedule, build_schedule, early_input_grads, zero_bubble_for_costs
@@ -51,101 +50,6 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
            torch.uint8)
 _META = 10  # dtype, ndim, up to 8 dims
 RECEIVES_AHEAD = 2  # transfers a stage keeps posted before the actions that take them (`_post_ahead`)
-
-
-class _DeferredLinear(torch.autograd.Function):
-    """`F.linear` whose backward computes the input's (and bias's) gradient now and leaves the
-    weight's to the weight pass: it records (the stage parameter's id, the weight's shape, dY, X) in
-    `store`, for dW = dYᵀ X. The id is taken in forward: a checkpointed group's saved tensors
-    come back from its recompute as other tensor objects. (Written with `forward(ctx, ...)`: a
-    separate `setup_context` makes every call bind its arguments with `inspect`, about 6% of a small
-    layer's forward.)"""
-
-    @staticmethod
-    def forward(ctx, x, w, b, store, key):
-        ctx.save_for_backward(x, w)
-        ctx.store, ctx.key, ctx.has_bias = store, key, b is not None
-        return F.linear(x, w, b)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, w = ctx.saved_tensors
-        ctx.store.append((ctx.key, w.shape, grad.detach(), x.detach()))  # data only: no path back into the graph
-        gx = grad.matmul(w) if ctx.needs_input_grad[0] else None
-        gb = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, None, gb, None, None
-
-
-class _DeferredAddmm(torch.autograd.Function):
-    """`torch.addmm(bias, x, w)` with a stage weight `w` of shape (in, out) (Hugging Face's `Conv1D`):
-    the input's and bias's gradients now, the weight's left to the weight pass as dW = Xᵀ dY."""
-
-    @staticmethod
-    def forward(ctx, bias, x, w, store, key):
-        ctx.save_for_backward(x, w)
-        ctx.store, ctx.key = store, key
-        return torch.addmm(bias, x, w)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, w = ctx.saved_tensors
-        ctx.store.append((ctx.key, w.shape, x.detach(), grad.detach()))
-        gx = grad.mm(w.t()) if ctx.needs_input_grad[1] else None
-        gb = grad.sum(0) if ctx.needs_input_grad[0] else None
-        return gb, gx, None, None, None
-
-
-def _deferred_or_plain_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], weights: set[int],
-                              store: list) -> torch.Tensor:
-    key = id(w if w._base is None else w._base)
-    if key in weights and torch.is_grad_enabled():
-        return _DeferredLinear.apply(x, w, b, store, key)
-    return F.linear(x, w, b)
-
-
-class _DeferringOps(DenseOps):
-    """Dense ops whose `linear` defers a stage weight's gradient (`_DeferredLinear`): zero bubble's
-    split for layers whose linears all go through ops (`Layer.linear_via_ops`), with no per-op cost."""
-
-    def __init__(self, weights: set[int], store: list):
-        self.deferred_linear = functools.partial(_deferred_or_plain_linear, weights=weights, store=store)
-
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
-               out_axis: Optional[str] = None, in_axis: Optional[str] = None) -> torch.Tensor:
-        return flat_linear(x, w, b, linear=self.deferred_linear)
-
-
-class _DeferWeightGrads(TorchFunctionMode):
-    """During a zero-bubble forward of layers that may call `F.linear` themselves (a module's, or an
-    exported graph's `aten.linear`): every linear whose weight is (a view of) a stage parameter
-    becomes a `_DeferredLinear`; every plain `addmm(bias, x, w)` of a 2-D stage weight `w` (Hugging
-    Face's `Conv1D`) a `_DeferredAddmm`."""
-
-    def __init__(self, weights: set[int], store: list):
-        super().__init__()
-        self.weights, self.store = weights, store
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear or func is torch.ops.aten.linear.default:
-            x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-            b = args[2] if len(args) > 2 else kwargs.get("bias")
-            return _deferred_or_plain_linear(x, w, b, self.weights, self.store)
-        if (func is torch.addmm or func is torch.ops.aten.addmm.default) and len(args) == 3 and not kwargs:
-            bias, x, w = args
-            if id(w) in self.weights and bias.dim() == 1 and torch.is_grad_enabled():  # the parameter itself
-                return _DeferredAddmm.apply(bias, x, w, self.store, id(w))
-        return func(*args, **kwargs)
-
-
-def _add_weight_grad(acc_w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc_w += aᵀ b over all leading dims (a linear's dYᵀ X, an addmm's Xᵀ dY): one GEMM that
-    accumulates into the sum."""
-    a, b = a.reshape(-1, a.shape[-1]).t(), b.reshape(-1, b.shape[-1])
-    if a.dtype == acc_w.dtype:
-        acc_w.addmm_(a, b)
-    else:  # 16-bit activations: dW in their dtype, as backward makes it, added to the fp32 sum
-        acc_w.add_(a @ b)
 
 
 class PipelineExecutor:
@@ -209,147 +113,24 @@ class PipelineExecutor:
         `_share_state`)."""
         if len(micro_batches) != self.micro_batches:
             raise ValueError(f"the pipeline runs {self.micro_batches} micro-batches per step, got {len(micro_batches)}")
-        local = self.layout.local
         self.device = params.device
         self.buffers = buffers
-        leaves = [t.detach().requires_grad_(t.is_floating_point()) for _, t in params.items()]
-        tree = tree_unflatten(local.treedef, leaves)
-        if into is None:
-            into = torch.empty(local.numel, dtype=self.grad_dtype, device=params.device)
-        elif into.numel() != local.numel or into.dtype != self.grad_dtype or into.device != params.device:
-            raise ValueError(f"the pipeline sums its gradient in a buffer of {local.numel} {self.grad_dtype} on "
-                             f"{params.device}; got {into.numel()} {into.dtype} on {into.device}")
-        acc, zeroed = into, False
-        acc_views = local.segments(acc)
-        acc_of = {id(leaf): view.view(leaf.shape) for leaf, view in zip(leaves, acc_views)}
-        # where the dtypes allow, each parameter's .grad is its view of the buffer: backward adds every
-        # gradient into it as it makes it (autograd's own accumulation, while the gradient is in cache)
-        in_place = all(leaf.dtype == acc.dtype for leaf in leaves if leaf.requires_grad)
-        if in_place:
-            for leaf in leaves:
-                if leaf.requires_grad:
-                    leaf.grad = acc_of[id(leaf)]
-        chunk_leaves = [self._leaves_of_chunk(leaves, c) for c in range(self.plan.virtual_stages)]
-        signature = tuple((tuple(t.shape), t.dtype) for t in tree_flatten_with_paths(micro_batches[0])[1]
-                          if isinstance(t, torch.Tensor))
-        split = self.schedule.split_backward
-        early = early_input_grads(self.schedule, self.stage)  # B's that send x's gradient, then run their W
-        chunk_weights = [{id(t) for t in leaves_c} for leaves_c in chunk_leaves]
-        saved: dict[tuple[int, int], tuple] = {}
-        deferred: dict[tuple[int, int], list] = {}
-        mailbox: dict[tuple[str, int, int], Any] = {}  # transfers within this stage
-        sends: list[Pending] = []
-        losses: list[torch.Tensor] = []
-        actions = self.schedule.actions[self.stage]
-        scanned = self._post_ahead(actions, -1, -1, signature)  # the last action whose receive is posted or passed
-        # per action: the parameters whose sums are final after it (their reduction over data may start)
-        index_of = {id(leaf): p for p, leaf in enumerate(leaves)}
-        final_after = self._final_after(index_of, chunk_leaves, actions) if final is not None else {}
-        spent: dict[str, list[float]] = {"F": [], "B": [], "W": []}  # seconds of each action's compute, by kind
-        for i, action in enumerate(actions):
-            m, c = action.micro, action.chunk
-            k = self.plan.piece(self.stage, c)
-            if not zeroed and (action.kind == "B" or k > 0):
-                # the sums start from zero before the first backward: zeroed here, where the stage
-                # would otherwise wait for its first transfer (not on the step's critical path)
-                acc.zero_()
-                zeroed = True
-            if action.kind == "F":
-                x = self.layers.inputs(micro_batches[m]) if k == 0 else \
-                    self._receive("act", m, k, signature, mailbox, None)
-                if k > 0:
-                    for t in _parts(x):
-                        if t.is_floating_point():
-                            t.requires_grad_(True)
-                scanned = self._post_ahead(actions, i, scanned, signature)
-                start = time.perf_counter()
-                store: list = []
-                ops, mode = self.ops, None
-                defer = split or (m, c) in early
-                if defer and self.linear_via_ops[k]:
-                    ops = self._wrapped(_DeferringOps(chunk_weights[c], store))
-                elif defer:
-                    mode = functools.partial(_DeferWeightGrads, chunk_weights[c], store)
-                with torch.enable_grad():
-                    y = self._forward(tree, x, k, m, micro_batches[m], layer_rng, ops, mode)
-                if k == self.pieces - 1:
-                    losses.append(y.detach().float())
-                    y = y.float() * multiplier
-                else:
-                    sends += self._send("act", m, k + 1, y, signature, mailbox)
-                saved[(m, c)] = (x, y)
-                deferred[(m, c)] = store
-                self.peak_in_flight = max(self.peak_in_flight, len(saved))
-            elif action.kind == "B":
-                x, y = saved.pop((m, c))
-                if k == self.pieces - 1:
-                    outputs, grad_y = [y], None
-                else:  # the gradients of y's floating parts, for those that need one
-                    floats = [t for t in _parts(y) if t.is_floating_point()]
-                    grads_in = self._receive("grad", m, k, signature, mailbox, _form(floats))
-                    pairs = [(t, g) for t, g in zip(floats, grads_in) if t.requires_grad]
-                    outputs, grad_y = [t for t, _ in pairs], [g for _, g in pairs]
-                scanned = self._post_ahead(actions, i, scanned, signature)
-                start = time.perf_counter()
-                xs = [t for t in _parts(x) if t.is_floating_point() and t.requires_grad] if k > 0 else []
-                inputs = xs + chunk_leaves[c]
-                if in_place:  # the parameters' gradients go into their .grad views, x's into x.grad
-                    # the first piece's last backward: each parameter's sum is final as autograd adds to
-                    # it (a later piece's reduction starts after the action, once the input's gradient,
-                    # which the previous stage waits for, is on its way: measured 1% faster on PP2 x DP2
-                    # gloo, ZeRO-1, than starting in backward)
-                    done = final_after.get(i, ()) if k == 0 else ()
-                    hooks = [leaves[p].register_post_accumulate_grad_hook(lambda leaf, p=p: final([p]))
-                             for p in done]
-                    if outputs and inputs:  # no `inputs=`: the graph's only leaves that take a gradient are
-                        # x and this chunk's parameters (1-2% of a B on 2 ranks went to autograd's walk for them)
-                        torch.autograd.backward(outputs, grad_y)
-                    for hook in hooks:
-                        hook.remove()
-                    grads_x = [t.grad for t in xs]
-                else:
-                    grads = torch.autograd.grad(outputs, inputs, grad_y, allow_unused=True) if outputs else \
-                        (None,) * len(inputs)
-                    grads_x, grads = grads[:len(xs)], grads[len(xs):]
-                    with torch.no_grad():
-                        for leaf, g in zip(chunk_leaves[c], grads):
-                            if g is not None:
-                                acc_of[id(leaf)].add_(g)
-                if k > 0:  # a gradient for each floating part of x (zeros where x did not reach y)
-                    gx = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads_x, xs)]
-                    sends += self._send("grad", m, k - 1, gx, signature, mailbox)
-                if not split:
-                    store = deferred.pop((m, c))
-                    if (m, c) in early:  # its weight gradients, now that the input's is on its way
-                        sent = time.perf_counter()
-                        self._weight_pass(store, acc_of)
-            else:  # "W": the deferred weight gradients
-                scanned = self._post_ahead(actions, i, scanned, signature)
-                start = time.perf_counter()
-                self._weight_pass(deferred.pop((m, c)), acc_of)
-            if i in final_after:  # (also those backward gave no gradient, and after a weight pass)
-                final(final_after[i])
-            end = time.perf_counter()
-            spent[action.kind].append(end - start)
-            if self.timeline is not None:
-                if action.kind == "B" and not split and (m, c) in early:  # its two parts, as zero bubble's
-                    self.timeline += [(action, start, sent), (Action("W", m, c), sent, end)]
-                else:
-                    self.timeline.append((action, start, end))
-        for pending in sends:
+        run = _StageStep(self, params, micro_batches, multiplier, layer_rng, into, final)
+        spent = run.run()
+        for pending in run.sends:
             pending.wait()
-        self._sum_tied(acc, acc_views)
+        self._sum_tied(run.acc, run.acc_views)
         self._share_state(buffers)
         if self.replan:
             self._replan(spent)
-        return losses, Flat(acc, local)
+        return run.losses, Flat(run.acc, self.layout.local)
 
     def _weight_pass(self, store: list, acc_of: dict) -> None:
-        """Add the weight gradients a backward deferred (`_DeferredLinear`) into their sums."""
+        """Add the weight gradients a backward deferred (`DeferredLinear`) into their sums."""
         self.deferred_linears += len(store)
         with torch.no_grad():
             for key, shape, a, b in store:
-                _add_weight_grad(acc_of[key].view(shape), a, b)
+                add_weight_grad(acc_of[key].view(shape), a, b)
         store.clear()  # the graph's nodes still hold the list; its tensors go now
 
     def _share_state(self, buffers: Optional[PyTree]) -> None:
@@ -560,6 +341,171 @@ class PipelineExecutor:
         for pending in sends:
             pending.wait()
         return loss
+
+
+class _StageStep:
+    """One step of this stage's actions (`PipelineExecutor.step`): the parameters as autograd leaves,
+    the buffer their gradients are summed in, what each forward keeps for its backward (and the
+    weight gradients it deferred), and the transfers in flight."""
+
+    def __init__(self, executor: PipelineExecutor, params: Flat, micro_batches: Sequence[PyTree], multiplier: float,
+                 layer_rng: Callable[[int, int], Optional[torch.Generator]], into: Optional[torch.Tensor],
+                 final: Optional[Callable[[Sequence[int]], None]]):
+        ex = self.ex = executor
+        self.micro_batches, self.multiplier, self.layer_rng, self.final = micro_batches, multiplier, layer_rng, final
+        local = ex.layout.local
+        leaves = self.leaves = [t.detach().requires_grad_(t.is_floating_point()) for _, t in params.items()]
+        self.tree = tree_unflatten(local.treedef, leaves)
+        if into is None:
+            into = torch.empty(local.numel, dtype=ex.grad_dtype, device=params.device)
+        elif into.numel() != local.numel or into.dtype != ex.grad_dtype or into.device != params.device:
+            raise ValueError(f"the pipeline sums its gradient in a buffer of {local.numel} {ex.grad_dtype} on "
+                             f"{params.device}; got {into.numel()} {into.dtype} on {into.device}")
+        self.acc, self.zeroed = into, False
+        self.acc_views = local.segments(self.acc)
+        self.acc_of = {id(leaf): view.view(leaf.shape) for leaf, view in zip(leaves, self.acc_views)}
+        # where the dtypes allow, each parameter's .grad is its view of the buffer: backward adds every
+        # gradient into it as it makes it (autograd's own accumulation, while the gradient is in cache)
+        self.in_place = all(leaf.dtype == self.acc.dtype for leaf in leaves if leaf.requires_grad)
+        if self.in_place:
+            for leaf in leaves:
+                if leaf.requires_grad:
+                    leaf.grad = self.acc_of[id(leaf)]
+        self.chunk_leaves = [ex._leaves_of_chunk(leaves, c) for c in range(ex.plan.virtual_stages)]
+        self.chunk_weights = [{id(t) for t in leaves_c} for leaves_c in self.chunk_leaves]
+        self.signature = tuple((tuple(t.shape), t.dtype) for t in tree_flatten_with_paths(micro_batches[0])[1]
+                               if isinstance(t, torch.Tensor))
+        self.split = ex.schedule.split_backward
+        self.early = early_input_grads(ex.schedule, ex.stage)  # B's that send x's gradient, then run their W
+        self.saved: dict[tuple[int, int], tuple] = {}
+        self.deferred: dict[tuple[int, int], list] = {}
+        self.mailbox: dict[tuple[str, int, int], Any] = {}  # transfers within this stage
+        self.sends: list[Pending] = []
+        self.losses: list[torch.Tensor] = []
+        self.actions = ex.schedule.actions[ex.stage]
+        # the last action whose receive is posted or passed (`_post_ahead`)
+        self.scanned = ex._post_ahead(self.actions, -1, -1, self.signature)
+        # per action: the parameters whose sums are final after it (their reduction over data may start)
+        index_of = {id(leaf): p for p, leaf in enumerate(leaves)}
+        self.final_after = ex._final_after(index_of, self.chunk_leaves, self.actions) if final is not None else {}
+
+    def run(self) -> dict[str, list[float]]:
+        """Every action in order; the seconds of each action's compute, by kind (F, B, W)."""
+        ex = self.ex
+        spent: dict[str, list[float]] = {"F": [], "B": [], "W": []}
+        for i, action in enumerate(self.actions):
+            m, c = action.micro, action.chunk
+            k = ex.plan.piece(ex.stage, c)
+            if not self.zeroed and (action.kind == "B" or k > 0):
+                # the sums start from zero before the first backward: zeroed here, where the stage
+                # would otherwise wait for its first transfer (not on the step's critical path)
+                self.acc.zero_()
+                self.zeroed = True
+            sent = None  # when a B that sends its input's gradient first sent it (then ran its weight pass)
+            if action.kind == "F":
+                start = self.forward(i, m, c, k)
+            elif action.kind == "B":
+                start, sent = self.backward(i, m, c, k)
+            else:  # "W": the deferred weight gradients
+                self.scanned = ex._post_ahead(self.actions, i, self.scanned, self.signature)
+                start = time.perf_counter()
+                ex._weight_pass(self.deferred.pop((m, c)), self.acc_of)
+            if i in self.final_after:  # (also those backward gave no gradient, and after a weight pass)
+                self.final(self.final_after[i])
+            end = time.perf_counter()
+            spent[action.kind].append(end - start)
+            if ex.timeline is not None:
+                if sent is not None:  # its two parts, as zero bubble's
+                    ex.timeline += [(action, start, sent), (Action("W", m, c), sent, end)]
+                else:
+                    ex.timeline.append((action, start, end))
+        return spent
+
+    def forward(self, i: int, m: int, c: int, k: int) -> float:
+        """F(m, c): the chunk's layers on micro-batch m (the loss on the last piece), the output sent
+        on; returns when its compute started."""
+        ex = self.ex
+        x = ex.layers.inputs(self.micro_batches[m]) if k == 0 else \
+            ex._receive("act", m, k, self.signature, self.mailbox, None)
+        if k > 0:
+            for t in _parts(x):
+                if t.is_floating_point():
+                    t.requires_grad_(True)
+        self.scanned = ex._post_ahead(self.actions, i, self.scanned, self.signature)
+        start = time.perf_counter()
+        store: list = []
+        ops, mode = ex.ops, None
+        defer = self.split or (m, c) in self.early
+        if defer and ex.linear_via_ops[k]:
+            ops = ex._wrapped(DeferringOps(self.chunk_weights[c], store))
+        elif defer:
+            mode = functools.partial(DeferWeightGrads, self.chunk_weights[c], store)
+        with torch.enable_grad():
+            y = ex._forward(self.tree, x, k, m, self.micro_batches[m], self.layer_rng, ops, mode)
+        if k == ex.pieces - 1:
+            self.losses.append(y.detach().float())
+            y = y.float() * self.multiplier
+        else:
+            self.sends += ex._send("act", m, k + 1, y, self.signature, self.mailbox)
+        self.saved[(m, c)] = (x, y)
+        self.deferred[(m, c)] = store
+        ex.peak_in_flight = max(ex.peak_in_flight, len(self.saved))
+        return start
+
+    def backward(self, i: int, m: int, c: int, k: int) -> tuple[float, Optional[float]]:
+        """B(m, c): the output's gradient back through the chunk, the input's gradient sent back;
+        returns when its compute started and, where it sent the input's gradient before its weight
+        pass, when it sent it."""
+        ex = self.ex
+        x, y = self.saved.pop((m, c))
+        if k == ex.pieces - 1:
+            outputs, grad_y = [y], None
+        else:  # the gradients of y's floating parts, for those that need one
+            floats = [t for t in _parts(y) if t.is_floating_point()]
+            grads_in = ex._receive("grad", m, k, self.signature, self.mailbox, _form(floats))
+            pairs = [(t, g) for t, g in zip(floats, grads_in) if t.requires_grad]
+            outputs, grad_y = [t for t, _ in pairs], [g for _, g in pairs]
+        self.scanned = ex._post_ahead(self.actions, i, self.scanned, self.signature)
+        start = time.perf_counter()
+        xs = [t for t in _parts(x) if t.is_floating_point() and t.requires_grad] if k > 0 else []
+        grads_x = self._gradients(i, c, k, outputs, grad_y, xs)
+        if k > 0:  # a gradient for each floating part of x (zeros where x did not reach y)
+            gx = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads_x, xs)]
+            self.sends += ex._send("grad", m, k - 1, gx, self.signature, self.mailbox)
+        sent = None
+        if not self.split:
+            store = self.deferred.pop((m, c))
+            if (m, c) in self.early:  # its weight gradients, now that the input's is on its way
+                sent = time.perf_counter()
+                ex._weight_pass(store, self.acc_of)
+        return start, sent
+
+    def _gradients(self, i: int, c: int, k: int, outputs: list[torch.Tensor], grad_y: Optional[list[torch.Tensor]],
+                   xs: list[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
+        """Backward from `outputs`: the chunk's parameter gradients added into their sums, the
+        gradients of the input's parts `xs` returned."""
+        inputs = xs + self.chunk_leaves[c]
+        if self.in_place:  # the parameters' gradients go into their .grad views, x's into x.grad
+            # the first piece's last backward: each parameter's sum is final as autograd adds to
+            # it (a later piece's reduction starts after the action, once the input's gradient,
+            # which the previous stage waits for, is on its way: measured 1% faster on PP2 x DP2
+            # gloo, ZeRO-1, than starting in backward)
+            done = self.final_after.get(i, ()) if k == 0 else ()
+            hooks = [self.leaves[p].register_post_accumulate_grad_hook(lambda leaf, p=p: self.final([p]))
+                     for p in done]
+            if outputs and inputs:  # no `inputs=`: the graph's only leaves that take a gradient are
+                # x and this chunk's parameters (1-2% of a B on 2 ranks went to autograd's walk for them)
+                torch.autograd.backward(outputs, grad_y)
+            for hook in hooks:
+                hook.remove()
+            return [t.grad for t in xs]
+        grads = torch.autograd.grad(outputs, inputs, grad_y, allow_unused=True) if outputs else \
+            (None,) * len(inputs)
+        with torch.no_grad():
+            for leaf, g in zip(self.chunk_leaves[c], grads[len(xs):]):
+                if g is not None:
+                    self.acc_of[id(leaf)].add_(g)
+        return grads[:len(xs)]
 
 
 def _packed_in_place(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], torch.Tensor]) -> None:
