@@ -1,14 +1,15 @@
 """A DeepSpeed training script moved to fspeed by changing one line: the import.
 
     fspeed --num_gpus 2 examples/deepspeed_script_moved_over.py --deepspeed --deepspeed_config examples/ds_config.json
-    fspeed --num_gpus 2 examples/deepspeed_script_moved_over.py --deepspeed_config examples/ds_config.json --resume
+    fspeed --num_gpus 1 examples/deepspeed_script_moved_over.py --deepspeed_config examples/ds_config.json --resume
 
 With `import deepspeed` instead, the same file runs under DeepSpeed's launcher (`deepspeed --num_gpus 2
 examples/deepspeed_script_moved_over.py ...`). What the script uses of DeepSpeed's API, and fspeed
 provides: `add_config_arguments`, `init_distributed()`, `initialize(args=, model=, model_parameters=,
 training_data=)` returning (engine, optimizer, loader, lr scheduler), and the engine's
 `engine(**batch)`, `backward`, `step`, `device`, `global_rank`, `global_steps`, `get_lr`,
-`save_checkpoint` and `load_checkpoint` (which also reads a checkpoint DeepSpeed itself saved).
+`save_checkpoint` and `load_checkpoint` (which also reads a checkpoint DeepSpeed itself saved; the
+second command above resumes the 2-rank run's checkpoint on one rank).
 
 Lines of a DeepSpeed script that do need changing (this one avoids them):
 
