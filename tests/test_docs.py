@@ -37,16 +37,38 @@ def _ids(blocks: list[Block]) -> list[str]:
 # ------------------------------------------------------------------------------------- code blocks
 
 
+def _once(tmp_path_factory, name: str, make) -> Path:
+    """`make(directory)` run once per test session, also when pytest-xdist spreads the tests over
+    workers (they share the session's base directory; a lock makes the others wait and reuse it)."""
+    from filelock import FileLock  # noqa: PLC0415 - torch's own dependency
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    directory, done = base / name, base / f"{name}.done"
+    with FileLock(str(base / f"{name}.lock")):
+        if not done.exists():
+            directory.mkdir(exist_ok=True)
+            make(directory)
+            done.write_text("ok")
+    return directory
+
+
 @pytest.fixture(scope="module")
 def page_results(tmp_path_factory):
     """Every single-process page run in one subprocess (fspeed imported once)."""
-    out = tmp_path_factory.mktemp("docs") / "pages.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "docs_blocks.py"), str(out), *PYTHON_PAGES],
-                          capture_output=True, text=True, env=docs_blocks.environment(), cwd=ROOT,
-                          timeout=PAGE_TIMEOUT_S * max(1, len(PYTHON_PAGES)))
-    if not out.exists():
-        pytest.fail(f"the page runner died (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(out.read_text()), proc.stdout + proc.stderr
+
+    def run(directory: Path) -> None:
+        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "docs_blocks.py"), str(directory / "pages.json"),
+                               *PYTHON_PAGES], capture_output=True, text=True, env=docs_blocks.environment(), cwd=ROOT,
+                              timeout=PAGE_TIMEOUT_S * max(1, len(PYTHON_PAGES)))
+        (directory / "output.txt").write_text(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+    directory = _once(tmp_path_factory, "docs-pages", run)
+    output = (directory / "output.txt").read_text()
+    if not (directory / "pages.json").exists():
+        pytest.fail(f"the page runner died:\n{output}")
+    return json.loads((directory / "pages.json").read_text()), output
 
 
 @pytest.mark.parametrize("page", PYTHON_PAGES)
@@ -204,12 +226,18 @@ def test_api_pages_document_each_public_name_once():
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     """The site built once with `mkdocs build --strict`."""
-    out = tmp_path_factory.mktemp("site")
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return out
+
+    def build(directory: Path) -> None:
+        env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+        proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(directory / "site")],
+                              cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+        (directory / "exit").write_text(str(proc.returncode))
+        (directory / "output.txt").write_text(f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+    directory = _once(tmp_path_factory, "docs-site", build)
+    assert (directory / "exit").read_text() == "0", \
+        f"mkdocs build --strict failed:\n{(directory / 'output.txt').read_text()}"
+    return directory / "site"
 
 
 def test_site_builds_strictly(site):
@@ -249,3 +277,11 @@ def test_site_renders_in_chromium(served):
             assert visit.title.endswith("fspeed"), (path, visit.title)
             colours = png_colours(visit.png)
             assert colours > 16, f"{path}: the screenshot looks blank ({colours} colours)"
+
+
+def test_rendered_fences_drop_the_test_attributes():
+    import generate  # noqa: PLC0415 - docs/hooks
+
+    page = "```python ranks=2\nx\n```\n  ```bash no-run\ny\n  ```\n```python title=\"t\"\nz\n```\n"
+    assert generate.on_page_markdown(page, None, None, None) == (
+        '```python title="on 2 ranks"\nx\n```\n  ```bash\ny\n  ```\n```python title="t"\nz\n```\n')

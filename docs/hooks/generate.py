@@ -5,6 +5,7 @@ They are built from the code and `benchmarks/results/` at every build, never wri
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -26,6 +27,22 @@ def generated_pages() -> dict[str, str]:
         "reference/benchmarks.md": benchmark_tables.render(),
         **api_pages.pages(),
     }
+
+
+FENCE = re.compile(r"^(?P<head>[ \t]*(?:`{3,}|~{3,})[A-Za-z0-9_+-]+)[ \t]+(?P<attrs>[^`\n]*)$", re.MULTILINE)
+
+
+def _fence(match: re.Match) -> str:
+    """A fence's test attributes (`ranks=N`, `no-run`; tests/docs_blocks.py) as the rendered title."""
+    words = match.group("attrs").split()
+    if not all(w == "no-run" or re.fullmatch(r"ranks=\d+", w) for w in words):
+        return match.group(0)
+    ranks = [w.split("=")[1] for w in words if w.startswith("ranks=")]
+    return match.group("head") + (f' title="on {ranks[0]} ranks"' if ranks else "")
+
+
+def on_page_markdown(markdown, page, config, files):
+    return FENCE.sub(_fence, markdown)
 
 
 def on_files(files, config):
