@@ -22,6 +22,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): a worker per core, at most 4. Most of the suite's time is spent
+    in one process or waiting on the ranks and runs its distributed tests start, so two workers on two
+    cores keep both busy; more than 4 would start more gloo ranks than a machine's memory is worth."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
 @pytest.fixture(scope="session")
 def world2():
     with GlooWorld(2) as world:
