@@ -178,13 +178,29 @@ def rows(cls: type, prefix: str, yaml_values: dict | None, yaml_comments: dict[s
                             f"{yaml_prefix}{f.name}.")
             continue
         meaning = field_comment(cls, f.name) or yaml_comments.get(yaml_prefix + f.name, "")
+        if f.name == "name" and prefix in schema.GROUPS:
+            meaning = meaning or f"the option, chosen with `{prefix}=<name>`"
         yield key, _allowed(cls, f), _default(cls, f, yaml_values), meaning
 
 
+@functools.cache
+def deepspeed_sources() -> dict[str, list[str]]:
+    """{fspeed key: the DeepSpeed keys the translator turns into it}."""
+    import deepspeed_reference  # noqa: PLC0415 - docs/hooks, beside this module
+
+    sources: dict[str, list[str]] = {}
+    for ds_key, targets in deepspeed_reference.taken().items():
+        for target in targets:
+            if "=" not in target:
+                sources.setdefault(target, []).append(ds_key)
+    return sources
+
+
 def table(row_iter) -> list[str]:
-    out = ["| key | type and allowed values | default | meaning |", "|---|---|---|---|"]
+    out = ["| key | type and allowed values | default | meaning | from DeepSpeed |", "|---|---|---|---|---|"]
     for key, allowed, default, meaning in row_iter:
-        out.append(f"| `{key}` | {_cell(allowed)} | {default} | {_cell(meaning)} |")
+        ds = ", ".join(f"`{k}`" for k in deepspeed_sources().get(key, []))
+        out.append(f"| `{key}` | {_cell(allowed)} | {default} | {_cell(meaning)} | {ds} |")
     return out
 
 
@@ -208,7 +224,8 @@ def render() -> str:
         "into these keys ([DeepSpeed keys](deepspeed-keys.md)).",
         "",
         "Defaults are the packaged configuration's (`conf/`), which tunes a few of the schema's "
-        "DeepSpeed defaults for the small default job. An unknown key, a wrong type or a value outside the "
+        "DeepSpeed defaults for the small default job. The last column names the `ds_config.json` keys that "
+        "translate into each key. An unknown key, a wrong type or a value outside the "
         "allowed range stops `fspeed-train` before training, naming the key, the value and what is allowed.",
         "",
         "## Groups",

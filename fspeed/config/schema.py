@@ -48,14 +48,14 @@ class ModelConfig(ValidatedConfig):
     """A decoder-only GPT. vocab_size is not configured: it comes from the tokenizer."""
 
     name: str = "char_gpt"
-    n_layer: int = setting(4, POSITIVE)
-    n_head: int = setting(4, POSITIVE)
-    d_model: int = setting(128, POSITIVE)
+    n_layer: int = setting(4, POSITIVE)  # transformer blocks
+    n_head: int = setting(4, POSITIVE)  # attention heads per block
+    d_model: int = setting(128, POSITIVE)  # width of the residual stream
     d_ff: Optional[int] = setting(None, POSITIVE)  # None = 4 * d_model
-    seq_len: int = setting(128, POSITIVE)
-    dropout: float = setting(0.0, UNIT_INTERVAL)
-    tie_embeddings: bool = True
-    init_std: float = setting(0.02, POSITIVE)
+    seq_len: int = setting(128, POSITIVE)  # context length in tokens
+    dropout: float = setting(0.0, UNIT_INTERVAL)  # dropout probability (embeddings and residual branches)
+    tie_embeddings: bool = True  # the output head reuses the token embedding
+    init_std: float = setting(0.02, POSITIVE)  # standard deviation of the weights' normal initialisation
     attention: Literal["dense", "sparse"] = "dense"  # "sparse": block-sparse with the sparse_attention section
 
     def relation_problems(self) -> list[Problem]:
@@ -325,7 +325,7 @@ class TrainConfig(ValidatedConfig):
     train_batch_size: Optional[int] = setting(None, POSITIVE)  # train_batch_size
     micro_batch_size: Optional[int] = setting(32, POSITIVE)  # train_micro_batch_size_per_gpu
     grad_accum: Optional[int] = setting(None, POSITIVE)  # gradient_accumulation_steps
-    seed: int = setting(0, NON_NEGATIVE)
+    seed: int = setting(0, NON_NEGATIVE)  # initialisation, data order and dropout
     gradient_clipping: float = setting(1.0, NON_NEGATIVE)  # 0 disables; DeepSpeed's default is 1.0
     steps_per_print: Optional[int] = setting(None, POSITIVE)
     eval_every: int = setting(100, NON_NEGATIVE)  # 0 = only at the end
@@ -375,7 +375,7 @@ class CheckpointConfig(ValidatedConfig):
     when it is not; required: an error when it is not); how many to keep; whether a failing or
     interrupted run saves where it stopped."""
 
-    dir: str = required(NON_EMPTY)
+    dir: str = required(NON_EMPTY)  # where checkpoints are written and resumed from
     save_every: int = setting(0, NON_NEGATIVE)  # 0 = only at the end
     resume: Union[bool, Literal["required"]] = False
     keep_last: int = setting(0, NON_NEGATIVE)  # keep the N newest global_step<N> checkpoints; 0 = all
@@ -395,11 +395,11 @@ class MonitorConfig(ValidatedConfig):
     wandb: bool = False
     csv_dir: Optional[str] = setting(None, NON_EMPTY)
     tensorboard_dir: Optional[str] = setting(None, NON_EMPTY)
-    wandb_dir: Optional[str] = setting(None, NON_EMPTY)
+    wandb_dir: Optional[str] = setting(None, NON_EMPTY)  # the W&B run's files (None: <run dir>/wandb)
     wandb_project: str = setting("fspeed", NON_EMPTY)
     wandb_team: Optional[str] = None
     wandb_group: Optional[str] = None
-    wandb_name: Optional[str] = None
+    wandb_name: Optional[str] = None  # the W&B run's name (None: W&B picks one)
     wandb_mode: Literal["offline", "online"] = "offline"
 
 
