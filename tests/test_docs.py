@@ -189,9 +189,11 @@ def test_benchmark_page_renders_results_and_says_when_there_are_none(tmp_path):
     assert "No benchmark results are recorded yet" in benchmark_tables.render(tmp_path)
     (tmp_path / "zero_comm.json").write_text(json.dumps({
         "benchmark": "zero_comm", "date": "2025-01-02", "commit": "0123456789abcdef", "machine": "2 CPU cores",
-        "command": "python benchmarks/zero_comm.py", "figures": {"zero3_comm_over_theory": 0.96712}}))
+        "command": "python benchmarks/zero_comm.py", "figures": {"zero3_comm_over_theory": 0.96712, "mode": "tmpfs",
+                                                              "ratio": None}, "notes": {"ratio": "no baseline"}}))
     page = benchmark_tables.render(tmp_path)
-    assert "## zero_comm" in page and "| `zero3_comm_over_theory` | 0.9671 |" in page and "`0123456789`" in page
+    assert "## zero_comm" in page and "| `zero3_comm_over_theory` | 0.9671 |  |" in page and "`0123456789`" in page
+    assert "| `mode` | tmpfs |  |" in page and "| `ratio` | n/a | no baseline |" in page
     (tmp_path / "bad.json").write_text(json.dumps({"benchmark": "bad"}))
     with pytest.raises(benchmark_tables.ResultError, match="bad.json: missing date"):
         benchmark_tables.render(tmp_path)

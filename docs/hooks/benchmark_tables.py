@@ -1,7 +1,8 @@
 """The benchmark page, generated from `benchmarks/results/*.json`.
 
-Each benchmark writes one file: {"benchmark", "date", "commit", "machine", "command", "figures":
-{name: number, ...}}. Every file found is rendered as one section; the page says so when there is none.
+Each benchmark writes one file (`benchmarks/figures.py`): {"benchmark", "date", "commit", "machine",
+"command", "figures": {name: value}, and optionally "notes": {name: text}}. Every file found is
+rendered as one section; the page says so when there is none.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def load(path: Path) -> dict[str, Any]:
         raise ResultError(f"{path}: missing {', '.join(missing)} (fields: {', '.join(FIELDS)})")
     if not isinstance(data["figures"], dict):
         raise ResultError(f"{path}: figures must be an object of name -> number")
+    if not isinstance(data.get("notes", {}), dict):
+        raise ResultError(f"{path}: notes must be an object of figure name -> text")
     return data
 
 
@@ -41,7 +44,11 @@ def results(directory: Path = RESULTS) -> list[dict[str, Any]]:
 
 
 def figure_text(value: Any) -> str:
-    """A figure as shown: up to 4 significant digits; other JSON values as written."""
+    """A figure as shown: up to 4 significant digits; null (nan or inf) as n/a; text as written."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, str):
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return json.dumps(value)
     if isinstance(value, int):
@@ -75,8 +82,10 @@ def render(directory: Path = RESULTS) -> str:
         out += ["", f"## {name} {{#{anchor(name)}}}", "",
                 f"{_cell(data['date'])}, commit `{str(data['commit'])[:10]}`, {_cell(data['machine'])}.", "",
                 "```text", str(data["command"]), "```", "",
-                "| figure | value |", "|---|---|"]
-        out += [f"| `{_cell(k)}` | {figure_text(v)} |" for k, v in data["figures"].items()]
+                "| figure | value | note |", "|---|---|---|"]
+        notes = data.get("notes", {})
+        out += [f"| `{_cell(k)}` | {_cell(figure_text(v))} | {_cell(notes.get(k, ''))} |"
+                for k, v in data["figures"].items()]
     out.append("")
     return "\n".join(out)
 
