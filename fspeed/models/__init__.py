@@ -3,10 +3,11 @@
 from .causal_lm import causal_lm_loss
 from .decoder_layers import decoder_layers, decoder_layers_to_module
 from .gpt import GPT_RULES, GPTConfig, gpt, gpt_logical_axes, pad_vocab
-from .layers import Layer, LayerSequence, TiedLayer, head_of, sequential
+from .layers import Layer, LayerSequence
 from .layer_drop import LayerDrop, kept_blocks, step_layer_drop
 from .model import LogicalAxes, Model, count_params
 from .module import functionalize, to_module
+from .module_sequence import TiedLayer, head_of, sequential
 from .module_tp import MODULE_TP_RULES, tp_plan_from
 from .ops import DENSE, DenseOps
 from .traced import traced_layers

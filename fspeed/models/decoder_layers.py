@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .causal_lm import causal_lm_loss
-from .layers import TiedLayer, head_of, sequential
+from .module_sequence import TiedLayer, head_of, sequential
 from ..pytree import PyTree, tree_leaves, tree_paths
 from .model import Model
 from .module import nested, to_module

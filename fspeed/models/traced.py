@@ -44,7 +44,8 @@ from torch import nn
 from ..pytree import PyTree, subtree
 from ..rng import layer_generators
 from .fused_ops import fused_forwards
-from .layers import Layer, LayerSequence, _computing, _seeded, seed_of
+from .layers import Layer, LayerSequence
+from .module_calls import computing, seed_of, seeded
 from .model import Model
 from .causal_lm import fused_tail, output_head
 from .module import _match, nested, output_loss, repeated_blocks
@@ -153,7 +154,7 @@ class _Tracer:
     def graph(self, train: bool, dtype: torch.dtype) -> _Graph:
         key = (train, dtype)
         if key not in self.graphs:
-            with _computing((), self.fused, DENSE):
+            with computing((), self.fused, DENSE):
                 graph = _trace(self.module, self.kwargs, self.points, train, self.name, dtype)
             if dtype != next(self.module.parameters()).dtype:  # which crossing values are sizes: as traced first
                 reference = next(iter(self.graphs.values())).flow
@@ -445,7 +446,7 @@ def _stage_fn(tracer: _Tracer, i: int) -> Callable:
             if dtype is not None:
                 args = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != dtype
                         else a for a in args]
-            with _seeded(seed_of(rng)):
+            with seeded(seed_of(rng)):
                 return torch.func.functional_call(stage, tensors, tuple(args), strict=False, tie_weights=False)
         return graph.flow.run_stage(i, graph.stages[i], x, call)
     return fn
