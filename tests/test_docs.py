@@ -287,3 +287,35 @@ def test_rendered_fences_drop_the_test_attributes():
     page = "```python ranks=2\nx\n```\n  ```bash no-run\ny\n  ```\n```python title=\"t\"\nz\n```\n"
     assert generate.on_page_markdown(page, None, None, None) == (
         '```python title="on 2 ranks"\nx\n```\n  ```bash\ny\n  ```\n```python title="t"\nz\n```\n')
+
+
+def test_readme_benchmark_headline_is_the_results_files():
+    import benchmark_tables  # noqa: PLC0415
+
+    readme = (ROOT / "README.md").read_text()
+    assert benchmark_tables.readme_block() in readme, (
+        "README.md's benchmark headline differs from benchmarks/results/*.json: run "
+        "`python docs/hooks/benchmark_tables.py --readme`")
+
+
+def test_readme_benchmark_headline_renders_the_chosen_figures(tmp_path):
+    import benchmark_tables  # noqa: PLC0415
+
+    (tmp_path / "zero_comm.json").write_text(json.dumps({
+        "benchmark": "zero_comm", "date": "2025-01-02", "commit": "0123456789abcdef", "machine": "m",
+        "command": "c", "figures": {"zero3_comm_over_theory": 0.967, "other": 1}}))
+    table = benchmark_tables.readme_table(tmp_path)
+    assert "| `zero3_comm_over_theory` | 0.967 | 2025-01-02, `0123456789` |" in table and "other" not in table
+    readme = tmp_path / "README.md"
+    readme.write_text(f"a\n{benchmark_tables.readme_block(tmp_path / 'none')}\nb\n")
+    assert benchmark_tables.update_readme(readme, tmp_path) and "0.967" in readme.read_text()
+    assert not benchmark_tables.update_readme(readme, tmp_path)
+
+
+def test_readme_links_point_at_files():
+    import re  # noqa: PLC0415
+
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    missing = [t for t in targets if not t.startswith(("http://", "https://")) and not (ROOT / t).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"
