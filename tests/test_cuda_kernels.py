@@ -72,8 +72,8 @@ def env_without_simulator() -> dict:
 def test_cuda_kernels_under_the_simulator():
     require_numba_cuda()
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/cuda_sim_suite.py"],
-                 env, timeout=600)
+    result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",  # in that process
+                  "tests/cuda_sim_suite.py"], env, timeout=600)
     assert result.returncode == 0, f"simulator suite failed:\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
     assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
 
