@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -160,6 +161,90 @@ def run_pages(paths: list[str]) -> dict[str, dict]:
     return results
 
 
+# ------------------------------------------------------------------------- the ranks of a block
+
+
+class RankLauncher:
+    """Runs a script on N ranks, forked from a process that imported torch and fspeed once.
+
+    Each `python ranks=N` block would otherwise pay N interpreter starts and imports (seconds each
+    on a small machine). The launcher process (`python tests/docs_blocks.py --ranks-server`) has no
+    threads and has run no torch operation when it forks, so the children start clean; each runs
+    the script as `__main__` with torchrun's environment variables, its output in its own file.
+    """
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen([sys.executable, __file__, "--ranks-server"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True, cwd=ROOT, env=environment())
+
+    def run(self, script: Path, ranks: int, cwd: Path, env: dict[str, str], timeout_s: float) -> list[dict]:
+        """[{"rank", "code" (None: killed at the timeout), "output"}] for each rank."""
+        request = {"script": str(script), "ranks": ranks, "cwd": str(cwd), "env": env, "timeout_s": timeout_s}
+        self._proc.stdin.write(json.dumps(request) + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the ranks launcher died (exit {self._proc.wait()})")
+        codes = json.loads(line)
+        return [{"rank": r, "code": codes[r], "output": (cwd / f"rank{r}.out").read_text(errors="replace")}
+                for r in range(ranks)]
+
+    def close(self) -> None:
+        self._proc.stdin.close()
+        self._proc.wait(timeout=30)
+
+
+def _serve_ranks() -> None:
+    import runpy  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    import fspeed  # noqa: F401, PLC0415 - what the children need, imported once
+    import torch  # noqa: F401, PLC0415
+
+    for line in sys.stdin:
+        job = json.loads(line)
+        children = {}
+        for rank in range(job["ranks"]):
+            pid = os.fork()
+            if pid == 0:  # the rank
+                code = 1
+                try:
+                    out = os.open(os.path.join(job["cwd"], f"rank{rank}.out"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                    os.dup2(out, 1)
+                    os.dup2(out, 2)
+                    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+                    os.environ.clear()
+                    os.environ.update(job["env"], RANK=str(rank), LOCAL_RANK=str(rank))
+                    os.chdir(job["cwd"])
+                    sys.argv = [job["script"]]
+                    runpy.run_path(job["script"], run_name="__main__")
+                    code = 0
+                except SystemExit as stop:
+                    code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+                except BaseException:  # noqa: BLE001 - the rank's failure, in its output
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            children[pid] = rank
+        codes: list = [None] * job["ranks"]
+        deadline = time.monotonic() + job["timeout_s"]
+        while children and time.monotonic() < deadline:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                time.sleep(0.05)
+                continue
+            codes[children.pop(pid)] = os.waitstatus_to_exitcode(status)
+        for pid in children:  # past the timeout
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        print(json.dumps(codes), flush=True)
+
+
 if __name__ == "__main__":
-    out = sys.argv[1]
-    json.dump(run_pages(sys.argv[2:]), open(out, "w"), indent=1)  # noqa: SIM115
+    if sys.argv[1:] == ["--ranks-server"]:
+        _serve_ranks()
+    else:
+        out = sys.argv[1]
+        json.dump(run_pages(sys.argv[2:]), open(out, "w"), indent=1)  # noqa: SIM115

@@ -78,34 +78,26 @@ def test_python_blocks_of_page(page, page_results):
     assert result["ok"], f"{result['where']} failed:\n{result['error']}\n--- output of the page runner:\n{output[-2000:]}"
 
 
+@pytest.fixture(scope="module")
+def rank_launcher():
+    launcher = docs_blocks.RankLauncher()
+    yield launcher
+    launcher.close()
+
+
 @pytest.mark.parametrize("block", RANKS_BLOCKS, ids=_ids(RANKS_BLOCKS))
-def test_python_block_on_ranks(block, tmp_path):
+def test_python_block_on_ranks(block, tmp_path, rank_launcher):
     """A `python ranks=N` block: its own script on N processes with torchrun's environment variables."""
     from fspeed.testing import free_port  # noqa: PLC0415
 
     assert 1 <= block.ranks <= 8, f"{block.where}: ranks must be 1..8"
     script = tmp_path / "block.py"
     script.write_text("\n" * block.line + block.code)  # tracebacks name the page's own line numbers
-    port = free_port()
-    procs = []
-    for rank in range(block.ranks):
-        env = {**docs_blocks.environment(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "RANK": str(rank), "WORLD_SIZE": str(block.ranks), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(block.ranks), "GROUP_RANK": "0"}
-        procs.append(subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    failures = []
-    for rank, proc in enumerate(procs):
-        try:
-            out, _ = proc.communicate(timeout=LINE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            out = proc.communicate()[0]
-            failures.append(f"rank {rank} timed out after {LINE_TIMEOUT_S} s:\n{out[-2000:]}")
-            break
-        if proc.returncode != 0:
-            failures.append(f"rank {rank} exited {proc.returncode}:\n{out[-3000:]}")
+    env = {**docs_blocks.environment(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": str(block.ranks), "LOCAL_WORLD_SIZE": str(block.ranks), "GROUP_RANK": "0"}
+    ranks = rank_launcher.run(script, block.ranks, tmp_path, env, LINE_TIMEOUT_S)
+    failures = [f"rank {r['rank']} " + ("timed out" if r["code"] is None else f"exited {r['code']}")
+                + f":\n{r['output'][-3000:]}" for r in ranks if r["code"] != 0]
     assert not failures, f"{block.where} failed on {len(failures)} rank(s):\n" + "\n".join(failures)
 
 
@@ -319,3 +311,13 @@ def test_readme_links_point_at_files():
     targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
     missing = [t for t in targets if not t.startswith(("http://", "https://")) and not (ROOT / t).exists()]
     assert not missing, f"README.md links to missing files: {missing}"
+
+
+def test_rank_launcher_reports_each_rank(tmp_path, rank_launcher):
+    script = tmp_path / "s.py"
+    script.write_text("import os, sys, time\nrank = int(os.environ['RANK'])\nprint('rank', rank, os.environ['WORLD_SIZE'])\n"
+                      "if rank == 1:\n    raise ValueError('rank one fails')\nif rank == 2:\n    sys.exit(3)\n"
+                      "if rank == 3:\n    time.sleep(60)\n")
+    ranks = rank_launcher.run(script, 4, tmp_path, {"WORLD_SIZE": "4"}, timeout_s=5)
+    assert [r["code"] for r in ranks] == [0, 1, 3, None]
+    assert "rank 0 4" in ranks[0]["output"] and "ValueError: rank one fails" in ranks[1]["output"]
