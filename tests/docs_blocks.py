@@ -235,7 +235,9 @@ def _serve_ranks() -> None:
             if pid == 0:
                 time.sleep(0.05)
                 continue
-            codes[children.pop(pid)] = os.waitstatus_to_exitcode(status)
+            codes[children.pop(pid)] = code = os.waitstatus_to_exitcode(status)
+            if code != 0:  # the others would wait for it in a collective: a short grace, then stop them
+                deadline = min(deadline, time.monotonic() + 10)
         for pid in children:  # past the timeout
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
