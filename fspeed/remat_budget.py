@@ -25,7 +25,9 @@ import torch
 from .rematerialization import RematProfile, remat
 from .host_memory import live_host_bytes
 from .models.model import Model
+from .optim.sgd import sgd
 from .pytree import PyTree
+from .train_init import init_train_state
 from .train_step import gc_paused, make_train_step
 
 CANDIDATES: tuple[tuple[Optional[str], int], ...] = (
@@ -72,10 +74,7 @@ def bytes_kept_for_backward(run: Callable[[], Any], device: torch.device = torch
 def measure_activations(model: Model, params: PyTree, micro_batch: Any, *, seed: int = 0) -> tuple[int, float]:
     """(bytes one micro-batch's forward keeps for backward, seconds of its forward and backward),
     measured through `make_train_step` on one process, after one warm-up step (module docstring)."""
-    from . import optim  # noqa: PLC0415 (the package imports this module)
-    from .train_init import init_train_state  # noqa: PLC0415
-
-    opt = optim.sgd(0.0)
+    opt = sgd(0.0)
     state = init_train_state(params, opt, seed=seed, model=model if model.init_buffers is not None else None)
     step = make_train_step(model.loss, opt)
     state, _ = step(state, micro_batch)  # first-step allocations (buffers, caches) are not activations

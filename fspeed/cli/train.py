@@ -58,6 +58,7 @@ from ..parallel import (CommLog, Mesh, Plan, estimate_memory, init_distributed, 
                         shutdown_distributed, tensor_slicing, zero)
 from ..parallel.memory import state_bytes_per_parameter
 from ..train_init import init_train_state
+from ..train_state import TrainState
 from ..timers import METRIC_KEYS, breakdown_summary
 from ..train_step import NonFiniteError, make_train_step
 from .observe import (FlopsWatch, check_monitor_packages, finish_lr_range_test, metrics_csv_path, open_monitors,
@@ -169,190 +170,236 @@ def run_training(run: RunConfig, out_dir: Path) -> dict[str, Any]:
     Under a launcher (WORLD_SIZE > 1) every rank runs this: each data rank trains on its share of
     every global batch; rank 0 alone logs, writes metrics and saves.
     """
-    t = run.train
-    triad = run.batch
-    check_monitor_packages(run)
-    torch.manual_seed(t.seed)
-    t0 = time.perf_counter()
-    ckpt_dir = Path(run.checkpoint.dir)
-    resume_tag = resumable_tag(run, out_dir)
-    device = build_device(run)
-    job = _user_job(run, device) if isinstance(run.model, TargetConfig) else _corpus_job(run, ckpt_dir, resume_tag)
-    model, remat_profile = apply_activation_checkpointing(run, job.model)
-    mesh, plan = _parallel_setup(run, job.rules, model, job.train_rows, device)
-    lead = mesh is None or mesh.rank == 0
-    if not lead:
-        log.setLevel(logging.WARNING)
-        logging.getLogger("fspeed.config").setLevel(logging.ERROR)  # what the config implies: rank 0 says it
-    dp, data_rank = (mesh.size("data"), mesh.coordinate("data")) if mesh else (1, 0)
-    batches = RunBatches(run, job.train_rows, data_rank, dp, mesh, model)
-    val_batches = [] if job.val_rows is None else data.Loader(
-        job.val_rows, data.BatchSampler(len(job.val_rows), triad.micro_batch_size * dp, t.seed, rank=data_rank,
-                                        world_size=dp)).eval_batches(t.eval_batches)
+    training = _TrainingRun(run, out_dir)
+    training.train()
+    return training.finish()
 
-    optimizer = build_optimizer(run)
-    precision = build_precision(run)
-    params = model.init(torch.Generator().manual_seed(t.seed))
-    activations = 0
-    if run.activation_checkpointing.budget_mib is not None:  # every rank measures the same, on its own
-        sample = data.Loader(job.train_rows, data.BatchSampler(len(job.train_rows), triad.train_batch_size, t.seed,
-                                                               rank=data_rank, world_size=dp)).batch(0)
-        micro = split_micro_batches(sample, triad.grad_accum)[0]  # full length: the curriculum's longest
-        model, choice = remat_within_budget(model, params, micro, int(run.activation_checkpointing.budget_mib * 2**20))
-        activations = choice.tried[-1][2]
-        log.info("%s", choice)
-    state = init_train_state(params, optimizer, precision=precision, seed=t.seed, device=device, plan=plan, mesh=mesh,
-                             model=model)
-    try:  # before the first step: can every rank save, and is there room for one checkpoint?
-        checkpoint.preflight(ckpt_dir, state, mesh=mesh)
-    except CheckpointError as e:
-        raise ConfigError([Problem("checkpoint.dir", str(e))]) from None
-    if resume_tag is not None:
-        state, saved_client_state = checkpoint.load_checkpoint(ckpt_dir, state, tag=resume_tag, mesh=mesh)
-        batches.resume(saved_client_state, state.step)
-        log.info("resumed from %s at step %d", ckpt_dir / resume_tag, state.step)
-    elif run.checkpoint.resume and lead:
-        log.warning("%s", nothing_to_resume_line(run, out_dir))
-    if resume_tag is None and run.checkpoint.init_from:  # fine-tuning: weights only, a fresh optimizer (a resume wins)
+
+class _TrainingRun:
+    """One run of `fspeed-train`: set up from the config (`__init__`: the job, the parallel layout, the
+    state, resumed or initialized, the step), trained (`train`: the loop, its metrics, evaluation,
+    saves and stop requests), then saved and summarized (`finish`)."""
+
+    def __init__(self, run: RunConfig, out_dir: Path):
+        self.run, self.out_dir = run, out_dir
+        t, triad = run.train, run.batch
+        check_monitor_packages(run)
+        torch.manual_seed(t.seed)
+        t0 = time.perf_counter()
+        self.ckpt_dir = Path(run.checkpoint.dir)
+        resume_tag = resumable_tag(run, out_dir)
+        device = build_device(run)
+        job = _user_job(run, device) if isinstance(run.model, TargetConfig) else \
+            _corpus_job(run, self.ckpt_dir, resume_tag)
+        self.job, self.client_state = job, job.client_state
+        model, self.remat_profile = apply_activation_checkpointing(run, job.model)
+        mesh, plan = self.mesh, self.plan = _parallel_setup(run, job.rules, model, job.train_rows, device)
+        self.lead = mesh is None or mesh.rank == 0
+        if not self.lead:
+            log.setLevel(logging.WARNING)
+            logging.getLogger("fspeed.config").setLevel(logging.ERROR)  # what the config implies: rank 0 says it
+        dp, data_rank = (mesh.size("data"), mesh.coordinate("data")) if mesh else (1, 0)
+        self.batches = RunBatches(run, job.train_rows, data_rank, dp, mesh, model)
+        self.val_batches = [] if job.val_rows is None else data.Loader(
+            job.val_rows, data.BatchSampler(len(job.val_rows), triad.micro_batch_size * dp, t.seed, rank=data_rank,
+                                            world_size=dp)).eval_batches(t.eval_batches)
+        optimizer = build_optimizer(run)
+        precision = build_precision(run)
+        params = model.init(torch.Generator().manual_seed(t.seed))
+        model, activations = _within_remat_budget(run, model, params, job.train_rows, data_rank, dp)
+        self.model = model
+        state = init_train_state(params, optimizer, precision=precision, seed=t.seed, device=device, plan=plan,
+                                 mesh=mesh, model=model)
+        self.state = self._resumed_or_initialized(state, resume_tag)
+        log.info(
+            "%s: %s parameters, %s, batch %s, optimizer %s, precision %s, %s; data ready in %.1fs",
+            model.name, f"{count_params(params):,}", ", ".join(filter(None, (job.summary, self.batches.summary()))),
+            triad.derivation, optimizer, precision.name,
+            f"{plan!r} on {mesh!r}" if plan else "one process", time.perf_counter() - t0,
+        )
+        log.info("%s", estimate_memory(params, plan or Plan(), mesh.sizes if mesh else {"data": 1}, precision,
+                                       optimizer_state_bytes=state_bytes_per_parameter(optimizer),
+                                       logical_axes=model.logical_axes, activations=activations,
+                                       layers=model.layers))
+        if self.state.layout.pipeline is not None:
+            log.info("pipeline stages:\n%s", self.state.layout.pipeline.describe())
+        self.timers = step_timers(run)
+        stepped = model if self.state.layout.pipeline is not None else model.loss  # a pipeline runs the layers
+        self.train_step = make_train_step(stepped, optimizer, grad_accum=triad.grad_accum, plan=plan, mesh=mesh,
+                                          on_nonfinite=on_nonfinite_policy(run), timers=self.timers)
+        self.eval_step = make_eval_step(stepped, plan=plan, mesh=mesh)
+
+    def _resumed_or_initialized(self, state: TrainState, resume_tag: Optional[str]) -> TrainState:
+        """`state` after the checks before the first step (can every rank save, with room for one
+        checkpoint?), resumed from `resume_tag`, or with the weights of checkpoint.init_from."""
+        run, mesh = self.run, self.mesh
         try:
-            state = checkpoint.init_from_weights(state, run.checkpoint.init_from)
+            checkpoint.preflight(self.ckpt_dir, state, mesh=mesh)
         except CheckpointError as e:
-            raise ConfigError([Problem("checkpoint.init_from", str(e))]) from None
-        log.info("weights from %s", run.checkpoint.init_from)
-    log.info(
-        "%s: %s parameters, %s, batch %s, optimizer %s, precision %s, %s; data ready in %.1fs",
-        model.name, f"{count_params(params):,}", ", ".join(filter(None, (job.summary, batches.summary()))),
-        triad.derivation, optimizer, precision.name,
-        f"{plan!r} on {mesh!r}" if plan else "one process", time.perf_counter() - t0,
-    )
+            raise ConfigError([Problem("checkpoint.dir", str(e))]) from None
+        if resume_tag is not None:
+            state, saved_client_state = checkpoint.load_checkpoint(self.ckpt_dir, state, tag=resume_tag, mesh=mesh)
+            self.batches.resume(saved_client_state, state.step)
+            log.info("resumed from %s at step %d", self.ckpt_dir / resume_tag, state.step)
+        elif run.checkpoint.resume and self.lead:
+            log.warning("%s", nothing_to_resume_line(run, self.out_dir))
+        if resume_tag is None and run.checkpoint.init_from:  # fine-tuning: weights only, a fresh optimizer
+            try:
+                state = checkpoint.init_from_weights(state, run.checkpoint.init_from)
+            except CheckpointError as e:
+                raise ConfigError([Problem("checkpoint.init_from", str(e))]) from None
+            log.info("weights from %s", run.checkpoint.init_from)
+        return state
 
-    log.info("%s", estimate_memory(params, plan or Plan(), mesh.sizes if mesh else {"data": 1}, precision,
-                                   optimizer_state_bytes=state_bytes_per_parameter(optimizer),
-                                   logical_axes=model.logical_axes, activations=activations, layers=model.layers))
-    if state.layout.pipeline is not None:
-        log.info("pipeline stages:\n%s", state.layout.pipeline.describe())
-    timers = step_timers(run)
-    stepped = model if state.layout.pipeline is not None else model.loss  # a pipeline runs the model's layers
-    train_step = make_train_step(stepped, optimizer, grad_accum=triad.grad_accum, plan=plan, mesh=mesh,
-                                 on_nonfinite=on_nonfinite_policy(run), timers=timers)
-    eval_step = make_eval_step(stepped, plan=plan, mesh=mesh)
+    def save(self, state: TrainState) -> Path:
+        """A checkpoint of `state` with the run's client state; with a mesh, a collective: every rank
+        writes its own shard."""
+        loader_state = self.batches.state_dict()
+        client = self.client_state if loader_state is None else {**self.client_state, LOADER_KEY: loader_state}
+        return checkpoint.save_checkpoint(self.ckpt_dir, state, client_state=client, mesh=self.mesh,
+                                          keep_last=self.run.checkpoint.keep_last)
 
-    def save(s):  # with a mesh, a collective: every rank writes its own shard
-        loader_state = batches.state_dict()
-        client = client_state if loader_state is None else {**client_state, LOADER_KEY: loader_state}
-        return checkpoint.save_checkpoint(ckpt_dir, s, client_state=client, mesh=mesh,
-                                          keep_last=run.checkpoint.keep_last)
+    def evaluate(self, state: TrainState) -> Optional[float]:
+        """The mean validation loss, or None without validation data."""
+        if not self.val_batches:
+            return None
+        return sum(self.eval_step(state, b) for b in self.val_batches) / len(self.val_batches)
 
-    def evaluate(s) -> Optional[float]:
-        return sum(eval_step(s, b) for b in val_batches) / len(val_batches) if val_batches else None
+    def train(self) -> None:
+        """Steps until the configured count (module docstring: a stop request, a divergence or a
+        failure saves the last good step first, where it can)."""
+        run = self.run
+        self.flops_watch = FlopsWatch(run, self.model, self.mesh, self.lead, run.batch.grad_accum)
+        self.monitor = open_monitors(run, self.out_dir, self.batches.metric_names) if self.lead else None
+        self.breakdowns: list[dict[str, float]] = []
+        self.remat_sums: dict[str, dict[str, float]] = {}  # activation_checkpointing.profile: ms per block
+        self.first_step = self.state.step
+        self.lr_curve: list[tuple[float, float]] = []  # scheduler=lr_range_test: (lr, loss) of each applied step
+        self.val_start = self.evaluate(self.state)
+        if self.val_start is not None:
+            log.info("step %d: val_loss %.4f", self.state.step, self.val_start)
+            if self.monitor:
+                self.monitor.write({"step": self.state.step, "samples": self.state.samples,
+                                    "val_loss": self.val_start})
+        self.bar = _progress_bar(run, self.state.step, self.batches.steps) if self.lead else None
+        self.val_loss, self.metrics = self.val_start, {}
+        self.window_start, self.window_steps = time.perf_counter(), 0
+        self.train_start = time.perf_counter()
+        stops = StopRequests() if run.checkpoint.save_on_failure else nullcontext()
+        with stops:
+            try:
+                while self.state.step < self.batches.steps:
+                    self._step()
+                    last = self.state.step == self.batches.steps
+                    if run.checkpoint.save_every and self.state.step % run.checkpoint.save_every == 0 and not last:
+                        self.save(self.state)
+                    signum = stops.agreed(self.mesh) if isinstance(stops, StopRequests) else None
+                    if signum and not last:
+                        raise TrainingStopped(signum, self.state.step)
+            except BaseException as error:
+                if run.checkpoint.save_on_failure:
+                    _save_last_good_step(error, self.state, self.save, self.mesh, self.ckpt_dir)
+                raise
+            finally:
+                if self.bar is not None:
+                    self.bar.close()
+                if self.monitor:
+                    if self.mesh is not None:
+                        self.monitor.write_scalars(comm_scalars(self.mesh.log), self.state.step)
+                    self.monitor.close()
 
-    client_state = job.client_state
-    flops_watch = FlopsWatch(run, model, mesh, lead, triad.grad_accum)
-    monitor = open_monitors(run, out_dir, batches.metric_names) if lead else None
-    breakdowns: list[dict[str, float]] = []
-    remat_sums: dict[str, dict[str, float]] = {}  # activation_checkpointing.profile: ms per block, this run
-    first_step = state.step
-    lr_curve: list[tuple[float, float]] = []  # scheduler=lr_range_test: (lr, loss) of each applied step
-    val_start = evaluate(state)
-    if val_start is not None:
-        log.info("step %d: val_loss %.4f", state.step, val_start)
-        if monitor:
-            monitor.write({"step": state.step, "samples": state.samples, "val_loss": val_start})
+    def _step(self) -> None:
+        """One training step, and its row of metrics: recorded, evaluated on schedule, written, shown."""
+        t = self.run.train
+        batch, batch_metrics = self.batches.batch(self.state.step)
+        self.flops_watch.before_step(self.state, batch)
+        self.state, self.metrics = self.train_step(self.state, batch)
+        state, metrics = self.state, self.metrics
+        self.window_steps += 1
+        samples_per_s = self.window_steps * self.run.batch.train_batch_size / (time.perf_counter() - self.window_start)
+        row = {k: metrics[k] for k in ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped")}
+        row.update(samples=state.samples, samples_per_s=samples_per_s,
+                   elapsed_s=time.perf_counter() - self.train_start, **batch_metrics)
+        if self.job.tokens_per_row:
+            row["tokens_per_s"] = samples_per_s * batch_metrics.get("curriculum_seqlen", self.job.tokens_per_row)
+        if self.run.scheduler.name == "lr_range_test" and not metrics["skipped"]:
+            self.lr_curve.append((metrics["lr"], metrics["loss"]))
+        if self.remat_profile is not None:
+            sums = self.remat_profile.take()
+            self.remat_profile.merge(self.remat_sums, sums)
+            row.update(self.remat_profile.totals(sums))
+        if self.timers is not None:
+            self.breakdowns.append({k: metrics[k] for k in METRIC_KEYS})
+            row.update(self.breakdowns[-1])
+            self.flops_watch.after_step(state, metrics, row)
+        last = state.step == self.batches.steps
+        if self.val_batches and ((t.eval_every and state.step % t.eval_every == 0) or last):
+            self.val_loss = self.evaluate(state)
+            row["val_loss"] = self.val_loss
+        if self.monitor:
+            self.monitor.write(row)
+        if self.bar is not None:
+            rate = {"tok_s": f"{row['tokens_per_s']:,.0f}"} if "tokens_per_s" in row \
+                else {"samples_s": f"{samples_per_s:,.1f}"}
+            val = {"val": f"{self.val_loss:.3f}"} if self.val_loss is not None else {}
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", **rate, **val,
+                                 refresh=False)
+            self.bar.update(1)
+        if self.lead and (state.step % (t.steps_per_print or t.log_every) == 0 or last or "val_loss" in row):
+            _log_line(row, self.bar)
+            self.window_start, self.window_steps = time.perf_counter(), 0
 
-    print_every = t.steps_per_print or t.log_every
-    samples_per_step = triad.train_batch_size
-    bar = _progress_bar(run, state.step, batches.steps) if lead else None
-    val_loss, metrics = val_start, {}
-    window_start, window_steps = time.perf_counter(), 0
-    train_start = time.perf_counter()
-    stops = StopRequests() if run.checkpoint.save_on_failure else nullcontext()
-    with stops:
-        try:
-            while state.step < batches.steps:
-                batch, batch_metrics = batches.batch(state.step)
-                flops_watch.before_step(state, batch)
-                state, metrics = train_step(state, batch)
-                window_steps += 1
-                elapsed = time.perf_counter() - window_start
-                samples_per_s = window_steps * samples_per_step / elapsed
-                row = {k: metrics[k] for k in ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped")}
-                row.update(samples=state.samples, samples_per_s=samples_per_s,
-                           elapsed_s=time.perf_counter() - train_start, **batch_metrics)
-                if job.tokens_per_row:
-                    row["tokens_per_s"] = samples_per_s * batch_metrics.get("curriculum_seqlen", job.tokens_per_row)
-                if run.scheduler.name == "lr_range_test" and not metrics["skipped"]:
-                    lr_curve.append((metrics["lr"], metrics["loss"]))
-                if remat_profile is not None:
-                    sums = remat_profile.take()
-                    remat_profile.merge(remat_sums, sums)
-                    row.update(remat_profile.totals(sums))
-                if timers is not None:
-                    breakdowns.append({k: metrics[k] for k in METRIC_KEYS})
-                    row.update(breakdowns[-1])
-                    flops_watch.after_step(state, metrics, row)
-                last = state.step == batches.steps
-                if val_batches and ((t.eval_every and state.step % t.eval_every == 0) or last):
-                    val_loss = evaluate(state)
-                    row["val_loss"] = val_loss
-                if monitor:
-                    monitor.write(row)
-                if bar is not None:
-                    rate = {"tok_s": f"{row['tokens_per_s']:,.0f}"} if "tokens_per_s" in row \
-                        else {"samples_s": f"{samples_per_s:,.1f}"}
-                    val = {"val": f"{val_loss:.3f}"} if val_loss is not None else {}
-                    bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", **rate, **val,
-                                    refresh=False)
-                    bar.update(1)
-                if lead and (state.step % print_every == 0 or last or "val_loss" in row):
-                    _log_line(row, bar)
-                    window_start, window_steps = time.perf_counter(), 0
-                if run.checkpoint.save_every and state.step % run.checkpoint.save_every == 0 and not last:
-                    save(state)
-                signum = stops.agreed(mesh) if isinstance(stops, StopRequests) else None
-                if signum and not last:
-                    raise TrainingStopped(signum, state.step)
-        except BaseException as error:
-            if run.checkpoint.save_on_failure:
-                _save_last_good_step(error, state, save, mesh, ckpt_dir)
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-            if monitor:
-                if mesh is not None:
-                    monitor.write_scalars(comm_scalars(mesh.log), state.step)
-                monitor.close()
-    path = save(state)
-    train_time = time.perf_counter() - train_start
-    drop = 1.0 - val_loss / val_start if val_start is not None else None
-    summary = {
-        "val_loss_start": val_start, "val_loss_end": val_loss, "val_loss_drop": drop,
-        "steps": state.step, "skipped_steps": state.skipped_steps, "train_seconds": train_time,
-        "checkpoint": str(path), "metrics_csv": str(metrics_csv_path(run, out_dir) or "") or None,
-    }
-    if not lead:
+    def finish(self) -> dict[str, Any]:
+        """The final checkpoint and the run's summary; rank 0 prints it (with the communication,
+        breakdown and remat tables the run collected)."""
+        run, state, val_start, val_loss = self.run, self.state, self.val_start, self.val_loss
+        path = self.save(state)
+        train_time = time.perf_counter() - self.train_start
+        drop = 1.0 - val_loss / val_start if val_start is not None else None
+        summary = {
+            "val_loss_start": val_start, "val_loss_end": val_loss, "val_loss_drop": drop,
+            "steps": state.step, "skipped_steps": state.skipped_steps, "train_seconds": train_time,
+            "checkpoint": str(path), "metrics_csv": str(metrics_csv_path(run, self.out_dir) or "") or None,
+        }
+        if not self.lead:
+            return summary
+        if self.mesh is not None and run.comms_logger.enabled:
+            print("\ncommunication (rank 0):\n" + self.mesh.log.summary())
+        if self.breakdowns:
+            print("\n" + breakdown_summary(self.breakdowns))
+        if self.remat_sums:
+            per_step = {block: {p: ms / max(state.step - self.first_step, 1) for p, ms in row.items()}
+                        for block, row in self.remat_sums.items()}
+            print("\nactivation checkpointing, ms per step:\n" + RematProfile.table(per_step))
+        if self.lr_curve:
+            summary["lr_range_test_lr"] = finish_lr_range_test(self.lr_curve, self.out_dir)
+        if val_start is not None:
+            print(f"\nval loss {val_start:.4f} -> {val_loss:.4f} ({drop:.0%} lower) after {state.step} steps "
+                  f"({state.skipped_steps} skipped) in {train_time:.0f}s")
+        else:
+            print(f"\ntraining loss {self.metrics.get('loss', float('nan')):.4f} after {state.step} steps "
+                  f"({state.skipped_steps} skipped) in {train_time:.0f}s (no validation data)")
+        if summary["metrics_csv"]:
+            print(f"metrics:    {summary['metrics_csv']}")
+        same = " and the same zero/parallel settings" if self.mesh is not None and self.mesh.world_size > 1 else ""
+        print(f"checkpoint: {path}  (resume with checkpoint.resume=true checkpoint.dir={self.ckpt_dir}{same})")
         return summary
-    if mesh is not None and run.comms_logger.enabled:
-        print("\ncommunication (rank 0):\n" + mesh.log.summary())
-    if breakdowns:
-        print("\n" + breakdown_summary(breakdowns))
-    if remat_sums:
-        per_step = {block: {p: ms / max(state.step - first_step, 1) for p, ms in row.items()}
-                    for block, row in remat_sums.items()}
-        print("\nactivation checkpointing, ms per step:\n" + RematProfile.table(per_step))
-    if lr_curve:
-        summary["lr_range_test_lr"] = finish_lr_range_test(lr_curve, out_dir)
-    if val_start is not None:
-        print(f"\nval loss {val_start:.4f} -> {val_loss:.4f} ({drop:.0%} lower) after {state.step} steps "
-              f"({state.skipped_steps} skipped) in {train_time:.0f}s")
-    else:
-        print(f"\ntraining loss {metrics.get('loss', float('nan')):.4f} after {state.step} steps "
-              f"({state.skipped_steps} skipped) in {train_time:.0f}s (no validation data)")
-    if summary["metrics_csv"]:
-        print(f"metrics:    {summary['metrics_csv']}")
-    same = " and the same zero/parallel settings" if mesh is not None and mesh.world_size > 1 else ""
-    print(f"checkpoint: {path}  (resume with checkpoint.resume=true checkpoint.dir={ckpt_dir}{same})")
-    return summary
+
+
+def _within_remat_budget(run: RunConfig, model: Model, params: Any, train_rows: Any, data_rank: int,
+                         dp: int) -> tuple[Model, int]:
+    """activation_checkpointing.budget_mib: (the model with the remat that fits it, the activation bytes
+    it keeps), measured on a full-length micro-batch (the curriculum's longest); else (model, 0).
+    Every rank measures the same, on its own."""
+    if run.activation_checkpointing.budget_mib is None:
+        return model, 0
+    triad, seed = run.batch, run.train.seed
+    sample = data.Loader(train_rows, data.BatchSampler(len(train_rows), triad.train_batch_size, seed,
+                                                       rank=data_rank, world_size=dp)).batch(0)
+    micro = split_micro_batches(sample, triad.grad_accum)[0]
+    model, choice = remat_within_budget(model, params, micro, int(run.activation_checkpointing.budget_mib * 2**20))
+    log.info("%s", choice)
+    return model, choice.tried[-1][2]
 
 
 def on_nonfinite_policy(run: RunConfig) -> Optional[str]:

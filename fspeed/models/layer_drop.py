@@ -39,6 +39,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from .module import ModuleLoss
+
 PLD_BATCH_KEY = "layer_drop"
 
 
@@ -96,8 +98,6 @@ def supports_layer_drop(model: Any) -> bool:
     """Whether ``model`` reads a batch's `LayerDrop`: the reference GPT, or a functionalized module
     whose ``forward`` names a ``layer_drop`` parameter (a ``**kwargs`` catch-all does not count:
     it would swallow the drop and train the full model, silently)."""
-    from .module import ModuleLoss  # noqa: PLC0415
-
     if isinstance(model.loss, ModuleLoss):
         return "layer_drop" in inspect.signature(model.loss.module.forward).parameters
     return model.name == "gpt"
