@@ -152,7 +152,8 @@ def _modules_and_states(entries: list[_Entry]) -> tuple[dict[str, nn.Module], di
         if stateful and prefix.startswith("tied."):
             raise ValueError(f"TiedLayer {prefix[5:]!r} has persistent buffers {stateful[:3]} (module state such as "
                              "BatchNorm statistics), which would be updated at each place it runs, on different "
-                             "stages; give each place a module of its own or a normalisation without running statistics")
+                             "stages; give each place a module of its own or a normalisation without running "
+                             "statistics")
         if stateful:
             states[prefix] = stateful
     return seen, states
