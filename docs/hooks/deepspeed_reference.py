@@ -144,6 +144,18 @@ def _kept(default: Any) -> str:
 
 
 NO_EFFECT = "accepted, no effect"
+TAKEN_WHY = {  # what a taken key's row needs said besides its target
+    "activation_checkpointing": "a block that turns one of its settings on turns fspeed's checkpointing on "
+                                "(policy full, every block)",
+    "sparse_attention": "the block's presence: every layer's attention is block-sparse",
+    "zero_optimization.stage3_prefetch_bucket_size": "0 turns prefetch off; DeepSpeed's default turns it on",
+    "zero_optimization.prefetch_bucket_size": "0 turns prefetch off; DeepSpeed's default turns it on",
+    "zero_optimization.cpu_offload": "DeepSpeed's legacy boolean: true is device cpu",
+    "zero_optimization.cpu_offload_param": "DeepSpeed's legacy boolean: true is device cpu",
+    "csv_monitor.output_path/job_name": "the directory <output_path>/<job_name>",
+    "tensorboard.output_path/job_name": "the directory <output_path>/<job_name>",
+    "tensor_parallel.autotp_size": "0 leaves tensor slicing off",
+}
 
 
 def render() -> str:
@@ -167,14 +179,14 @@ def render() -> str:
 
     def taken_rows(prefix: str) -> None:
         for key in sorted(k for k in t if k == prefix or k.startswith(prefix + ".")):
-            p.row(key, _to(t[key]))
+            p.row(key, _to(t[key]), TAKEN_WHY.get(key, ""))
 
     p.section("Batch, clipping and logging")
     for key in (*K.TRIAD, "gradient_clipping", "steps_per_print", "wall_clock_breakdown"):
         why = {"gradient_clipping": f"absent: DeepSpeed's current default {K.GRADIENT_CLIPPING_DEFAULT}"}.get(key, "")
         p.row(key, _to(t[key]), why)
-    p.row("zero_allow_untested_optimizer", NO_EFFECT, "required (true) for Lamb or SGD under ZeRO, as DeepSpeed "
-          "requires it; fspeed runs SGD under ZeRO and refuses Lamb there (its trust ratio needs whole tensors)")
+    p.row("zero_allow_untested_optimizer", "checked, as DeepSpeed checks it", "must be true for Lamb or SGD under "
+          "ZeRO, as DeepSpeed requires; fspeed then runs SGD and refuses Lamb (its trust ratio needs whole tensors)")
 
     p.section("Precision: `fp16`, `bf16`, `data_types`",
               "With neither block enabled the run is fp32 (`precision=fp32`). `bfloat16` is DeepSpeed's legacy "
