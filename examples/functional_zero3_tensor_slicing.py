@@ -38,7 +38,8 @@ def main() -> None:
     tokenizer = fs.data.CharTokenizer.from_text(text)
     train_tokens, val_tokens = fs.data.split_train_val(tokenizer.encode(text), 0.05)
     dp, rank = mesh.size("data"), mesh.coordinate("data")
-    train_windows, val_windows = fs.data.TokenWindows(train_tokens, args.seq), fs.data.TokenWindows(val_tokens, args.seq)
+    train_windows = fs.data.TokenWindows(train_tokens, args.seq)
+    val_windows = fs.data.TokenWindows(val_tokens, args.seq)
     train = fs.data.Loader(train_windows, fs.data.BatchSampler(len(train_windows), args.batch * dp, seed=0,
                                                                rank=rank, world_size=dp))
     val = fs.data.Loader(val_windows, fs.data.BatchSampler(len(val_windows), args.batch * dp, seed=1, rank=rank,

@@ -70,8 +70,8 @@ def main() -> None:
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": 3},
         "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 2e-3, "warmup_num_steps": max(1, args.steps // 10),
-                                                          "total_num_steps": args.steps}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 2e-3, "total_num_steps": args.steps,
+                                                          "warmup_num_steps": max(1, args.steps // 10)}},
         "steps_per_print": max(1, args.steps // 10),
     }
     engine, optimizer, loader, scheduler = fs.initialize(model=model, config=ds_config, training_data=train,

@@ -57,8 +57,9 @@ def main() -> None:
 
     layout = fs.sparse.layout(sparse_config.to_sparsity_config(args.heads), seq_len=args.seq)
     blocks = layout.shape[-1]
-    print(f"{args.mode} layout: {blocks} x {blocks} blocks of {args.block}; it computes {fs.sparse.density(layout):.3f} "
-          f"of the S x S scores, dense causal attention {(blocks + 1) / (2 * blocks):.3f}")
+    share, causal = fs.sparse.density(layout), (blocks + 1) / (2 * blocks)
+    print(f"{args.mode} layout: {blocks} x {blocks} blocks of {args.block}; it computes {share:.3f} of the "
+          f"S x S scores, dense causal attention {causal:.3f}")
     if blocks <= 16:
         print(fs.sparse.format_layout(layout[:1]))
 

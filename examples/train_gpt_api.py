@@ -77,8 +77,9 @@ def main() -> None:
             if lead:
                 print(f"step {state.step}: loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} "
                       f"grad_norm {metrics['grad_norm']:.3f} val {current:.4f}")
-    # Resumable: with a mesh every rank writes its own shard (fs.checkpoint.load_checkpoint(..., mesh=mesh) reads it back)
-    path = fs.checkpoint.save_checkpoint(args.checkpoint_dir, state, client_state={"tokenizer": tokenizer.to_dict()}, mesh=mesh)
+    # Resumable: with a mesh every rank writes its own shard (fs.checkpoint.load_checkpoint(..., mesh=mesh) reads it)
+    path = fs.checkpoint.save_checkpoint(args.checkpoint_dir, state, client_state={"tokenizer": tokenizer.to_dict()},
+                                         mesh=mesh)
     if lead:
         print(f"checkpoint: {path}")
     if mesh is not None:

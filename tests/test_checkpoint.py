@@ -43,7 +43,9 @@ exec(SETUP)  # noqa: S102 - defines model, opt, batch, fresh, run in this module
 
 def python(code: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONHASHSEED="0")
-    return subprocess.run([sys.executable, "-c", SETUP + textwrap.dedent(code), *args],
+    # the same torch thread count as this process, whose own runs the subprocess's are compared with bit for bit
+    threads = f"import torch; torch.set_num_threads({torch.get_num_threads()})\n"
+    return subprocess.run([sys.executable, "-c", threads + SETUP + textwrap.dedent(code), *args],
                           capture_output=True, text=True, env=env, check=check, timeout=120)
 
 

@@ -43,7 +43,8 @@ def test_hf_causal_lm_through_initialize_with_zero3_bf16_on_two_ranks(tmp_path):
 def test_a_deepspeed_script_runs_and_resumes_with_only_its_import_changed(tmp_path):
     source = (EXAMPLES / "deepspeed_script_moved_over.py").read_text()
     assert "import fspeed as deepspeed  # was: import deepspeed" in source
-    assert "fspeed" not in source.replace("import fspeed as deepspeed", "").split('"""')[-1]  # the code names DeepSpeed only
+    code = source.split('"""')[-1].replace("import fspeed as deepspeed", "")
+    assert "fspeed" not in code  # below the docstring, the script names DeepSpeed only
     args = ["--deepspeed", "--deepspeed_config", str(EXAMPLES / "ds_config.json"), "--epochs", "1", "--samples", "64",
             "--width", "16", "--save_dir", "ck"]
     out = run(tmp_path, "deepspeed_script_moved_over.py", *args, ranks=2)
