@@ -7,13 +7,14 @@ is verified (meta.json's schema and checksum, every file's checksum, tensor shap
 with errors that name the file.
 
 Modules: `state_io` (save/load a TrainState, sharded or not, into any layout: `universal`,
-`slices`), `export` (full weights as safetensors), `exported` (a state's or a model's weights from
+`slices`), `async_save` (a save written by a background thread while training goes on), `export` (full weights as safetensors), `exported` (a state's or a model's weights from
 them), `deepspeed_import` (a DeepSpeed ZeRO 0-3 checkpoint into a state, without DeepSpeed),
 `directory` (tags, `latest`, atomic publishing, cleanup of crashed saves, retention), `meta`
 (meta.json), `tensor_file` (safetensors files), `preflight_checks` (can this run write
 checkpoints, and is there room).
 """
 
+from .async_save import AsyncSave
 from .directory import LATEST_FILE, latest_tag
 from .errors import CheckpointError
 from .deepspeed_import import import_deepspeed
@@ -26,7 +27,7 @@ from .state_io import (
 )
 
 __all__ = [
-    "FORMAT", "LATEST_FILE", "META_FILE", "TENSORS_FILE", "VOCAB_KEY", "CheckpointError", "checkpoint_bytes",
+    "AsyncSave", "FORMAT", "LATEST_FILE", "META_FILE", "TENSORS_FILE", "VOCAB_KEY", "CheckpointError", "checkpoint_bytes",
     "export_weights", "import_deepspeed", "init_from_weights", "latest_tag", "load_exported",
     "layout_signature", "load_checkpoint", "preflight", "probe_directory", "read_meta", "save_checkpoint",
     "state_entries",

@@ -30,20 +30,21 @@ import math
 import os
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from ..flat import Flat
 from ..pytree import tree_flatten_with_paths, tree_unflatten
 from ..train_state import TrainState
+from .async_save import AsyncSave, host_copy
 from .directory import (
     LATEST_FILE, check_tag, checkpoint_path, ensure_directory, latest_tag, publish, remove_old_checkpoints, temp_dir,
     tidy, write_latest,
 )
 from .errors import CheckpointError, os_error_text
 from .meta import FORMAT, META_FILE, read_meta_file, verify_files, write_meta
-from .tensor_file import file_info, nonfinite_keys, open_tensor_file, write_tensor_file
+from .tensor_file import nonfinite_keys, open_tensor_file, write_tensor_file
 from .universal import (
     CAST_FROM_FP32, ChunkReader, assign_chunks, build_index, chunk_tensors, describe, file_index, fill_from_index,
     saved_sources, state_slots,
@@ -163,7 +164,8 @@ def save_checkpoint(
     save_latest: bool = True,
     mesh=None,
     keep_last: int = 0,
-) -> Path:
+    blocking: bool = True,
+) -> Path | AsyncSave:
     """Save `state` (and `client_state`) atomically under `directory/tag`; returns that path.
 
     `tag` defaults to `global_step{state.step}` as in DeepSpeed. Saving over an existing tag
@@ -173,13 +175,31 @@ def save_checkpoint(
     `keep_last=N` (N >= 1) then deletes all but the N newest `global_step<N>` checkpoints (other
     tags are never deleted). Raises CheckpointError (naming the path and the cause) when the save
     fails or a tensor is not finite; `latest` then still names the previous checkpoint.
+    `blocking=False` returns an `AsyncSave` once the state is copied to host memory; a thread
+    writes the same files while training goes on, and its `wait()` returns the path or raises
+    the save's error (see `async_save`).
     """
     directory = Path(directory)
     tag = check_tag(tag or f"global_step{state.step}")
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
         raise ValueError(f"keep_last={keep_last!r} must be an integer >= 0 (0 keeps every checkpoint)")
-    if is_sharded(state, mesh, "save_checkpoint"):
-        return _save_sharded(directory, state, tag, client_state, save_latest, mesh, keep_last)
+    sharded = is_sharded(state, mesh, "save_checkpoint")
+    if blocking:
+        return _save(directory, state, tag, client_state, save_latest, mesh if sharded else None, keep_last)
+    _split_client_state(client_state or {}, "", {})  # a client_state that cannot be saved fails here, not later
+    state, client_state = host_copy(state), host_copy(client_state)
+    gather = mesh.background_gather() if sharded else None
+    return AsyncSave(lambda: _save(directory, state, tag, client_state, save_latest, mesh if sharded else None,
+                                   keep_last, gather), directory / tag)
+
+
+def _save(directory: Path, state: TrainState, tag: str, client_state: Optional[dict], save_latest: bool,
+          mesh, keep_last: int, gather: Optional[Callable[[Any, str], list]] = None) -> Path:
+    """The save itself: a sharded state's with `mesh` (its collectives through `gather`, default the mesh's)."""
+    if mesh is not None:
+        with ExitStack() as rank0_holds:  # rank 0 keeps the temporary directory locked until it is published
+            return _save_sharded_files(directory, state, tag, client_state, save_latest, mesh, keep_last,
+                                       rank0_holds, gather or mesh.all_gather_objects)
     tensors, scalars = state_entries(state)
     client_json = _split_client_state(client_state or {}, "", tensors)
     bad = nonfinite_keys(tensors)
@@ -191,8 +211,8 @@ def save_checkpoint(
     try:
         with temp_dir(directory, tag) as tmp:
             where = tmp
-            write_tensor_file(tmp / TENSORS_FILE, tensors, FORMAT)
-            write_meta(tmp, _meta(tag, state, scalars, client_json, {TENSORS_FILE: file_info(tmp / TENSORS_FILE)}))
+            written = write_tensor_file(tmp / TENSORS_FILE, tensors, FORMAT)
+            write_meta(tmp, _meta(tag, state, scalars, client_json, {TENSORS_FILE: written}))
             final = publish(directory, tmp, tag)
             if save_latest:
                 write_latest(directory, tag)
@@ -224,16 +244,10 @@ def _error_text(error: BaseException, path: Path) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _save_sharded(directory: Path, state: TrainState, tag: str, client_state: Optional[dict],
-                  save_latest: bool, mesh, keep_last: int) -> Path:
-    with ExitStack() as rank0_holds:  # rank 0 keeps the temporary directory locked until it is published
-        return _save_sharded_files(directory, state, tag, client_state, save_latest, mesh, keep_last, rank0_holds)
-
-
 def _save_sharded_files(directory: Path, state: TrainState, tag: str, client_state: Optional[dict],
-                        save_latest: bool, mesh, keep_last: int, rank0_holds: ExitStack) -> Path:
+                        save_latest: bool, mesh, keep_last: int, rank0_holds: ExitStack,
+                        all_gather_objects: Callable[[Any, str], list]) -> Path:
     rank = mesh.rank
-    all_gather_objects = mesh.all_gather_objects
     setup = None
     if rank == 0:
         try:
@@ -255,8 +269,7 @@ def _save_sharded_files(directory: Path, state: TrainState, tag: str, client_sta
         if bad:
             report = (False, _nonfinite_cause(bad))
         else:
-            write_tensor_file(file, tensors, FORMAT)
-            report = (True, (file_info(file), entries, describe(slots, state)))
+            report = (True, (write_tensor_file(file, tensors, FORMAT), entries, describe(slots, state)))
     except Exception as e:
         report = (False, _error_text(e, file))
     reports = all_gather_objects(report, "checkpoint files")

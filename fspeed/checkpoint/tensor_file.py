@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,12 @@ SAFETENSORS_DTYPES = {
 }
 
 
-def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor], file_format: str) -> None:
-    """Write `tensors` (by key) to `path` in the safetensors format, fsynced."""
+def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor], file_format: str) -> dict:
+    """Write `tensors` (by key) to `path` in the safetensors format, fsynced; returns what meta.json
+    records of the file (its size and sha256).
+
+    The checksum is computed from the tensors' memory while the kernel flushes the file to disk
+    (`os.fsync` in a thread; both release the GIL), instead of reading the file back afterwards."""
     header: dict[str, Any] = {"__metadata__": {"format": file_format}}
     offset = 0
     items = []
@@ -41,18 +46,44 @@ def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor], file_format:
         nbytes = tensor.numel() * tensor.element_size()
         header[key] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
                        "data_offsets": [offset, offset + nbytes]}
-        items.append(tensor)
+        if nbytes:
+            items.append(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # align the data section
+    parts = [struct.pack("<Q", len(blob)), blob, *items]
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for tensor in items:
-            if tensor.numel():
-                f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+        for part in parts:
+            f.write(part)
         f.flush()
-        os.fsync(f.fileno())
+        flushed = _in_thread(os.fsync, f.fileno())
+        digest = hashlib.sha256()
+        for part in parts:
+            digest.update(part)
+        flushed.join()
+    if flushed.error is not None:
+        raise flushed.error
+    return {"bytes": sum(len(part) for part in parts), "sha256": digest.hexdigest()}
+
+
+class _Call(threading.Thread):
+    """`fn(*args)` in a thread; `error` holds what it raised."""
+
+    def __init__(self, fn, *args) -> None:
+        super().__init__(daemon=True)
+        self.fn, self.args, self.error = fn, args, None
+
+    def run(self) -> None:
+        try:
+            self.fn(*self.args)
+        except BaseException as e:  # handed to the caller
+            self.error = e
+
+
+def _in_thread(fn, *args) -> _Call:
+    call = _Call(fn, *args)
+    call.start()
+    return call
 
 
 def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:

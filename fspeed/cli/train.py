@@ -187,6 +187,7 @@ class _TrainingRun:
         torch.manual_seed(t.seed)
         t0 = time.perf_counter()
         self.ckpt_dir = Path(run.checkpoint.dir)
+        self.pending_save: Optional[checkpoint.AsyncSave] = None  # checkpoint.async_save's save in flight
         resume_tag = resumable_tag(run, out_dir)
         device = build_device(run)
         job = _user_job(run, device) if isinstance(run.model, TargetConfig) else \
@@ -251,13 +252,47 @@ class _TrainingRun:
             log.info("weights from %s", run.checkpoint.init_from)
         return state
 
-    def save(self, state: TrainState) -> Path:
+    def save(self, state: TrainState, background: bool = False) -> Optional[Path]:
         """A checkpoint of `state` with the run's client state; with a mesh, a collective: every rank
-        writes its own shard."""
+        writes its own shard. A save in flight is finished first (at most one); `background` starts
+        the save in a thread and returns None (`poll_save` reports it)."""
+        self.finish_save()
         loader_state = self.batches.state_dict()
         client = self.client_state if loader_state is None else {**self.client_state, LOADER_KEY: loader_state}
-        return checkpoint.save_checkpoint(self.ckpt_dir, state, client_state=client, mesh=self.mesh,
-                                          keep_last=self.run.checkpoint.keep_last)
+        saved = checkpoint.save_checkpoint(self.ckpt_dir, state, client_state=client, mesh=self.mesh,
+                                           keep_last=self.run.checkpoint.keep_last, blocking=not background)
+        if background:
+            self.pending_save = saved
+            return None
+        return saved
+
+    def finish_save(self) -> None:
+        """Wait for the save in flight, if any; its CheckpointError is raised here."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is not None:
+            path = pending.wait()
+            log.info("checkpoint %s written in the background in %.1fs", path, pending.seconds)
+
+    def poll_save(self) -> None:
+        """After a step: finish the save in flight once every rank's has finished (so that every rank
+        reports a failure at the same step)."""
+        pending = self.pending_save
+        if pending is None:
+            return
+        done = float(pending.done())
+        if self.mesh is not None:
+            for axis, size in self.mesh.sizes.items():
+                if size > 1:
+                    done = self.mesh.comm(axis).all_reduce_scalar(done, "min")
+        if done:
+            self.finish_save()
+
+    def _settle_save(self) -> None:
+        """On the way out of a failed run: wait for the save in flight and log (not raise) its failure."""
+        try:
+            self.finish_save()
+        except CheckpointError as e:
+            log.error("%s", e)
 
     def evaluate(self, state: TrainState) -> Optional[float]:
         """The mean validation loss, or None without validation data."""
@@ -291,12 +326,14 @@ class _TrainingRun:
                 while self.state.step < self.batches.steps:
                     self._step()
                     last = self.state.step == self.batches.steps
+                    self.poll_save()
                     if run.checkpoint.save_every and self.state.step % run.checkpoint.save_every == 0 and not last:
-                        self.save(self.state)
+                        self.save(self.state, background=run.checkpoint.async_save)
                     signum = stops.agreed(self.mesh) if isinstance(stops, StopRequests) else None
                     if signum and not last:
                         raise TrainingStopped(signum, self.state.step)
             except BaseException as error:
+                self._settle_save()
                 if run.checkpoint.save_on_failure:
                     _save_last_good_step(error, self.state, self.save, self.mesh, self.ckpt_dir)
                 raise

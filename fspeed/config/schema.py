@@ -373,13 +373,15 @@ class DataConfig(ValidatedConfig):
 class CheckpointConfig(ValidatedConfig):
     """Where and how often to save; resume loads `latest` from dir (true: when present, saying so
     when it is not; required: an error when it is not); how many to keep; whether a failing or
-    interrupted run saves where it stopped."""
+    interrupted run saves where it stopped; whether periodic saves are written in the background
+    (the state copied to host memory at the step boundary; the final save always blocks)."""
 
     dir: str = required(NON_EMPTY)  # where checkpoints are written and resumed from
     save_every: int = setting(0, NON_NEGATIVE)  # 0 = only at the end
     resume: Union[bool, Literal["required"]] = False
     keep_last: int = setting(0, NON_NEGATIVE)  # keep the N newest global_step<N> checkpoints; 0 = all
     save_on_failure: bool = True  # on SIGTERM/SIGINT or a divergence stop, save the last good step first
+    async_save: bool = False  # save_every's checkpoints written in the background (at most one in flight)
     init_from: str = ""  # a safetensors file or directory (fspeed-export, HF): start from its weights (fine-tuning)
 
 

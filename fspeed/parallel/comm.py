@@ -696,9 +696,10 @@ def all_reduce_max(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     return x if comm.size == 1 else _AllReduceMax.apply(x, comm)
 
 
-def all_gather_objects(obj: Any, what: str, world_size: int, rank: int) -> list:
+def all_gather_objects(obj: Any, what: str, world_size: int, rank: int,
+                       group: Optional[dist.ProcessGroup] = None) -> list:
     """Every rank's `obj` (small, picklable), in global rank order, over the whole world of
-    `world_size` ranks (`Mesh.all_gather_objects` passes its own).
+    `world_size` ranks (`Mesh.all_gather_objects` passes its own), on `group` (default: the world's).
 
     For agreeing on decisions (did every rank write its file?), not for tensors. A failure
     raises CommError naming `what`.
@@ -708,7 +709,7 @@ def all_gather_objects(obj: Any, what: str, world_size: int, rank: int) -> list:
     out: list = [None] * world_size
     start = time.perf_counter()
     try:
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=group)
     except (RuntimeError, dist.DistBackendError) as err:
         raise CommError(f"all_gather_object ({what}) failed after {time.perf_counter() - start:.1f}s on rank "
                         f"{rank}: {err}. A peer rank probably crashed or took another code path.") from err

@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -152,6 +152,15 @@ class Mesh:
         """Every rank's small picklable `obj`, in global rank order (for agreeing on decisions)."""
         return all_gather_objects(obj, what, self.world_size, self.rank)
 
+    def background_gather(self) -> Callable[[Any, str], list]:
+        """`all_gather_objects` over a gloo group of the whole world kept for one background thread
+        (an asynchronous checkpoint save), so that its collectives never interleave with training's
+        on the main thread's groups. Every rank calls it (the first call creates the group)."""
+        if self.world_size == 1:
+            return self.all_gather_objects
+        group = process_group(list(range(self.world_size)), self.timeout, backend="gloo", purpose="background")
+        return lambda obj, what: all_gather_objects(obj, what, self.world_size, self.rank, group=group)
+
     def comm(self, axis: str) -> AxisComm:
         try:
             return self.comms[axis]
@@ -207,18 +216,20 @@ class Mesh:
 _SUB_GROUPS: dict[tuple[Any, tuple[int, ...], Optional[datetime.timedelta]], dist.ProcessGroup] = {}
 
 
-def process_group(ranks: list[int], timeout: Optional[datetime.timedelta]) -> dist.ProcessGroup:
+def process_group(ranks: list[int], timeout: Optional[datetime.timedelta], *,
+                  backend: Optional[str] = None, purpose: str = "") -> dist.ProcessGroup:
     """The process group of `ranks` (global ranks) with `timeout`, made once per default group and
     shared by every Mesh and pipeline that asks for it: a group per Mesh would hold its sockets and
     threads for the life of the process (5 descriptors a group on gloo), and a loop that builds
     meshes would run out of file descriptors. Like `dist.new_group`, every rank asks for every
-    group, in the same order."""
+    group, in the same order. `purpose` names a group kept apart from the others of the same ranks
+    (a background thread's collectives must not share a group with training's)."""
     world = dist.group.WORLD
-    key = (world, tuple(ranks), timeout)
+    key = (world, tuple(ranks), timeout, backend, purpose)
     if key not in _SUB_GROUPS:
         for stale in [k for k in _SUB_GROUPS if k[0] is not world]:  # groups of a destroyed world
             del _SUB_GROUPS[stale]
-        _SUB_GROUPS[key] = dist.new_group(list(ranks), timeout=timeout)
+        _SUB_GROUPS[key] = dist.new_group(list(ranks), timeout=timeout, backend=backend)
     return _SUB_GROUPS[key]
 
 
