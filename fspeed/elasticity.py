@@ -35,7 +35,8 @@ VERSIONS = (0.1, 0.2)
 
 
 class ElasticityError(ValueError):
-    """An elastic configuration or world size DeepSpeed's rules reject; `key` is the config key at fault."""
+    """An elastic configuration or world size DeepSpeed's rules reject; `key` is the key at fault
+    (an `ElasticConfig` field, or "world_size")."""
 
     def __init__(self, key: str, message: str) -> None:
         super().__init__(message)
@@ -60,22 +61,22 @@ class ElasticConfig:
         for key in ("max_train_batch_size", "min_gpus", "max_gpus", "model_parallel_size", "num_gpus_per_node"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ElasticityError(key, f"elasticity.{key} = {value!r}: must be a positive integer")
+                raise ElasticityError(key, f"{key}={value!r} must be a positive integer")
         micro = self.micro_batch_sizes
         if not micro or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in micro):
-            raise ElasticityError("micro_batch_sizes", f"elasticity.micro_batch_sizes = {list(micro)}: must be a "
-                                  "non-empty list of positive integers")
+            raise ElasticityError("micro_batch_sizes", f"micro_batch_sizes={list(micro)} must be a non-empty list "
+                                  "of positive integers")
         if self.max_gpus < self.min_gpus:
-            raise ElasticityError("min_gpus", f"elasticity.min_gpus = {self.min_gpus} is greater than "
-                                  f"elasticity.max_gpus = {self.max_gpus}")
+            raise ElasticityError("min_gpus", f"min_gpus={self.min_gpus} is greater than max_gpus={self.max_gpus}")
         if float(self.version) not in VERSIONS:
-            raise ElasticityError("version", f"elasticity.version = {self.version!r}; allowed: 0.1, 0.2")
+            raise ElasticityError("version", f"version={self.version!r} is not one DeepSpeed implements; allowed: "
+                                  "0.1, 0.2")
         if self.model_parallel_size > 1 and float(self.version) != 0.2:
-            raise ElasticityError("model_parallel_size", f"elasticity.model_parallel_size = {self.model_parallel_size}"
-                                  f" needs elasticity.version 0.2 (version {self.version} has no model parallelism)")
+            raise ElasticityError("model_parallel_size", f"model_parallel_size={self.model_parallel_size} needs "
+                                  f"version 0.2 (version {self.version} has no model parallelism)")
         if float(self.version) == 0.2 and self.num_gpus_per_node % self.model_parallel_size:
-            raise ElasticityError("num_gpus_per_node", f"elasticity.num_gpus_per_node = {self.num_gpus_per_node} is "
-                                  f"not divisible by elasticity.model_parallel_size = {self.model_parallel_size}")
+            raise ElasticityError("num_gpus_per_node", f"num_gpus_per_node={self.num_gpus_per_node} is not divisible "
+                                  f"by model_parallel_size={self.model_parallel_size}")
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,8 @@ def _most_elastic(micro_batches: tuple[int, ...], cap: int, min_gpus: int, max_g
     low = min_gpus or 1
     high = max_gpus or cap // min(micro_batches)
     if any(m > cap for m in micro_batches):
-        raise ElasticityError("micro_batch_sizes", f"elasticity.micro_batch_sizes {list(micro_batches)} must each be "
-                              f"<= the maximum train batch size {cap}")
+        raise ElasticityError("micro_batch_sizes", f"micro_batch_sizes {list(micro_batches)} must each be <= the "
+                              f"maximum train batch size {cap}")
     bases = [*micro_batches, math.lcm(*micro_batches)]
     best, best_counts, best_valid = min(micro_batches), 0, None
     for batch in _scaled_candidates(bases, cap):
@@ -148,7 +149,7 @@ def _per_node(c: ElasticConfig, world_size: int) -> tuple[int, Optional[list[int
     nodes_batch, nodes = _most_elastic(micro, int(cap / ranks_per_node), int(c.min_gpus / c.num_gpus_per_node),
                                        int(c.max_gpus / c.num_gpus_per_node), c.prefer_larger_batch)
     if nodes is None:  # DeepSpeed fails here too (it tests membership in None)
-        raise ElasticityError("min_gpus", f"no node count in elasticity.min_gpus={c.min_gpus}..max_gpus="
+        raise ElasticityError("min_gpus", f"no node count in min_gpus={c.min_gpus}..max_gpus="
                               f"{c.max_gpus} (over num_gpus_per_node={c.num_gpus_per_node}) fits any candidate batch")
     batch = int(nodes_batch) * ranks_per_node
     valid = [n * ranks_per_node for n in nodes]
@@ -167,8 +168,8 @@ def elastic_batch(config: ElasticConfig, world_size: int = 0) -> ElasticBatch:
         batch, valid = _most_elastic(config.micro_batch_sizes, config.max_train_batch_size, config.min_gpus,
                                      config.max_gpus, config.prefer_larger_batch)
     elif world_size < 1:
-        raise ElasticityError("version", "elasticity.version 0.2 computes the batch for the current world size, "
-                              "and none was given")
+        raise ElasticityError("version", "version 0.2 computes the batch for the current world size, and none "
+                              "was given")
     else:
         batch, valid = _per_node(config, world_size)
     batch, valid_sizes = int(batch), tuple(valid or ())
@@ -177,15 +178,15 @@ def elastic_batch(config: ElasticConfig, world_size: int = 0) -> ElasticBatch:
     if world_size not in valid_sizes:
         shown = ", ".join(map(str, valid_sizes[:16])) + (f", ... ({len(valid_sizes)} in all)" if len(valid_sizes) > 16
                                                          else "")
-        raise ElasticityError("max_gpus" if valid_sizes else "micro_batch_sizes",
+        raise ElasticityError("world_size",
                               f"{world_size} data-parallel ranks is not a valid world size for the elastic batch "
-                              f"{batch} (elasticity.max_train_batch_size={config.max_train_batch_size}, "
+                              f"{batch} (max_train_batch_size={config.max_train_batch_size}, "
                               f"micro_batch_sizes={list(config.micro_batch_sizes)}, min_gpus={config.min_gpus}, "
                               f"max_gpus={config.max_gpus}); valid: {shown or 'none'}")
     share = batch // world_size
     micro = next((m for m in sorted(set(config.micro_batch_sizes), reverse=True) if share % m == 0), None)
     if micro is None:
-        raise ElasticityError("micro_batch_sizes", f"no elasticity.micro_batch_sizes {list(config.micro_batch_sizes)} "
+        raise ElasticityError("micro_batch_sizes", f"none of micro_batch_sizes {list(config.micro_batch_sizes)} "
                               f"divides the per-rank share {share} of the elastic batch {batch} on {world_size} ranks")
     return ElasticBatch(batch, valid_sizes, micro, batch // (micro * world_size))
 
