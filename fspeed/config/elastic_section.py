@@ -10,15 +10,12 @@ on. A world size outside the valid ones is a ConfigError listing them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Optional
 
 from ..batch_triad import BatchTriad
 from ..elasticity import ElasticConfig, ElasticityError, elastic_batch
 from .errors import ConfigError, Problem
 from .fields import POSITIVE, ValidatedConfig, each, setting
-
-if TYPE_CHECKING:
-    from .schema import TrainConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,13 +55,12 @@ class ElasticitySection(ValidatedConfig):
                              version=self.version)
 
 
-def elastic_triad(section: ElasticitySection, train: "TrainConfig", dp_world_size: int,
+def elastic_triad(section: ElasticitySection, train_keys: dict[str, Optional[int]], dp_world_size: int,
                   model_parallel: int) -> BatchTriad:
     """The batch triad of an enabled `elasticity` section on `dp_world_size` data ranks; ConfigError
-    naming the key when DeepSpeed's rules reject it, or when train.train_batch_size / grad_accum are
-    set without ignore_non_elastic_batch_info."""
-    given = [f"train.{k}={getattr(train, k)}" for k in ("train_batch_size", "grad_accum")
-             if getattr(train, k) is not None]
+    naming the key when DeepSpeed's rules reject it, or when `train_keys` (train.train_batch_size and
+    train.grad_accum as configured) are set without ignore_non_elastic_batch_info."""
+    given = [f"train.{k}={v}" for k, v in train_keys.items() if v is not None]
     if given and not section.ignore_non_elastic_batch_info:
         raise ConfigError([Problem("elasticity.enabled", f"chooses the batch, and {' and '.join(given)} would not be "
                                    "used", True, hint="set them to null, or elasticity.ignore_non_elastic_batch_info="

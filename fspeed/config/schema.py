@@ -764,7 +764,8 @@ class RunConfig(ValidatedConfig):
         super().__post_init__()
         t = self.train
         if self.elasticity.enabled:
-            batch = elastic_triad(self.elasticity, t, self.dp_world_size, self.parallel.tensor * self.parallel.pipe)
+            given = {"train_batch_size": t.train_batch_size, "grad_accum": t.grad_accum}
+            batch = elastic_triad(self.elasticity, given, self.dp_world_size, self.parallel.tensor * self.parallel.pipe)
             object.__setattr__(self, "batch", batch)
             return
         try:
