@@ -14,6 +14,7 @@ from collections import defaultdict
 from typing import Any, Iterable
 
 from fspeed.config import deepspeed_efficiency as E
+from fspeed.config import deepspeed_elasticity as EL
 from fspeed.config import deepspeed_keys as K
 from fspeed.config.deepspeed import translate_deepspeed_config
 from fspeed.sparse.config import MODE_KEYS
@@ -65,6 +66,8 @@ def probes() -> list[dict[str, Any]]:
                                              if key != "contiguous_memory_optimization"},
                 "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.001}})
     out.append({**base, "activation_checkpointing": {"contiguous_memory_optimization": True}})
+    elastic = {k: v for k, v in EL.ELASTICITY_KEYS.items() if k != "min_time"}
+    out.append({k: v for k, v in base.items() if k not in K.TRIAD} | {"elasticity": {**elastic, "enabled": True}})
     out.append({**base, "pipeline": {"stages": 2, "partition": "uniform", "activation_checkpoint_interval": 1}})
     for mode, keys in MODE_KEYS.items():
         from fspeed.sparse.config import SparseAttentionConfig  # noqa: PLC0415
@@ -155,6 +158,13 @@ TAKEN_WHY = {  # what a taken key's row needs said besides its target
     "csv_monitor.output_path/job_name": "the directory <output_path>/<job_name>",
     "tensorboard.output_path/job_name": "the directory <output_path>/<job_name>",
     "tensor_parallel.autotp_size": "0 leaves tensor slicing off",
+    "elasticity.enabled": "true: the global batch is DeepSpeed's elastic batch, the micro-batch and accumulation "
+                          "are computed for the data-parallel world the run starts on (a world outside the valid "
+                          "sizes is an error listing them)",
+    "elasticity.ignore_non_elastic_batch_info": "false: train_batch_size, train_micro_batch_size_per_gpu or "
+                                                "gradient_accumulation_steps beside an enabled block is an error, as "
+                                                "in DeepSpeed; true: they are ignored",
+    "elasticity.model_parallel_size": "version 0.2; must be 1 or parallel.tensor x parallel.pipe",
 }
 
 
@@ -282,6 +292,12 @@ def render() -> str:
     p.row("curriculum_learning.curriculum_type (not seqlen)", "refused", "DeepSpeed's engine acts on seqlen only")
     p.row("data_efficiency", "accepted disabled; enabled refused", "fspeed's data-efficiency curriculum builds its "
           "own index: curriculum.curriculum_type=vocab_rarity")
+
+    p.section("Elasticity", "An enabled `elasticity` block chooses the global batch with DeepSpeed's rules "
+              "(`compute_elastic_config`, versions 0.1 and 0.2; [checkpoints guide](../guides/checkpoints.md) for "
+              "resuming on another world size); a disabled one has no effect, as in DeepSpeed.")
+    taken_rows("elasticity")
+    p.row("elasticity.min_time", NO_EFFECT, EL.MIN_TIME_REASON + " (checked >= 0, as DeepSpeed checks it)")
 
     p.section("Other top-level keys")
     for key, why in K.NO_EFFECT.items():

@@ -65,6 +65,7 @@ from .observe import (FlopsWatch, check_monitor_packages, finish_lr_range_test, 
                       progress_line, step_timers)
 from .run_batches import LOADER_KEY, RunBatches
 from .resume import nothing_to_resume_line, resumable_tag, saved_tokenizer
+from .resumed_world import BATCH_KEY, batch_for_resume, batch_record
 from .run_data import prepare_data
 from .stop_requests import StopRequests, TrainingStopped
 from .user_errors import DEBUG_ENV, USER_ERRORS, debug_requested, exit_with_user_error, raised_on_every_rank
@@ -181,18 +182,19 @@ class _TrainingRun:
     saves and stop requests), then saved and summarized (`finish`)."""
 
     def __init__(self, run: RunConfig, out_dir: Path):
+        self.ckpt_dir = Path(run.checkpoint.dir)
+        resume_tag = resumable_tag(run, out_dir)
+        run = batch_for_resume(run, self.ckpt_dir, resume_tag)  # the saved global batch on another world size
         self.run, self.out_dir = run, out_dir
         t, triad = run.train, run.batch
         check_monitor_packages(run)
         torch.manual_seed(t.seed)
         t0 = time.perf_counter()
-        self.ckpt_dir = Path(run.checkpoint.dir)
         self.pending_save: Optional[checkpoint.AsyncSave] = None  # checkpoint.async_save's save in flight
-        resume_tag = resumable_tag(run, out_dir)
         device = build_device(run)
         job = _user_job(run, device) if isinstance(run.model, TargetConfig) else \
             _corpus_job(run, self.ckpt_dir, resume_tag)
-        self.job, self.client_state = job, job.client_state
+        self.job, self.client_state = job, {**job.client_state, BATCH_KEY: batch_record(run)}
         model, self.remat_profile = apply_activation_checkpointing(run, job.model)
         mesh, plan = self.mesh, self.plan = _parallel_setup(run, job.rules, model, job.train_rows, device)
         self.lead = mesh is None or mesh.rank == 0

@@ -6,7 +6,8 @@ Translated: the batch triad, ``fp16`` / ``bf16`` (alias ``bfloat16``) and
 ``gradient_clipping``, ``steps_per_print``, the monitors (``csv_monitor``, ``tensorboard``, ``wandb``),
 ``wall_clock_breakdown``, ``flops_profiler``, ``comms_logger.enabled`` /
 ``verbose``, ``tensor_parallel.autotp_size``, ``sparse_attention``, ``curriculum_learning`` (seqlen),
-``progressive_layer_drop``, ``activation_checkpointing`` and ``zero_optimization`` (stage,
+``progressive_layer_drop``, ``elasticity`` (an elastic global batch, DeepSpeed's rules),
+``activation_checkpointing`` and ``zero_optimization`` (stage,
 buckets, ``overlap_comm``, parameter and model persistence thresholds, prefetch on/off, and the
 ``offload_optimizer`` / ``offload_param`` blocks with device cpu, also from the legacy
 ``cpu_offload`` booleans). Every other key is accounted for by name:
@@ -38,6 +39,7 @@ from typing import Any
 from . import deepspeed_keys as K
 from .deepspeed_efficiency import (translate_curriculum_learning, translate_data_efficiency,
                                    translate_progressive_layer_drop)
+from .deepspeed_elasticity import elasticity_enabled, translate_elasticity
 from .errors import ConfigError, Problem, allowed_names, did_you_mean, show_value
 from .overrides import format_override
 
@@ -189,6 +191,8 @@ def _check_defaults(w: _Ledger, prefix: str, block: Mapping[str, Any], defaults:
 
 
 def _batch(ds: Mapping[str, Any], w: _Ledger) -> None:
+    if elasticity_enabled(ds):
+        return  # the elastic batch replaces these keys (translate_elasticity says what happens to them)
     if not any(k in ds for k in K.TRIAD):
         w.notes.append("no batch-size keys: fspeed's train.micro_batch_size / grad_accum are used "
                        "(DeepSpeed itself needs train_batch_size or train_micro_batch_size_per_gpu)")
@@ -787,7 +791,7 @@ _BLOCKS = {  # top-level key -> its translator (the others: event monitors, wall
     "flops_profiler": _flops_profiler, "sparse_attention": _sparse_attention,
     "activation_checkpointing": _activation_checkpointing, "curriculum_learning": translate_curriculum_learning,
     "progressive_layer_drop": translate_progressive_layer_drop, "data_efficiency": translate_data_efficiency,
-    "pipeline": _pipeline,
+    "pipeline": _pipeline, "elasticity": translate_elasticity,
 }
 _HANDLED = {*K.TRIAD, "gradient_clipping", "steps_per_print", "fp16", "bf16", "bfloat16", "data_types",
             "optimizer", "scheduler", "zero_allow_untested_optimizer"}

@@ -192,7 +192,7 @@ SCALAR_DEFAULTS: dict[str, Fixed] = {  # top-level keys accepted only at DeepSpe
 
 ENABLED_BLOCKS = (  # accepted when absent, empty or {"enabled": false, ...}
     "amp", "torch_autocast", "comet", "autotuning", "eigenvalue",
-    "elasticity", "quantize_training", "hybrid_engine", "compile", "nebula", "datastates", "expert_parallel",
+    "quantize_training", "hybrid_engine", "compile", "nebula", "datastates", "expert_parallel",
 )
 ENABLED_BLOCK_REASON = "disabled: DeepSpeed does not use the feature either"
 
@@ -407,7 +407,7 @@ TRANSLATED_TOP_LEVEL = (
     "scheduler", "zero_optimization", "csv_monitor", "comms_logger", "tensor_parallel", "sparse_attention",
     "activation_checkpointing",
     "tensorboard", "wandb", "flops_profiler", "wall_clock_breakdown",
-    "curriculum_learning", "progressive_layer_drop", "data_efficiency", "pipeline",
+    "curriculum_learning", "progressive_layer_drop", "data_efficiency", "pipeline", "elasticity",
 )
 ALL_TOP_LEVEL = tuple(sorted({*TRANSLATED_TOP_LEVEL, *NO_EFFECT, "zero_allow_untested_optimizer", *SCALAR_DEFAULTS,
                               *ENABLED_BLOCKS, *BLOCK_DEFAULTS}))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Literal, Optional, Union
 from ..batch_triad import BatchTriad, BatchTriadError, resolve_batch_triad
 from ..sparse.config import SparseAttentionConfig
 from .efficiency import CurriculumSection, ProgressiveLayerDropSection
+from .elastic_section import ElasticitySection, elastic_triad
 from .errors import ConfigError, Problem
 from .targets import TargetConfig
 from .fields import (
@@ -651,6 +652,7 @@ SECTIONS: dict[str, type] = {
     "flops_profiler": FlopsProfilerConfig,
     "curriculum": CurriculumSection,
     "progressive_layer_drop": ProgressiveLayerDropSection,
+    "elasticity": ElasticitySection,
 }
 """Sections with one fixed class (model and data are Hydra groups, but every packaged option is a
 ModelConfig / DataConfig; their option `custom` is a user's callable, a `TargetConfig`)."""
@@ -684,6 +686,7 @@ class RunConfig(ValidatedConfig):
     pipeline: PipelineSection = field(default_factory=PipelineSection)
     curriculum: CurriculumSection = field(default_factory=CurriculumSection)
     progressive_layer_drop: ProgressiveLayerDropSection = field(default_factory=ProgressiveLayerDropSection)
+    elasticity: ElasticitySection = field(default_factory=ElasticitySection)
     deepspeed_config: Optional[str] = None
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     wall_clock_breakdown: bool = False  # DeepSpeed's: per-step fwd/bwd/step times (fspeed.timers)
@@ -762,6 +765,11 @@ class RunConfig(ValidatedConfig):
             object.__setattr__(self, "train", dataclasses.replace(self.train, grad_accum=self.pipeline.micro_batches))
         super().__post_init__()
         t = self.train
+        if self.elasticity.enabled:
+            given = {"train_batch_size": t.train_batch_size, "grad_accum": t.grad_accum}
+            batch = elastic_triad(self.elasticity, given, self.dp_world_size, self.parallel.tensor * self.parallel.pipe)
+            object.__setattr__(self, "batch", batch)
+            return
         try:
             batch = resolve_batch_triad(t.train_batch_size, t.micro_batch_size, t.grad_accum, self.dp_world_size)
         except BatchTriadError as err:

@@ -12,7 +12,9 @@ together see exactly what one process would, every sample once per epoch. ``drop
 last partial global batch; without it the batch is completed from the start of the same epoch's
 order (as torch's `DistributedSampler` pads), so every batch has the same shape. The indices of a
 step are a pure function of (seed, step), so resuming needs only the step count, which
-`state_dict` holds (with what the order depends on, checked on `load_state_dict`).
+`state_dict` holds (with what the order depends on, checked on `load_state_dict`). The position
+counts global batches and holds no rank or data-parallel size: a run resumed on another number of
+data ranks with the same global batch continues the same order, no sample repeated or skipped.
 
 Only the mesh's data axis splits the data: tensor-slicing and pipeline ranks at the same data
 coordinate load identical batches. (DeepSpeed's `DistributedSampler` deals samples round-robin
