@@ -77,10 +77,8 @@ def candidate_plan(candidate: Candidate, run: RunConfig, profile: Profile) -> Pl
         interval = run.pipeline.activation_checkpoint_interval
         remat = run.activation_checkpointing.to_library() if interval else None
         pipe_plan = run.pipeline.to_library(candidate.grad_accum, remat)
-        stage = pipe_plan.transforms[0]
-        if isinstance(stage.partition, str) and stage.partition.lower() == "profile":
-            pieces = candidate.pipe * candidate.virtual_stages
-            bounds = balanced_bounds([round(1e6 * (c.forward_s + c.backward_s)) for c in profile.layer_costs], pieces)
+        if run.pipeline.partition.lower() == "profile":
+            bounds = pipeline_bounds(candidate, "profile", profile)
             counts = tuple(b - a for a, b in zip(bounds, bounds[1:]))
             explicit = dataclasses.replace(run.pipeline, partition=",".join(map(str, counts)))
             pipe_plan = explicit.to_library(candidate.grad_accum, remat)
@@ -108,22 +106,27 @@ def _remat_key(candidate: Candidate, profile: Profile) -> tuple[tuple[str, int],
     return (candidate.remat, candidate.remat_every), ""
 
 
-def pipeline_activations(candidate: Candidate, run: RunConfig, profile: Profile, remat: tuple[str, int]) -> int:
-    """Bytes of activations on the most loaded pipeline stage: per stage, its layers' kept bytes at this
-    micro-batch times its micro-batches in flight (per chunk, with interleaving), scaled by the share
-    the remat keeps of the whole model's."""
+def pipeline_bounds(candidate: Candidate, partition: str, profile: Profile) -> list[int]:
+    """The `pipe x virtual_stages + 1` layer boundaries `partition` (pipeline.partition) gives the
+    candidate's pieces; `profile` balances the measured layer times, as fspeed-train's partition does."""
     costs = profile.layer_costs
     if not costs:
         raise ValueError("pipeline candidates need the layers' costs: profile with with_layers=True")
     pieces = candidate.pipe * candidate.virtual_stages
-    partition = run.pipeline.partition
-    method = tuple(int(c) for c in partition.split(",")) if partition[0].isdigit() else partition
+    method = tuple(int(c) for c in partition.split(",")) if partition[:1].isdigit() else partition
     if method == "profile":
-        bounds = balanced_bounds([round(1e6 * (c.forward_s + c.backward_s)) for c in costs], pieces)
-    else:
-        bounds = partition_layers(method, profile.layers.layers, [c.params for c in costs], pieces)
+        return balanced_bounds([round(1e6 * (c.forward_s + c.backward_s)) for c in costs], pieces)
+    layers = profile.layers.layers if profile.layers is not None else costs  # `type:` needs the real layers
+    return partition_layers(method, layers, [c.params for c in costs], pieces)
+
+
+def pipeline_activations(candidate: Candidate, partition: str, profile: Profile, remat: tuple[str, int]) -> int:
+    """Bytes of activations on the most loaded pipeline stage: per stage, its layers' kept bytes at this
+    micro-batch times its micro-batches in flight (per chunk, with interleaving), scaled by the share
+    the remat keeps of the whole model's."""
+    bounds = pipeline_bounds(candidate, partition, profile)
     scale = candidate.micro_batch / profile.layer_micro_batch
-    piece_kept = [sum(c.kept_bytes for c in costs[a:b]) * scale for a, b in zip(bounds, bounds[1:])]
+    piece_kept = [sum(c.kept_bytes for c in profile.layer_costs[a:b]) * scale for a, b in zip(bounds, bounds[1:])]
     schedule = build_schedule(candidate.schedule, candidate.pipe, candidate.grad_accum, candidate.virtual_stages)
     share = 1.0
     if remat[0] != "none":
@@ -142,7 +145,7 @@ def predict_memory(candidate: Candidate, profile: Profile, base: RunConfig, base
     run = candidate.apply_to(base)
     remat, note = _remat_key(candidate, profile)
     if candidate.pipe > 1:
-        activations = pipeline_activations(candidate, run, profile, remat)
+        activations = pipeline_activations(candidate, run.pipeline.partition, profile, remat)
     else:
         activations = int(profile.activation_bytes(*remat, candidate.micro_batch))
     params = profile.pipeline_params if candidate.pipe > 1 and profile.pipeline_params is not None else profile.params
@@ -152,6 +155,13 @@ def predict_memory(candidate: Candidate, profile: Profile, base: RunConfig, base
                                logical_axes=profile.logical_axes if candidate.pipe == 1 else profile.pipeline_axes,
                                activations=activations, layers=profile.layers if candidate.pipe > 1 else None)
     return MemoryPrediction(candidate, estimate, activations, baseline, on_cpu, note)
+
+
+def calibrated_baseline(prediction: MemoryPrediction, measured_peak: int) -> int:
+    """The process baseline that makes `prediction` match a trial's measured peak (on a CPU): what a
+    rank holds besides the model's states and activations (interpreter, libraries, data, the process
+    group's buffers, the allocator's slack), measured once and carried to the other candidates."""
+    return max(measured_peak - prediction.device_bytes - prediction.host_bytes, 0)
 
 
 def prune(predictions: Sequence[MemoryPrediction],
@@ -235,5 +245,6 @@ def process_baseline_bytes(data_bytes: int = 0, python: Optional[str] = None) ->
     return int(out.stdout.strip().splitlines()[-1]) + data_bytes
 
 
-__all__ = ["MemoryPrediction", "available_host_bytes", "budget_choice", "candidate_plan", "default_memory_per_rank",
-           "format_bytes", "parse_bytes", "pipeline_activations", "predict_memory", "process_baseline_bytes", "prune"]
+__all__ = ["MemoryPrediction", "available_host_bytes", "budget_choice", "calibrated_baseline", "candidate_plan",
+           "default_memory_per_rank", "format_bytes", "parse_bytes", "pipeline_activations", "pipeline_bounds",
+           "predict_memory", "process_baseline_bytes", "prune"]

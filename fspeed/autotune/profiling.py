@@ -16,16 +16,19 @@ slicing rules for it, how many heads).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from ..config.errors import ConfigError
 from ..config.schema import RunConfig
 from ..config.targets import TargetConfig
+from ..host_memory import live_host_bytes
 from ..models.layers import with_state
 from ..models.model import Model
 from ..pytree import PyTree, tree_leaves, tree_map
@@ -141,6 +144,7 @@ class Profile:
     precision: Any
     optimizer_state_bytes: int
     optimizer_s_per_element: float
+    host_copy_s_per_byte: float = 0.0  # copying host memory (ZeRO-Offload's downloads and uploads)
     remat: dict[RematKey, list[tuple[int, int, float]]] = field(default_factory=dict)
     layer_costs: tuple[LayerCost, ...] = ()
     layer_micro_batch: int = 1
@@ -170,20 +174,55 @@ class Profile:
 
 
 def linear_fit(points: Sequence[tuple[float, float]], x: float) -> float:
-    """The straight line through the (x, y) points (least squares; one point: through the origin) at `x`."""
+    """The line through the (x, y) points at `x`: least squares, kept non-decreasing and at least 0 at
+    x = 0 (a cost grows with the micro-batch from a fixed part; noise must not make it shrink or go
+    negative); one x measured: a line through the origin."""
     points = list(points)
-    xs = {p[0] for p in points}
-    if len(xs) == 1:
-        x0 = points[0][0]
-        return statistics.fmean(p[1] for p in points) * x / x0 if x0 else statistics.fmean(p[1] for p in points)
+    if len({p[0] for p in points}) == 1:
+        x0, y0 = points[0][0], statistics.fmean(p[1] for p in points)
+        return y0 * x / x0 if x0 else y0
     mx, my = statistics.fmean(p[0] for p in points), statistics.fmean(p[1] for p in points)
     slope = sum((px - mx) * (py - my) for px, py in points) / sum((px - mx) ** 2 for px, _ in points)
-    return my + slope * (x - mx)
+    slope = max(slope, 0.0)
+    intercept = my - slope * mx
+    if intercept < 0:  # through the origin and the largest point instead
+        top = max(points)
+        slope, intercept = top[1] / top[0], 0.0
+    return intercept + slope * x
+
+
+def peak_live_bytes(run: Callable[[], Any], interval_s: float = 1e-4) -> tuple[int, float]:
+    """(the most bytes malloc held while `run` ran over those before it, seconds `run` took): a thread
+    reads glibc's live bytes every `interval_s` while autograd's threads work (a lower bound of the
+    true peak, within one sampling interval's allocations). On CUDA use the allocator's peak instead."""
+    gc.collect()
+    before = live_host_bytes()
+    if before is None:
+        raise RuntimeError("measuring peak memory reads glibc's malloc counters; this C library has none")
+    peak, running = [before], [True]
+
+    def sample() -> None:
+        while running[0]:
+            peak[0] = max(peak[0], live_host_bytes())
+            time.sleep(interval_s)
+
+    watcher = threading.Thread(target=sample, daemon=True)
+    watcher.start()
+    start = time.perf_counter()
+    try:
+        run()
+    finally:
+        seconds = time.perf_counter() - start
+        peak[0] = max(peak[0], live_host_bytes())
+        running[0] = False
+        watcher.join()
+    return peak[0] - before, seconds
 
 
 def measure_micro_batch(model: Model, params: PyTree, micro_batch: Any, repeats: int = 3) -> tuple[int, float]:
-    """(bytes one micro-batch's forward keeps for backward, median seconds of its forward and backward)
-    through the real train step on one process, after a warm-up step."""
+    """(the most bytes one micro-batch's forward and backward hold at once over those before it: what
+    it keeps for backward and the gradients backward makes while it is still kept; median seconds of
+    its forward and backward) through the real train step on one process, after a warm-up step."""
     opt = sgd(0.0)
     state = init_train_state(params, opt, seed=0, model=model if model.init_buffers is not None else None)
     step = make_train_step(model.loss, opt)
@@ -191,8 +230,7 @@ def measure_micro_batch(model: Model, params: PyTree, micro_batch: Any, repeats:
     kept, times = [], []
     for _ in range(repeats):
         s = step.begin(state)
-        k, seconds = bytes_kept_for_backward(lambda: step.micro(s, state, micro_batch),
-                                             state.master_params.buffer.device)
+        k, seconds = peak_live_bytes(lambda: step.micro(s, state, micro_batch))
         kept.append(k)
         times.append(seconds)
     return int(statistics.median(kept)), statistics.median(times)
@@ -258,6 +296,18 @@ def optimizer_seconds_per_element(optimizer, elements: int = 1 << 20, repeats: i
     return statistics.median(times) / elements
 
 
+def copy_seconds_per_byte(nbytes: int = 32 << 20, repeats: int = 3) -> float:
+    """Seconds per byte of copying one host buffer into another (median of `repeats` after a warm-up)."""
+    source, target = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    times = []
+    for run in range(repeats + 1):
+        start = time.perf_counter()
+        target.copy_(source)
+        if run:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) / nbytes
+
+
 def profile_job(job: Job, run: RunConfig, micro_batches: Sequence[int], remat: Sequence[RematKey],
                 with_layers: bool = False, repeats: int = 3) -> Profile:
     """The profiling pass over `job` (module docstring): every remat choice of `remat` at each of
@@ -271,7 +321,7 @@ def profile_job(job: Job, run: RunConfig, micro_batches: Sequence[int], remat: S
     profile = Profile(job.facts, params, model.logical_axes, job.rules, build_precision(run),
                       state_bytes_per_parameter(optimizer, next(iter(model.logical_axes), "probe")),
                       optimizer_seconds_per_element(optimizer), tokens_per_sample=job.tokens_per_sample,
-                      data_bytes=job.data_bytes())
+                      data_bytes=job.data_bytes(), host_copy_s_per_byte=copy_seconds_per_byte())
     sizes = sorted(set(micro_batches))
     for policy, every in dict.fromkeys(remat):
         measured = model if policy == "none" else with_remat(model, policy, every)
@@ -296,5 +346,5 @@ def _detached(x: Any) -> Any:
     return tuple(one(t) for t in x) if isinstance(x, tuple) else one(x)
 
 
-__all__ = ["Job", "LayerCost", "Profile", "build_job", "linear_fit", "measure_layers", "measure_micro_batch",
-           "optimizer_seconds_per_element", "profile_job"]
+__all__ = ["Job", "LayerCost", "Profile", "build_job", "copy_seconds_per_byte", "linear_fit", "measure_layers",
+           "measure_micro_batch", "optimizer_seconds_per_element", "peak_live_bytes", "profile_job"]

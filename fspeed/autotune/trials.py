@@ -151,10 +151,18 @@ def step_measurements(metrics_csv: Path, warm_steps: int) -> tuple[list[float], 
 
 
 def _failure(code: int, log_text: str) -> tuple[str, str]:
-    """(status, reason) of a run that ended with exit code `code` and printed `log_text`."""
+    """(status, reason) of a run that ended with exit code `code` and printed `log_text`: the last
+    error line, with the problem lines that follow it (an fspeed-train configuration error's)."""
     lines = [line.strip() for line in log_text.splitlines() if line.strip()]
-    errors = [line for line in lines if re.search(r"error|exception|fspeed-train:|killed|signal", line, re.I)]
-    last = (errors or lines or ["no output"])[-1][:300]
+    marks = [i for i, line in enumerate(lines) if re.search(r"error|exception|fspeed-train:|killed|signal", line, re.I)]
+    if marks:
+        first = marks[-1]
+        while first > 0 and lines[first].startswith("- ") and first - 1 in marks:
+            first -= 1
+        details = [line for line in lines[first + 1:first + 4] if line.startswith("- ")]
+        last = " ".join([lines[first], *details])[:400]
+    else:
+        last = lines[-1][:400] if lines else "no output"
     if _OOM_PATTERNS.search(log_text) or code in (-9, 137) or "SIGKILL" in log_text:
         return OUT_OF_MEMORY, f"out of memory (exit code {code}): {last}"
     return FAILED, f"exit code {code}: {last}"
