@@ -222,18 +222,22 @@ def peak_live_bytes(run: Callable[[], Any], interval_s: float = 1e-4) -> tuple[i
 def measure_micro_batch(model: Model, params: PyTree, micro_batch: Any, repeats: int = 3) -> tuple[int, float]:
     """(the most bytes one micro-batch's forward and backward hold at once over those before it: what
     it keeps for backward and the gradients backward makes while it is still kept; median seconds of
-    its forward and backward) through the real train step on one process, after a warm-up step."""
+    its forward and backward) through the real train step on one process, after a warm-up step. The
+    times are taken in runs of their own: reading malloc's counters takes its lock, which slows the
+    run it watches."""
     opt = sgd(0.0)
     state = init_train_state(params, opt, seed=0, model=model if model.init_buffers is not None else None)
     step = make_train_step(model.loss, opt)
     state, _ = step(state, micro_batch)  # first-step allocations are not activations
-    kept, times = [], []
+    s = step.begin(state)
+    kept, _ = peak_live_bytes(lambda: step.micro(s, state, micro_batch))
+    times = []
     for _ in range(repeats):
         s = step.begin(state)
-        k, seconds = peak_live_bytes(lambda: step.micro(s, state, micro_batch))
-        kept.append(k)
-        times.append(seconds)
-    return int(statistics.median(kept)), statistics.median(times)
+        start = time.perf_counter()
+        step.micro(s, state, micro_batch)
+        times.append(time.perf_counter() - start)
+    return kept, statistics.median(times)
 
 
 def measure_layers(model: Model, params: PyTree, micro_batch: Any, repeats: int = 3) -> tuple[LayerCost, ...]:

@@ -1,0 +1,283 @@
+"""The search: profile once, predict every candidate's memory and step time, run the promising ones.
+
+    report = tune(TuneSettings(world=2, base_overrides=("train.train_batch_size=32",), workdir=Path("autotune")))
+    print(report.table())
+    report.best.candidate.to_overrides()       # what fspeed-train takes
+
+Strategies (`TuneSettings.strategy`):
+
+- `model` (default): trials in the cost model's predicted order. After each trial the predictions
+  are calibrated by the measured/predicted ratio of the trials so far (their median), and the
+  search stops when the next candidate's calibrated prediction cannot beat the best measured step
+  by more than `noise` (or after `max_trials`). The memory baseline is calibrated on the first
+  finished trial and the rest re-pruned with it.
+- `grid`: every candidate that fits, in enumeration order (up to `max_trials`).
+- `random`: a seeded random sample of `max_trials` of them.
+- `fast`: DeepSpeed's fast mode for comparison: the ZeRO stages at the base's other settings (no
+  remat, no offload, no tensor or pipeline slicing), each with its largest fitting micro-batch and
+  the next two smaller ones, stopping after 5 trials without improvement.
+
+Every trial goes to `workdir/results.jsonl` first (`trials.ResultsFile`); a tuning started again
+with the same settings runs only the trials that file does not hold.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import random
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from ..config.compose import compose_run_config
+from ..remat_budget import CANDIDATES as BUDGET_ORDER
+from .collectives import measure_collectives
+from .cost_model import CommCosts, StepCost, predict_step
+from .memory_model import (
+    MemoryPrediction, calibrated_baseline, default_memory_per_rank, format_bytes, predict_memory,
+    process_baseline_bytes, prune,
+)
+from .profiling import Profile, build_job, profile_job
+from .space import Candidate, SearchSpace, Skipped, enumerate_candidates
+from .trials import ResultsFile, TrialResult, TrialSettings, candidate_key, run_fingerprint, run_trial
+
+STRATEGIES = ("model", "grid", "random", "fast")
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    """What to tune and how (module docstring). `memory_per_rank` None: `default_memory_per_rank`."""
+
+    world: int
+    base_overrides: tuple[str, ...] = ()
+    workdir: Path = Path("autotune")
+    space: SearchSpace = SearchSpace()
+    strategy: str = "model"
+    memory_per_rank: Optional[int] = None
+    max_trials: int = 8
+    noise: float = 0.05
+    seed: int = 0
+    trial: TrialSettings = TrialSettings()
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"autotune.strategy={self.strategy!r}; allowed: {', '.join(STRATEGIES)}")
+        if not isinstance(self.max_trials, int) or self.max_trials < 1:
+            raise ValueError(f"autotune.max_trials={self.max_trials!r} must be a positive integer")
+        if not 0 <= self.noise < 1:
+            raise ValueError(f"autotune.noise={self.noise!r} must be in [0, 1) (a relative measurement noise)")
+        object.__setattr__(self, "base_overrides", tuple(self.base_overrides))
+        object.__setattr__(self, "workdir", Path(self.workdir))
+
+
+@dataclass
+class Row:
+    """One candidate in the table: its predictions, its trial if it ran, and its status."""
+
+    candidate: Candidate
+    status: str  # skipped | over memory | not run | ok | failed | out_of_memory | timeout
+    reason: str = ""
+    predicted_bytes: Optional[int] = None
+    predicted_s: Optional[float] = None
+    result: Optional[TrialResult] = None
+
+    def as_dict(self) -> dict:
+        r = self.result
+        return {"configuration": self.candidate.label(), "status": self.status, "reason": self.reason,
+                "predicted_peak_bytes": self.predicted_bytes, "predicted_step_s": self.predicted_s,
+                "measured_peak_bytes": r.max_peak_bytes if r else None, "measured_step_s": r.step_s if r else None,
+                "samples_per_s": r.samples_per_s if r else None, "tokens_per_s": r.tokens_per_s if r else None,
+                "overrides": " ".join(self.candidate.to_overrides())}
+
+
+@dataclass
+class TuneReport:
+    """Every candidate's row, the best measured one, and how many trials ran now (not resumed)."""
+
+    rows: list[Row]
+    best: Optional[Row]
+    trials_run: int
+    trials_resumed: int
+
+    def table(self) -> str:
+        lines = [f"{'configuration':<44} {'pred mem':>10} {'meas mem':>10} {'pred s':>8} {'meas s':>8} "
+                 f"{'samples/s':>10} status"]
+        order = sorted(self.rows, key=lambda r: (r.result is None or not r.result.ok,
+                                                 r.result.step_s if r.result and r.result.ok else 0,
+                                                 r.predicted_s if r.predicted_s is not None else float("inf")))
+        for row in order:
+            r = row.result
+            mark = "  <- best" if row is self.best else ""
+            lines.append(f"{row.candidate.label():<44} {_mem(row.predicted_bytes):>10} "
+                         f"{_mem(r.max_peak_bytes if r else None):>10} {_sec(row.predicted_s):>8} "
+                         f"{_sec(r.step_s if r else None):>8} "
+                         f"{(f'{r.samples_per_s:,.1f}' if r and r.samples_per_s else '-'):>10} "
+                         f"{row.status}{(': ' + row.reason) if row.reason else ''}{mark}")
+        return "\n".join(lines)
+
+    def write(self, directory: Path) -> dict[str, Path]:
+        """results.csv and results.json (one row per candidate), best.overrides (one per line); paths."""
+        directory.mkdir(parents=True, exist_ok=True)
+        rows = [row.as_dict() for row in self.rows]
+        paths = {"csv": directory / "results.csv", "json": directory / "results.json"}
+        with open(paths["csv"], "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["configuration"])
+            writer.writeheader()
+            writer.writerows(rows)
+        paths["json"].write_text(json.dumps(rows, indent=1))
+        if self.best is not None:
+            paths["overrides"] = directory / "best.overrides"
+            paths["overrides"].write_text("\n".join(self.best.candidate.to_overrides()) + "\n")
+        return paths
+
+
+def _mem(n: Optional[int]) -> str:
+    return format_bytes(n) if n else "-"
+
+
+def _sec(s: Optional[float]) -> str:
+    return f"{s:.4f}" if s is not None else "-"
+
+
+@dataclass
+class Prepared:
+    """What the search works from: the candidates with their predictions and the rows of the rest."""
+
+    base_overrides: tuple[str, ...]
+    memory: dict[Candidate, MemoryPrediction]
+    costs: dict[Candidate, StepCost]
+    rows: dict[Candidate, Row] = field(default_factory=dict)
+    memory_per_rank: int = 0
+
+
+def base_config(settings: TuneSettings):
+    """The base run composed for the search. With a fixed global batch (train.train_batch_size) its
+    micro-batch and accumulation are left to the candidates, each of which sets all three."""
+    overrides = list(settings.base_overrides)
+    if any(o.startswith("train.train_batch_size=") for o in overrides):
+        overrides += ["train.micro_batch_size=null", "train.grad_accum=null"]
+    return compose_run_config(overrides=overrides, dp_world_size=1)[0]
+
+
+def prepare(settings: TuneSettings, links: Optional[CommCosts] = None, baseline: Optional[int] = None,
+            progress: Callable[[str], None] = print) -> Prepared:
+    """Enumerate, profile, predict memory and prune, measure the collectives and predict step times."""
+    base = base_config(settings)
+    progress("autotune: building the model and data")
+    job = build_job(base)
+    found = enumerate_candidates(settings.space, base, settings.world, job.facts)
+    rows = {s.candidate: Row(s.candidate, "skipped", s.reason) for s in found.skipped}
+    if not found.candidates:
+        return Prepared(settings.base_overrides, {}, {}, rows)
+    profile = _profile(job, base, found.candidates, progress)
+    baseline = process_baseline_bytes(profile.data_bytes) if baseline is None else baseline
+    limit = settings.memory_per_rank or default_memory_per_rank(settings.world)
+    memory = {c: predict_memory(c, profile, base, baseline) for c in found.candidates}
+    fits, over = prune(list(memory.values()), limit)
+    for s in over:
+        rows[s.candidate] = Row(s.candidate, "over memory", s.reason, memory[s.candidate].peak_bytes)
+    progress(f"autotune: {len(found.candidates)} candidates, {len(found.skipped)} skipped, {len(over)} predicted "
+             f"over {format_bytes(limit)} per rank; measuring the collectives of {settings.world} ranks")
+    links = links if links is not None else measure_collectives(settings.world)
+    partition = base.pipeline.partition
+    costs = {p.candidate: predict_step(p.candidate, profile, links, partition) for p in fits}
+    for p in fits:
+        rows[p.candidate] = Row(p.candidate, "not run", "", p.peak_bytes, costs[p.candidate].seconds)
+    return Prepared(settings.base_overrides, memory, costs, rows, limit)
+
+
+def _profile(job, base, candidates: Sequence[Candidate], progress: Callable[[str], None]) -> Profile:
+    micro = sorted({c.micro_batch for c in candidates})
+    keys = {(c.remat, c.remat_every) for c in candidates if c.remat != "budget"} | {("none", 1)}
+    if any(c.remat == "budget" for c in candidates):
+        keys |= {(policy or "none", every) for policy, every in BUDGET_ORDER}
+    progress(f"autotune: profiling {len(keys)} remat choice(s) at micro-batch {micro[0]} and {micro[-1]}")
+    return profile_job(job, base, (micro[0], micro[-1]), sorted(keys),
+                       with_layers=any(c.pipe > 1 or c.tensor > 1 for c in candidates))
+
+
+def _order(settings: TuneSettings, prepared: Prepared) -> list[Candidate]:
+    """The candidates in the order the strategy tries them."""
+    fits = [c for c, row in prepared.rows.items() if row.status == "not run"]
+    if settings.strategy == "model":
+        return sorted(fits, key=lambda c: prepared.costs[c].seconds)
+    if settings.strategy == "grid":
+        return fits
+    if settings.strategy == "random":
+        return random.Random(settings.seed).sample(fits, len(fits))
+    plain = [c for c in fits if c.remat == "none" and not c.offload_optimizer and c.tensor == 1 and c.pipe == 1]
+    ordered = []
+    for stage in sorted({c.zero_stage for c in plain}):
+        mine = sorted((c for c in plain if c.zero_stage == stage), key=lambda c: -c.micro_batch)
+        ordered += mine[:3]
+    return ordered
+
+
+def tune(settings: TuneSettings, links: Optional[CommCosts] = None, baseline: Optional[int] = None,
+         progress: Callable[[str], None] = print) -> TuneReport:
+    """Run the search (module docstring) and return its report."""
+    prepared = prepare(settings, links, baseline, progress)
+    results = ResultsFile(settings.workdir / "results.jsonl",
+                          run_fingerprint(settings.base_overrides, settings.world, settings.trial))
+    done = results.load()
+    ran = resumed = 0
+    calibration: list[float] = []
+    since_best = 0
+    best: Optional[Row] = None
+    for candidate in _order(settings, prepared):
+        row = prepared.rows[candidate]
+        if row.status != "not run":  # re-pruned after the memory baseline was calibrated
+            continue
+        if ran + resumed >= settings.max_trials or _cannot_win(settings, prepared, candidate, calibration, best) \
+                or (settings.strategy == "fast" and since_best >= 5):
+            break
+        key = candidate_key(candidate)
+        if key in done:
+            result, resumed = done[key], resumed + 1
+        else:
+            progress(f"autotune: trial {ran + resumed + 1}: {candidate.label()}")
+            result = run_trial(candidate, settings.base_overrides, settings.workdir / key, settings.trial, key)
+            results.append(result)
+            ran += 1
+        row.result, row.status, row.reason = result, result.status, result.reason
+        if result.ok:
+            calibration.append(result.step_s / prepared.costs[candidate].seconds)
+            if len(calibration) == 1 and result.max_peak_bytes:
+                _recalibrate_memory(prepared, candidate, result.max_peak_bytes)
+            if best is None or result.step_s < best.result.step_s:
+                best, since_best = row, 0
+            else:
+                since_best += 1
+        progress(f"autotune:   {result.status}" + (f", {result.step_s:.4f} s per step" if result.ok else
+                                                   f": {result.reason}"))
+    return TuneReport(list(prepared.rows.values()), best, ran, resumed)
+
+
+def _cannot_win(settings: TuneSettings, prepared: Prepared, candidate: Candidate, calibration: list[float],
+                best: Optional[Row]) -> bool:
+    """The model strategy's stop: the next candidate's calibrated prediction is no better than the best
+    measured step by more than the noise."""
+    if settings.strategy != "model" or best is None or len(calibration) < 2:
+        return False
+    expected = prepared.costs[candidate].seconds * statistics.median(calibration)
+    return expected * (1 + settings.noise) >= best.result.step_s
+
+
+def _recalibrate_memory(prepared: Prepared, measured: Candidate, peak: int) -> None:
+    """Carry the baseline the first trial measured to every prediction, and prune again with it."""
+    baseline = calibrated_baseline(prepared.memory[measured], peak)
+    for c, prediction in prepared.memory.items():
+        prepared.memory[c] = dataclasses.replace(prediction, baseline=baseline)
+        row = prepared.rows.get(c)
+        if row is not None and row.status == "not run":
+            row.predicted_bytes = prepared.memory[c].peak_bytes
+            if row.predicted_bytes > prepared.memory_per_rank:
+                row.status, row.reason = "over memory", (
+                    f"predicted peak {format_bytes(row.predicted_bytes)} per rank (baseline measured by the first "
+                    f"trial) is over autotune.memory_per_rank={format_bytes(prepared.memory_per_rank)}")
+
+
+__all__ = ["Prepared", "Row", "STRATEGIES", "TuneReport", "TuneSettings", "base_config", "prepare", "tune"]
