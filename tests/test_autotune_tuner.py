@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
@@ -45,8 +46,10 @@ def test_end_to_end_on_two_ranks_then_resumed_without_rerunning(tmp_path):
     assert "<- best" in table and report.best.candidate.label() in table
     paths = report.write(tmp_path / "out")
     rows = json.loads(paths["json"].read_text())
-    assert len(rows) == len(report.rows) and paths["overrides"].read_text().split() == \
-        report.best.candidate.to_overrides()
+    assert len(rows) == len(report.rows) and {r["configuration"] for r in rows} == {
+        row.candidate.label() for row in report.rows}
+    with open(paths["csv"]) as f:
+        assert len(list(csv.DictReader(f))) == len(report.rows)
 
     def no_trial(*args, **kwargs):
         raise AssertionError("a finished trial ran again")

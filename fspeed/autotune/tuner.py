@@ -119,7 +119,8 @@ class TuneReport:
         return "\n".join(lines)
 
     def write(self, directory: Path) -> dict[str, Path]:
-        """results.csv and results.json (one row per candidate), best.overrides (one per line); paths."""
+        """results.csv and results.json (one row per candidate) in `directory`; their paths (the best
+        layout's files: `outputs.write_best`)."""
         directory.mkdir(parents=True, exist_ok=True)
         rows = [row.as_dict() for row in self.rows]
         paths = {"csv": directory / "results.csv", "json": directory / "results.json"}
@@ -128,9 +129,6 @@ class TuneReport:
             writer.writeheader()
             writer.writerows(rows)
         paths["json"].write_text(json.dumps(rows, indent=1))
-        if self.best is not None:
-            paths["overrides"] = directory / "best.overrides"
-            paths["overrides"].write_text("\n".join(self.best.candidate.to_overrides()) + "\n")
         return paths
 
 
@@ -280,4 +278,46 @@ def _recalibrate_memory(prepared: Prepared, measured: Candidate, peak: int) -> N
                     f"trial) is over autotune.memory_per_rank={format_bytes(prepared.memory_per_rank)}")
 
 
-__all__ = ["Prepared", "Row", "STRATEGIES", "TuneReport", "TuneSettings", "base_config", "prepare", "tune"]
+
+
+def _target_path(obj: object, what: str) -> str:
+    """`obj`'s dotted path for a `_target_` (a trial is a new process: it imports what it builds)."""
+    if isinstance(obj, str):
+        return obj
+    module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not callable(obj) or module in (None, "__main__") or name is None or "<" in name:
+        raise ValueError(f"autotune({what}=...): give the function that builds it, importable by a dotted path "
+                         f"(my_pkg.build_{what}) or that path as a string; each trial is a new fspeed-train process, "
+                         f"which builds the {what} itself (got {type(obj).__name__})")
+    return f"{module}.{name}"
+
+
+def autotune(model: object = None, data: object = None, *, world: int, global_batch: Optional[int] = None,
+             memory_per_rank: Optional[int] = None, overrides: Sequence[str] = (), strategy: str = "model",
+             space: SearchSpace = SearchSpace(), workdir: Path = Path("autotune"), max_trials: int = 8,
+             trial: TrialSettings = TrialSettings(), progress: Callable[[str], None] = print) -> TuneReport:
+    """The fastest layout of fspeed-train's run for `world` ranks (module docstring), from Python.
+
+    `model` and `data`: the functions that build them (fspeed-train's `model._target_` and
+    `data._target_`; None: the built-in corpus GPT), `global_batch` the fixed train_batch_size,
+    `overrides` any other fspeed-train keys. The best layout's files (`outputs.write_best`) and the
+    table's rows (results.csv, results.json) are written to `workdir`."""
+    from .outputs import write_best  # noqa: PLC0415
+
+    base = list(overrides)
+    if model is not None:
+        base.append(f"model._target_={_target_path(model, 'model')}")
+    if data is not None:
+        base.append(f"data._target_={_target_path(data, 'data')}")
+    if global_batch is not None:
+        base.append(f"train.train_batch_size={global_batch}")
+    settings = TuneSettings(world=world, base_overrides=tuple(base), workdir=Path(workdir), space=space,
+                            strategy=strategy, memory_per_rank=memory_per_rank, max_trials=max_trials, trial=trial)
+    report = tune(settings, progress=progress)
+    report.write(settings.workdir)
+    if report.best is not None:
+        write_best(settings.workdir, settings.base_overrides, report.best.candidate)
+    return report
+
+
+__all__ = ["Prepared", "Row", "STRATEGIES", "TuneReport", "TuneSettings", "autotune", "base_config", "prepare", "tune"]
