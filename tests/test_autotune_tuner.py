@@ -69,3 +69,21 @@ def test_bad_settings_are_one_clear_error(tmp_path):
         small_settings(tmp_path, strategy="best")
     with pytest.raises(ValueError, match="autotune.max_trials=0"):
         small_settings(tmp_path, max_trials=0)
+
+
+def test_a_hugging_face_model_through_model_target(tmp_path):
+    """A transformers GPT-2 (tests.hf_models): a pipeline cuts its traced forward, tensor slicing is left out
+    with the reason (GPT-2 declares no tensor-parallel plan), and its best layout is a real trial."""
+    hf = ("model._target_=tests.hf_models.hf_gpt2", "data._target_=tests.hf_models.lm_datasets",
+          "train.train_batch_size=8")
+    space = SearchSpace(zero_stage=(1,), micro_batch=(2, 4), remat=("none",), offload_optimizer=(False,),
+                        offload_param=(False,), tensor=(1, 2), pipe=(1, 2))
+    settings = small_settings(tmp_path, base_overrides=hf, space=space, max_trials=1)
+    report = tune(settings, links=LINKS, baseline=300 << 20, progress=lambda line: None)
+    tensor = [row for row in report.rows if row.candidate.tensor == 2 and row.candidate.pipe == 1]
+    assert tensor and all(row.status == "skipped" and "declares no tensor-parallel plan" in row.reason
+                          for row in tensor)
+    assert any(row.candidate.pipe == 2 and row.status != "skipped" for row in report.rows)
+    assert report.trials_run == 1 and report.best is not None and report.best.result.ok, \
+        [(r.candidate.label(), r.reason) for r in report.rows if r.result is not None]
+    assert report.best.result.tokens_per_s is None and report.best.result.samples_per_s > 0  # a user's samples

@@ -169,8 +169,11 @@ def _failure(code: int, log_text: str) -> tuple[str, str]:
 
 
 def run_trial(candidate: Candidate, base_overrides: Sequence[str], run_dir: Path,
-              settings: TrialSettings = TrialSettings(), key: Optional[str] = None) -> TrialResult:
-    """Run one trial of `candidate` in `run_dir` (created; module docstring) and measure it."""
+              settings: TrialSettings = TrialSettings(), key: Optional[str] = None,
+              cwd: Optional[Path] = None) -> TrialResult:
+    """Run one trial of `candidate` writing into `run_dir` (created; module docstring) and measure it.
+    The command runs in `cwd` (default: this process's), where fspeed-train imports a user's
+    `model._target_` and `data._target_` from."""
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     key = key or candidate_key(candidate)
@@ -179,7 +182,7 @@ def run_trial(candidate: Candidate, base_overrides: Sequence[str], run_dir: Path
     log = run_dir / "trial.log"
     log.write_text("")
     begin = time.monotonic()
-    process = start(command, cwd=run_dir, log=log, env={"PYTHONUNBUFFERED": "1"})
+    process = start(command, cwd=Path(cwd or Path.cwd()), log=log, env={"PYTHONUNBUFFERED": "1"})
     peaks: dict[int, int] = {}
     ranks: dict[int, int] = {}
     timed_out, next_scan = False, 0.0
