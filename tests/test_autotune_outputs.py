@@ -79,3 +79,20 @@ def test_fspeed_autotune_runs_one_trial_and_writes_the_best_layout(tmp_path, cap
     assert "<- best" in out and "best: z1 mb4x1 dp2" in out
     for name in ("best.overrides", "best.yaml", "ds_config.json", "results.csv", "results.json", "results.jsonl"):
         assert (tmp_path / name).exists(), name
+
+
+def test_fspeed_plot_draws_a_tuning(tmp_path):
+    from fspeed.cli.plot import main as plot_main
+
+    rows = [{"configuration": f"z{s} mb4x1 dp2", "status": "ok", "predicted_step_s": 0.01 * (s + 1),
+             "measured_step_s": 0.012 * (s + 1), "samples_per_s": 8 / (0.012 * (s + 1))} for s in range(3)]
+    rows.append({"configuration": "z3 mb8x1 dp2", "status": "timeout", "predicted_step_s": 0.02,
+                 "measured_step_s": None, "samples_per_s": None})
+    (tmp_path / "results.json").write_text(json.dumps(rows))
+    plot_main([str(tmp_path)])
+    for name in ("autotune_step_time.png", "autotune_throughput.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "results.json").write_text(json.dumps(rows[-1:]))
+    with pytest.raises(SystemExit) as stop:
+        plot_main([str(tmp_path)])
+    assert stop.value.code == 2
