@@ -20,6 +20,7 @@ heaviest pipeline stage's model states are added to the most loaded stage's acti
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -224,25 +225,40 @@ def default_memory_per_rank(world: int, on_cpu: bool = True, share: float = 0.9)
 
 
 _BASELINE_SCRIPT = """
-import torch, fspeed.cli.train
-from fspeed.optim import adamw
+import json, sys, torch
+from fspeed.cli.train import main  # what a rank imports
+from fspeed.host_memory import retain_freed_host_memory
+from fspeed.config.compose import compose_run_config
+from fspeed.autotune.profiling import build_job
+retain_freed_host_memory()  # as fspeed-train does: freed memory stays in the process
+from fspeed.config.build import build_optimizer, build_precision
+from fspeed.train_init import init_train_state
+from fspeed.train_step import make_train_step
+run = compose_run_config(overrides=json.loads(sys.argv[1]))[0]
+job = build_job(run)  # the data and model, as a rank builds them
 x = torch.randn(64, 256, requires_grad=True)
 w = torch.nn.Linear(256, 256)
 torch.nn.functional.gelu(torch.nn.functional.scaled_dot_product_attention(
     w(x)[None, None], x[None, None], x[None, None])).sum().backward()
+opt = build_optimizer(run)  # a step of the run's optimizer on a small parameter: its kernels are compiled
+state = init_train_state({"w": torch.zeros(4096)}, opt, precision=build_precision(run))
+make_train_step(lambda p, b, rng=None: (p["w"] * b).sum(), opt)(state, torch.ones(4096))
 for line in open("/proc/self/status"):
     if line.startswith("VmHWM:"):
         print(int(line.split()[1]) * 1024)
 """
 
 
-def process_baseline_bytes(data_bytes: int = 0, python: Optional[str] = None) -> int:
-    """Peak resident bytes of a fresh interpreter that imported fspeed-train and ran a forward and
-    backward (the libraries' pages a rank touches before its model), plus `data_bytes` (the rows
-    every rank holds): a trial's memory that is not the model's."""
-    out = subprocess.run([python or sys.executable, "-c", _BASELINE_SCRIPT], capture_output=True, text=True,
-                         timeout=300, check=True)
-    return int(out.stdout.strip().splitlines()[-1]) + data_bytes
+def process_baseline_bytes(base_overrides: Sequence[str] = (), python: Optional[str] = None) -> int:
+    """Peak resident bytes of a fresh interpreter that imported fspeed-train, prepared the run's data
+    and model as a rank does (`profiling.build_job` of `base_overrides`) and ran a small forward and
+    backward: a trial's memory that is not the model's states and activations. The first trial
+    measures it better (`calibrated_baseline`): a rank also holds its process group's buffers."""
+    out = subprocess.run([python or sys.executable, "-c", _BASELINE_SCRIPT, json.dumps(list(base_overrides))],
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"measuring the process baseline failed:\n{out.stderr[-2000:]}")
+    return int(out.stdout.strip().splitlines()[-1])
 
 
 __all__ = ["MemoryPrediction", "available_host_bytes", "budget_choice", "calibrated_baseline", "candidate_plan",

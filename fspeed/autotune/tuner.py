@@ -154,10 +154,7 @@ class Prepared:
 def base_config(settings: TuneSettings):
     """The base run composed for the search. With a fixed global batch (train.train_batch_size) its
     micro-batch and accumulation are left to the candidates, each of which sets all three."""
-    overrides = list(settings.base_overrides)
-    if any(o.startswith("train.train_batch_size=") for o in overrides):
-        overrides += ["train.micro_batch_size=null", "train.grad_accum=null"]
-    return compose_run_config(overrides=overrides, dp_world_size=1)[0]
+    return compose_run_config(overrides=_baseline_overrides(settings), dp_world_size=1)[0]
 
 
 def prepare(settings: TuneSettings, links: Optional[CommCosts] = None, baseline: Optional[int] = None,
@@ -171,7 +168,7 @@ def prepare(settings: TuneSettings, links: Optional[CommCosts] = None, baseline:
     if not found.candidates:
         return Prepared(settings.base_overrides, {}, {}, rows)
     profile = _profile(job, base, found.candidates, progress)
-    baseline = process_baseline_bytes(profile.data_bytes) if baseline is None else baseline
+    baseline = process_baseline_bytes(_baseline_overrides(settings)) if baseline is None else baseline
     limit = settings.memory_per_rank or default_memory_per_rank(settings.world)
     memory = {c: predict_memory(c, profile, base, baseline) for c in found.candidates}
     fits, over = prune(list(memory.values()), limit)
@@ -185,6 +182,13 @@ def prepare(settings: TuneSettings, links: Optional[CommCosts] = None, baseline:
     for p in fits:
         rows[p.candidate] = Row(p.candidate, "not run", "", p.peak_bytes, costs[p.candidate].seconds)
     return Prepared(settings.base_overrides, memory, costs, rows, limit)
+
+
+def _baseline_overrides(settings: TuneSettings) -> list[str]:
+    overrides = list(settings.base_overrides)
+    if any(o.startswith("train.train_batch_size=") for o in overrides):
+        overrides += ["train.micro_batch_size=null", "train.grad_accum=null"]
+    return overrides
 
 
 def _profile(job, base, candidates: Sequence[Candidate], progress: Callable[[str], None]) -> Profile:
