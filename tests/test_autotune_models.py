@@ -16,6 +16,7 @@ from fspeed.autotune.profiling import LayerCost, Profile, build_job, linear_fit,
 from fspeed.autotune.space import Candidate, ModelFacts, SearchSpace, enumerate_candidates
 from fspeed.config.compose import compose_run_config
 from fspeed.precision import fp32
+from fspeed.remat_budget import CANDIDATES as BUDGET_ORDER
 
 TINY = ("model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.seq_len=32", "data.max_bytes=40000",
         "train.train_batch_size=16", "train.micro_batch_size=4", "zero.param_persistence_threshold=0")
@@ -144,8 +145,11 @@ def test_the_budget_remat_picks_the_first_policy_that_fits_or_is_pruned():
     base, _, profile = tiny()
     roomy = profile.activation_bytes("none", 1, 4) / 2**20 + 1
     assert budget_choice(profile, roomy, 4)[0] == ("none", 1)
-    tight = (profile.activation_bytes("full", 1, 4) + 1) / 2**20
-    assert budget_choice(profile, tight, 4)[0] == ("full", 1)
+    order = [(policy or "none", every) for policy, every in BUDGET_ORDER if (policy or "none", every) in profile.remat]
+    for budget in sorted(profile.activation_bytes(*key, 4) + 1 for key in order):
+        picked = budget_choice(profile, budget / 2**20, 4)[0]
+        assert profile.activation_bytes(*picked, 4) <= budget  # it fits, and nothing before it in the order does
+        assert all(profile.activation_bytes(*key, 4) > budget for key in order[:order.index(picked)])
     hopeless = predict_memory(Candidate(1, 4, 2, data=2, remat="budget", remat_budget_mib=1e-6), profile, base)
     fits, over = prune([hopeless], 1 << 40)
     assert not fits and "even full remat keeps" in over[0].reason

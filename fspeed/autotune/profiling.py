@@ -4,13 +4,13 @@
     profile = profile_job(job, base_run, micro_batches=(1, 8), remat=(("none", 1), ("full", 1)))
     profile.activation_bytes("full", 1, micro_batch=4)   # interpolated from the two measured sizes
 
-On one process, before any trial: each remat choice's bytes kept for backward and seconds of a
-micro-batch's forward and backward through the real train step (`remat_budget`'s measurement),
-at two micro-batch sizes (both are linear in the micro-batch: a fixed part, the dispatch and the
-loss, and a per-sample part); each layer's forward and backward seconds, bytes kept and output
+On one process, before any trial: each remat choice's peak bytes and seconds of a micro-batch's
+forward and backward through the real train step, at two micro-batch sizes (both are linear in
+the micro-batch: a fixed part, the dispatch and the loss, and a per-sample part); each layer's forward and backward seconds, bytes kept and output
 bytes (what a pipeline stage holds per micro-batch in flight and sends to the next); the
 optimizer's update seconds per element; and `ModelFacts` (can a pipeline cut it, has tensor
-slicing rules for it, how many heads).
+slicing rules for it, how many heads). Times are the fastest of a few runs after a warm-up: on a
+machine shared with other work the fastest run is the one least disturbed by it.
 """
 
 from __future__ import annotations
@@ -219,9 +219,10 @@ def peak_live_bytes(run: Callable[[], Any], interval_s: float = 1e-4) -> tuple[i
     return peak[0] - before, seconds
 
 
-def measure_micro_batch(model: Model, params: PyTree, micro_batch: Any, repeats: int = 3) -> tuple[int, float]:
-    """(the most bytes one micro-batch's forward and backward hold at once over those before it: what
-    it keeps for backward and the gradients backward makes while it is still kept; median seconds of
+def measure_micro_batch(model: Model, params: PyTree, micro_batch: Any, repeats: int = 5) -> tuple[int, float]:
+    """(the most bytes one micro-batch's forward and backward hold at once over those before it (what
+    it keeps for backward and the gradients backward makes while it is still kept: the larger of the
+    sampled peak and the bytes held when backward starts); the fastest seconds of
     its forward and backward) through the real train step on one process, after a warm-up step. The
     times are taken in runs of their own: reading malloc's counters takes its lock, which slows the
     run it watches."""
@@ -230,18 +231,21 @@ def measure_micro_batch(model: Model, params: PyTree, micro_batch: Any, repeats:
     step = make_train_step(model.loss, opt)
     state, _ = step(state, micro_batch)  # first-step allocations are not activations
     s = step.begin(state)
-    kept, _ = peak_live_bytes(lambda: step.micro(s, state, micro_batch))
+    sampled, _ = peak_live_bytes(lambda: step.micro(s, state, micro_batch))
+    s = step.begin(state)
+    at_backward, _ = bytes_kept_for_backward(lambda: step.micro(s, state, micro_batch))
+    kept = max(sampled, at_backward)  # two lower bounds of the peak: the sampler can miss a short one
     times = []
     for _ in range(repeats):
         s = step.begin(state)
         start = time.perf_counter()
         step.micro(s, state, micro_batch)
         times.append(time.perf_counter() - start)
-    return kept, statistics.median(times)
+    return kept, min(times)
 
 
-def measure_layers(model: Model, params: PyTree, micro_batch: Any, repeats: int = 3) -> tuple[LayerCost, ...]:
-    """Each layer of `model.layers` on `micro_batch`: forward and backward seconds (medians after a
+def measure_layers(model: Model, params: PyTree, micro_batch: Any, repeats: int = 5) -> tuple[LayerCost, ...]:
+    """Each layer of `model.layers` on `micro_batch`: forward and backward seconds (the fastest after a
     warm-up), bytes kept for backward and output bytes (`LayerCost`)."""
     seq = model.layers
     leaves = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()), params)
@@ -273,7 +277,7 @@ def measure_layers(model: Model, params: PyTree, micro_batch: Any, repeats: int 
                 rows[i].append((marks["forward"], seconds - marks["forward"], kept, output))
             x = marks["y"]
     counts = [sum(leaves_numel(leaves, path) for path in layer.uses) for layer in seq.layers]
-    return tuple(LayerCost(layer.name, statistics.median(r[0] for r in row), statistics.median(r[1] for r in row),
+    return tuple(LayerCost(layer.name, min(r[0] for r in row), min(r[1] for r in row),
                            int(statistics.median(r[2] for r in row)), row[0][3], count)
                  for layer, row, count in zip(seq.layers, rows, counts))
 
@@ -286,8 +290,8 @@ def leaves_numel(params: PyTree, path: str) -> int:
     return sum(t.numel() for t in tree_leaves(node))
 
 
-def optimizer_seconds_per_element(optimizer, elements: int = 1 << 20, repeats: int = 3) -> float:
-    """Seconds the optimizer's update takes per parameter element (median of `repeats` after a warm-up)."""
+def optimizer_seconds_per_element(optimizer, elements: int = 1 << 20, repeats: int = 5) -> float:
+    """Seconds the optimizer's update takes per parameter element (the fastest of `repeats` after a warm-up)."""
     params = {"probe": torch.zeros(elements)}
     grads = {"probe": torch.full((elements,), 1e-3)}
     state = optimizer.init(params)
@@ -297,11 +301,11 @@ def optimizer_seconds_per_element(optimizer, elements: int = 1 << 20, repeats: i
         _, state = optimizer.update(grads, state, params)
         if run:
             times.append(time.perf_counter() - start)
-    return statistics.median(times) / elements
+    return min(times) / elements
 
 
-def copy_seconds_per_byte(nbytes: int = 32 << 20, repeats: int = 3) -> float:
-    """Seconds per byte of copying one host buffer into another (median of `repeats` after a warm-up)."""
+def copy_seconds_per_byte(nbytes: int = 32 << 20, repeats: int = 5) -> float:
+    """Seconds per byte of copying one host buffer into another (the fastest of `repeats` after a warm-up)."""
     source, target = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
     times = []
     for run in range(repeats + 1):
@@ -309,11 +313,11 @@ def copy_seconds_per_byte(nbytes: int = 32 << 20, repeats: int = 3) -> float:
         target.copy_(source)
         if run:
             times.append(time.perf_counter() - start)
-    return statistics.median(times) / nbytes
+    return min(times) / nbytes
 
 
 def profile_job(job: Job, run: RunConfig, micro_batches: Sequence[int], remat: Sequence[RematKey],
-                with_layers: bool = False, repeats: int = 3) -> Profile:
+                with_layers: bool = False, repeats: int = 5) -> Profile:
     """The profiling pass over `job` (module docstring): every remat choice of `remat` at each of
     `micro_batches` (two sizes give the linear fit), and with `with_layers` each layer's costs at the
     smallest size."""
