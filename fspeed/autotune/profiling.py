@@ -6,8 +6,9 @@
 
 On one process, before any trial: each remat choice's peak bytes and seconds of a micro-batch's
 forward and backward through the real train step, at two micro-batch sizes (both are linear in
-the micro-batch: a fixed part, the dispatch and the loss, and a per-sample part); each layer's forward and backward seconds, bytes kept and output
-bytes (what a pipeline stage holds per micro-batch in flight and sends to the next); the
+the micro-batch: a fixed part, the dispatch and the loss, and a per-sample part); each layer's
+forward and backward seconds, bytes kept and output bytes (what a pipeline stage holds per
+micro-batch in flight and sends to the next); the
 optimizer's update seconds per element; and `ModelFacts` (can a pipeline cut it, has tensor
 slicing rules for it, how many heads). Times are the fastest of a few runs after a warm-up: on a
 machine shared with other work the fastest run is the one least disturbed by it.
