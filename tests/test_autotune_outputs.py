@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from fspeed.autotune.command import UsageError, main, parse_command
 from fspeed.autotune.outputs import ds_config, write_best
-from fspeed.autotune.space import Candidate
+from fspeed.autotune.space import Candidate, SearchSpace
 from fspeed.config import to_run_config
 from fspeed.config.compose import compose_run_config
 
@@ -96,3 +97,17 @@ def test_fspeed_plot_draws_a_tuning(tmp_path):
     with pytest.raises(SystemExit) as stop:
         plot_main([str(tmp_path)])
     assert stop.value.code == 2
+
+
+def test_fs_autotune_is_the_package_called_and_wants_builders_by_path(tmp_path):
+    import fspeed as fs
+    from fspeed.autotune.tuner import _target_path
+
+    assert callable(fs.autotune) and fs.autotune.SearchSpace is SearchSpace and fs.autotune.autotune.__module__ == \
+        "fspeed.autotune.tuner"
+    assert _target_path(_target_path, "model") == "fspeed.autotune.tuner._target_path"
+    assert _target_path("my_pkg.build", "model") == "my_pkg.build"
+    with pytest.raises(ValueError, match=r"autotune\(model=...\): give the function that builds it"):
+        fs.autotune(torch.nn.Linear(2, 2), world=1, workdir=tmp_path)
+    with pytest.raises(AttributeError, match="has no attribute 'tuning'"):
+        fs.autotune.tuning
