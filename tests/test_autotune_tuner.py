@@ -87,3 +87,106 @@ def test_a_hugging_face_model_through_model_target(tmp_path):
     assert report.trials_run == 1 and report.best is not None and report.best.result.ok, \
         [(r.candidate.label(), r.reason) for r in report.rows if r.result is not None]
     assert report.best.result.tokens_per_s is None and report.best.result.samples_per_s > 0  # a user's samples
+
+
+class FakeTrials:
+    """run_trial's stand-in: each candidate's 'measured' step is its predicted one times `ratio`, except the
+    `failing` ones (a crash) and `hanging` ones (a timeout); records the order trials ran in."""
+
+    def __init__(self, ratio=0.5, failing=(), hanging=(), peak=100 << 20):
+        self.ratio, self.failing, self.hanging, self.peak, self.ran = ratio, set(failing), set(hanging), peak, []
+
+    def __call__(self, candidate, base, run_dir, settings, key=None, cwd=None):
+        from fspeed.autotune.trials import FAILED, OK, TIMEOUT, TrialResult
+
+        self.ran.append(candidate)
+        if candidate in self.failing:
+            return TrialResult(key, candidate, FAILED, "exit code 1: RuntimeError: boom")
+        if candidate in self.hanging:
+            return TrialResult(key, candidate, TIMEOUT, "no end within 5 s")
+        step = self.predicted[candidate] * self.ratio
+        return TrialResult(key, candidate, OK, step_s=step, samples_per_s=candidate.global_batch / step,
+                           peak_bytes={0: self.peak, 1: self.peak})
+
+
+def synthetic_prepared(predicted, memory_per_rank=1 << 40):
+    """A Prepared search over `predicted` (candidate -> predicted seconds), each predicted to need 50 MiB
+    of states and a 10 MiB baseline."""
+    from fspeed.autotune.cost_model import StepCost
+    from fspeed.autotune.memory_model import MemoryPrediction
+    from fspeed.parallel.memory import MemoryEstimate
+
+    def prediction(c):
+        estimate = MemoryEstimate("plan", "fp32", 1, 2, {"params": 50 << 20}, {}, {}, 0, 0)
+        return MemoryPrediction(c, estimate, 0, 10 << 20)
+
+    memory = {c: prediction(c) for c in predicted}
+    costs = {c: StepCost(c, s) for c, s in predicted.items()}
+    rows = {c: tuner.Row(c, "not run", "", memory[c].peak_bytes, s) for c, s in predicted.items()}
+    return tuner.Prepared((), memory, costs, rows, memory_per_rank)
+
+
+def run_search(tmp_path, monkeypatch, predicted, fake, **changes):
+    fake.predicted = predicted
+    limit = changes.get("memory_per_rank") or 1 << 40
+    monkeypatch.setattr(tuner, "prepare", lambda *a, **k: synthetic_prepared(predicted, limit))
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    values = dict(world=2, workdir=tmp_path, max_trials=10)
+    values.update(changes)
+    return tune(TuneSettings(**values), links=LINKS, baseline=0, progress=lambda line: None)
+
+
+def layouts(n, stage=1):
+    from fspeed.autotune.space import Candidate
+
+    return [Candidate(stage, 2 ** k, 2 ** (n - k), data=2) for k in range(n)]
+
+
+def test_the_model_strategy_runs_in_predicted_order_and_stops_when_nothing_left_can_win(tmp_path, monkeypatch):
+    cs = layouts(5)
+    predicted = dict(zip(cs, [3.0, 1.0, 2.0, 10.0, 1.04]))
+    fake = FakeTrials(ratio=0.5)
+    report = run_search(tmp_path, monkeypatch, predicted, fake)
+    # predicted order 1.0, 1.04, 2.0: after two trials the calibrated 2.0 x 0.5 cannot beat 0.5 by 5%
+    assert fake.ran == [cs[1], cs[4]] and report.best.candidate == cs[1]
+    assert {row.status for row in report.rows if row.candidate in (cs[0], cs[2], cs[3])} == {"not run"}
+
+
+def test_a_crash_and_a_hang_are_recorded_and_the_search_goes_on(tmp_path, monkeypatch):
+    cs = layouts(4)
+    predicted = dict(zip(cs, [1.0, 1.1, 1.2, 1.3]))
+    fake = FakeTrials(failing={cs[0]}, hanging={cs[1]})
+    report = run_search(tmp_path, monkeypatch, predicted, fake, strategy="grid")
+    assert fake.ran == cs
+    statuses = {row.candidate: (row.status, row.reason) for row in report.rows}
+    assert statuses[cs[0]] == ("failed", "exit code 1: RuntimeError: boom")
+    assert statuses[cs[1]] == ("timeout", "no end within 5 s")
+    assert report.best.candidate == cs[2]
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and json.loads(lines[0])["result"]["status"] == "failed"
+
+
+def test_the_first_trial_calibrates_the_memory_baseline_and_the_rest_are_pruned_again(tmp_path, monkeypatch):
+    cs = layouts(3)
+    predicted = dict(zip(cs, [1.0, 1.1, 1.2]))
+    fake = FakeTrials(peak=500 << 20)  # the first trial measures 500 MiB, predicted 60 MiB
+    report = run_search(tmp_path, monkeypatch, predicted, fake, strategy="grid", memory_per_rank=200 << 20)
+    assert fake.ran == [cs[0]]
+    for row in report.rows[1:]:
+        assert row.status == "over memory" and "baseline measured by the first trial" in row.reason
+        assert row.predicted_bytes == 500 << 20
+
+
+def test_grid_random_and_fast_strategies(tmp_path, monkeypatch):
+    cs = layouts(4, stage=1) + layouts(4, stage=2)
+    predicted = {c: 1.0 + i / 10 for i, c in enumerate(cs)}
+    grid = FakeTrials()
+    run_search(tmp_path / "grid", monkeypatch, predicted, grid, strategy="grid", max_trials=3)
+    assert grid.ran == cs[:3]
+    sampled = FakeTrials()
+    run_search(tmp_path / "random", monkeypatch, predicted, sampled, strategy="random", max_trials=3, seed=1)
+    assert len(sampled.ran) == 3 and len(set(sampled.ran)) == 3 and sampled.ran != cs[:3]
+    fast = FakeTrials()
+    run_search(tmp_path / "fast", monkeypatch, predicted, fast, strategy="fast")
+    # per stage the three largest micro-batches, largest first (DeepSpeed's fast mode)
+    assert [(c.zero_stage, c.micro_batch) for c in fast.ran] == [(1, 8), (1, 4), (1, 2), (2, 8), (2, 4), (2, 2)]
