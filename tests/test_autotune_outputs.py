@@ -59,7 +59,10 @@ def test_command_line_keys_and_their_errors(tmp_path):
                           (["autotune.space.zero_stage=[5]"], "autotune.space.zero_stage: 5"),
                           (["autotune.strategy=best"], "autotune.strategy='best'"),
                           (["--nproc", "0"], "autotune.nproc=0"),
-                          (["autotune.memory_per_rank=lots"], "autotune.memory_per_rank: 'lots'")]:
+                          (["autotune.memory_per_rank=lots"], "autotune.memory_per_rank: 'lots'"),
+                          (["autotune.seed=3"], "autotune.seed applies to autotune.strategy=random"),
+                          (["autotune.strategy=grid", "autotune.noise=0.1"], "autotune.noise applies to"),
+                          (["autotune.space.overlap_comm=[true]"], "searched in the slow mode only")]:
         with pytest.raises(UsageError, match=message.replace("[", r"\[")):
             parse_command(argv)
 

@@ -168,10 +168,18 @@ def test_without_a_global_batch_micro_batch_and_accumulation_vary_freely():
     (dict(schedule=("pipedream",)), "autotune.space.schedule"),
     (dict(zero_stage=()), "autotune.space.zero_stage: an empty list"),
     (dict(offload_optimizer=("yes",)), "autotune.space.offload_optimizer"),
+    (dict(overlap_comm=(True,)), "autotune.space.overlap_comm is searched in the slow mode only"),
+    (dict(reduce_bucket_size=(1000,)), "autotune.space.reduce_bucket_size is searched in the slow mode only"),
+    (dict(virtual_stages=(2,)), "autotune.space.virtual_stages applies to the schedule interleaved_1f1b"),
 ])
 def test_bad_space_values_are_one_clear_error(space, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         SearchSpace(**space)
+
+
+def test_accumulation_steps_are_not_an_axis_at_a_fixed_global_batch():
+    with pytest.raises(ValueError, match="autotune.space.grad_accum: the global batch is fixed"):
+        enumerate_candidates(SearchSpace(grad_accum=(2,)), base_run(), 2, CUTTABLE)
 
 
 def test_remat_axis_spelling():

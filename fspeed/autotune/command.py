@@ -100,13 +100,17 @@ def parse_command(argv: list[str]) -> TuneSettings:
 
 
 def _settings(tuner: dict[str, Any], space: dict[str, Any], base: list[str]) -> TuneSettings:
+    strategy = tuner.get("strategy", "model")
+    for key, needs in (("seed", "random"), ("noise", "model")):
+        if key in tuner and strategy != needs:
+            raise ValueError(f"autotune.{key} applies to autotune.strategy={needs}, and the strategy is {strategy}")
     trial = {k: tuner[k] for k in ("warm_steps", "measured_steps", "timeout_s") if k in tuner}
     memory = tuner.get("memory_per_rank")
     world = tuner.get("nproc", 1)
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"autotune.nproc={world!r} must be a positive number of ranks")
     return TuneSettings(world=world, base_overrides=tuple(base), workdir=Path(str(tuner.get("dir", "autotune"))),
-                        space=SearchSpace(**space), strategy=tuner.get("strategy", "model"),
+                        space=SearchSpace(**space), strategy=strategy,
                         memory_per_rank=parse_bytes(memory) if memory is not None else None,
                         max_trials=tuner.get("max_trials", 8), noise=float(tuner.get("noise", 0.05)),
                         seed=tuner.get("seed", 0), trial=TrialSettings(**trial))

@@ -250,11 +250,11 @@ class SearchSpace:
     tensor: Optional[tuple[int, ...]] = None
     pipe: Optional[tuple[int, ...]] = None
     schedule: tuple[str, ...] = ("1f1b", "zero_bubble")
-    virtual_stages: tuple[int, ...] = (2,)  # interleaved_1f1b's chunks per stage
+    virtual_stages: Optional[tuple[int, ...]] = None  # interleaved_1f1b's chunks per stage; None: (2,)
     slow: bool = False
-    overlap_comm: tuple[Optional[bool], ...] = (False, True)
-    reduce_bucket_size: tuple[int, ...] = DEFAULT_BUCKETS
-    allgather_bucket_size: tuple[int, ...] = DEFAULT_BUCKETS
+    overlap_comm: Optional[tuple[Optional[bool], ...]] = None  # slow mode; None: (False, True)
+    reduce_bucket_size: Optional[tuple[int, ...]] = None  # slow mode; None: DEFAULT_BUCKETS
+    allgather_bucket_size: Optional[tuple[int, ...]] = None  # slow mode; None: DEFAULT_BUCKETS
 
     def __post_init__(self) -> None:
         for name in ("zero_stage", "micro_batch", "grad_accum", "remat", "offload_optimizer", "offload_param",
@@ -270,15 +270,34 @@ class SearchSpace:
         _check_values("zero_stage", self.zero_stage, lambda v: v in (0, 1, 2, 3), "0, 1, 2, 3")
         for name in ("micro_batch", "grad_accum", "tensor", "pipe", "reduce_bucket_size", "allgather_bucket_size"):
             _check_values(name, getattr(self, name) or (), _positive_int, "positive integers")
-        _check_values("virtual_stages", self.virtual_stages, lambda v: _positive_int(v) and v >= 2,
+        _check_values("virtual_stages", self.virtual_stages or (), lambda v: _positive_int(v) and v >= 2,
                       "integers >= 2 (interleaved_1f1b's chunks per stage)")
         _check_values("schedule", self.schedule, lambda v: v in PIPELINE_SCHEDULES, ", ".join(PIPELINE_SCHEDULES))
         for name in ("offload_optimizer", "offload_param"):
             _check_values(name, getattr(self, name), lambda v: isinstance(v, bool), "true, false")
-        _check_values("overlap_comm", self.overlap_comm, lambda v: v is None or isinstance(v, bool),
+        _check_values("overlap_comm", self.overlap_comm or (), lambda v: v is None or isinstance(v, bool),
                       "true, false, null (DeepSpeed's default)")
+        self._check_applies()
         for text in self.remat:
             parse_remat(text)
+
+
+    def _check_applies(self) -> None:
+        """An axis restricted where it has no effect is an error, not a silent no-op."""
+        if not isinstance(self.slow, bool):
+            raise ValueError(f"autotune.space.slow={self.slow!r}: allowed: true, false")
+        knobs = [n for n in ("overlap_comm", "reduce_bucket_size", "allgather_bucket_size") if getattr(self, n)]
+        if knobs and not self.slow:
+            raise ValueError(f"autotune.space.{knobs[0]} is searched in the slow mode only; set autotune.space.slow="
+                             "true (or leave it: the base's value is used)")
+        if self.virtual_stages is not None and "interleaved_1f1b" not in self.schedule:
+            raise ValueError("autotune.space.virtual_stages applies to the schedule interleaved_1f1b, which "
+                             f"autotune.space.schedule={list(self.schedule)} leaves out")
+
+    def knob_values(self) -> tuple[tuple[Optional[bool], ...], tuple[int, ...], tuple[int, ...]]:
+        """The slow mode's overlap_comm and bucket sizes (their defaults where not restricted)."""
+        return (self.overlap_comm or (False, True), self.reduce_bucket_size or DEFAULT_BUCKETS,
+                self.allgather_bucket_size or DEFAULT_BUCKETS)
 
 
 def _positive_int(value: object) -> bool:
@@ -320,13 +339,14 @@ def _meshes(space: SearchSpace, world: int) -> list[tuple[int, int]]:
 def _pipeline_shapes(space: SearchSpace, pipe: int) -> list[tuple[str, int]]:
     if pipe == 1:
         return [("1f1b", 1)]
-    return [(s, v) for s in space.schedule for v in (space.virtual_stages if s == "interleaved_1f1b" else (1,))]
+    chunks = space.virtual_stages or (2,)
+    return [(s, v) for s in space.schedule for v in (chunks if s == "interleaved_1f1b" else (1,))]
 
 
 def _zero_knobs(space: SearchSpace, base: RunConfig) -> list[tuple[Optional[bool], int, int]]:
     if not space.slow:
         return [(base.zero.overlap_comm, base.zero.reduce_bucket_size, base.zero.allgather_bucket_size)]
-    return list(itertools.product(space.overlap_comm, space.reduce_bucket_size, space.allgather_bucket_size))
+    return list(itertools.product(*space.knob_values()))
 
 
 def enumerate_candidates(space: SearchSpace, base: RunConfig, world: int, facts: ModelFacts,
@@ -338,6 +358,10 @@ def enumerate_candidates(space: SearchSpace, base: RunConfig, world: int, facts:
         raise ValueError(f"world={world!r}: the number of ranks must be a positive integer")
     if global_batch is None:
         global_batch = base.train.train_batch_size
+    if global_batch is not None and space.grad_accum is not None:
+        raise ValueError(f"autotune.space.grad_accum: the global batch is fixed (train.train_batch_size="
+                         f"{global_batch}), so the accumulation follows from the micro-batch; restrict "
+                         "autotune.space.micro_batch instead")
     kept: dict[Candidate, None] = {}
     skipped: dict[Candidate, str] = {}
     for tensor, pipe in _meshes(space, world):
