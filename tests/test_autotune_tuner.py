@@ -190,3 +190,16 @@ def test_grid_random_and_fast_strategies(tmp_path, monkeypatch):
     run_search(tmp_path / "fast", monkeypatch, predicted, fast, strategy="fast")
     # per stage the three largest micro-batches, largest first (DeepSpeed's fast mode)
     assert [(c.zero_stage, c.micro_batch) for c in fast.ran] == [(1, 8), (1, 4), (1, 2), (2, 8), (2, 4), (2, 2)]
+
+
+def test_the_base_micro_batch_fixes_that_axis_and_a_base_accumulation_is_refused(tmp_path):
+    from fspeed.autotune.tuner import base_space
+
+    fixed = base_space(TuneSettings(world=2, base_overrides=(*TINY, "train.micro_batch_size=2")))
+    assert fixed.micro_batch == (2,)
+    with pytest.raises(ValueError, match=r"both fix the micro-batch; keep one"):
+        base_space(TuneSettings(world=2, base_overrides=(*TINY, "train.micro_batch_size=2"),
+                                space=SearchSpace(micro_batch=(4,))))
+    with pytest.raises(ValueError, match=r"train.grad_accum=2 in the base: with a fixed global batch"):
+        base_space(TuneSettings(world=2, base_overrides=(*TINY, "train.grad_accum=2")))
+    assert base_space(TuneSettings(world=2, base_overrides=TINY)).micro_batch is None

@@ -129,7 +129,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         settings = parse_command(argv)
         report = tune(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    except (UsageError, ConfigError) as err:
+    except (UsageError, ConfigError, ValueError) as err:  # the tuning's own checks raise ValueError naming the key
         print(f"fspeed-autotune: {err}", file=sys.stderr)
         sys.exit(2)
     print(report.table())

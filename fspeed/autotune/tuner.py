@@ -151,6 +151,29 @@ class Prepared:
     memory_per_rank: int = 0
 
 
+def _base_value(settings: TuneSettings, key: str) -> Optional[str]:
+    """The value the base overrides give `key` (the last one), or None."""
+    values = [o.split("=", 1)[1] for o in settings.base_overrides if o.startswith(f"{key}=")]
+    return values[-1] if values else None
+
+
+def base_space(settings: TuneSettings) -> SearchSpace:
+    """The search space with what the base fixes: its `train.micro_batch_size` fixes that axis (unless
+    the space restricts it too: an error), and with a fixed global batch a `train.grad_accum` in the
+    base is an error (the accumulation follows from the micro-batch)."""
+    space = settings.space
+    micro, accum = _base_value(settings, "train.micro_batch_size"), _base_value(settings, "train.grad_accum")
+    if accum not in (None, "null") and _base_value(settings, "train.train_batch_size") not in (None, "null"):
+        raise ValueError(f"train.grad_accum={accum} in the base: with a fixed global batch the tuner derives the "
+                         "accumulation from the micro-batch; drop it, or fix train.micro_batch_size")
+    if micro in (None, "null"):
+        return space
+    if space.micro_batch is not None:
+        raise ValueError(f"train.micro_batch_size={micro} in the base and autotune.space.micro_batch="
+                         f"{list(space.micro_batch)} both fix the micro-batch; keep one")
+    return dataclasses.replace(space, micro_batch=(int(micro),))
+
+
 def base_config(settings: TuneSettings):
     """The base run composed for the search. With a fixed global batch (train.train_batch_size) its
     micro-batch and accumulation are left to the candidates, each of which sets all three."""
@@ -163,7 +186,7 @@ def prepare(settings: TuneSettings, links: Optional[CommCosts] = None, baseline:
     base = base_config(settings)
     progress("autotune: building the model and data")
     job = build_job(base)
-    found = enumerate_candidates(settings.space, base, settings.world, job.facts)
+    found = enumerate_candidates(base_space(settings), base, settings.world, job.facts)
     rows = {s.candidate: Row(s.candidate, "skipped", s.reason) for s in found.skipped}
     if not found.candidates:
         return Prepared(settings.base_overrides, {}, {}, rows)
@@ -186,7 +209,7 @@ def prepare(settings: TuneSettings, links: Optional[CommCosts] = None, baseline:
 
 def _baseline_overrides(settings: TuneSettings) -> list[str]:
     overrides = list(settings.base_overrides)
-    if any(o.startswith("train.train_batch_size=") for o in overrides):
+    if any(o.startswith("train.train_batch_size=") for o in overrides):  # the candidates set the split
         overrides += ["train.micro_batch_size=null", "train.grad_accum=null"]
     return overrides
 
@@ -324,4 +347,5 @@ def autotune(model: object = None, data: object = None, *, world: int, global_ba
     return report
 
 
-__all__ = ["Prepared", "Row", "STRATEGIES", "TuneReport", "TuneSettings", "autotune", "base_config", "prepare", "tune"]
+__all__ = ["Prepared", "Row", "STRATEGIES", "TuneReport", "TuneSettings", "autotune", "base_config", "base_space",
+           "prepare", "tune"]
