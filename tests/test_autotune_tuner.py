@@ -61,6 +61,8 @@ def test_end_to_end_on_two_ranks_then_resumed_without_rerunning(tmp_path):
     finally:
         tuner.run_trial = original
     assert again.trials_run == 0 and again.trials_resumed == 2
+    assert (tmp_path / "predictions.json").exists()  # the same predictions: the same path through the space
+    assert [(r.candidate, r.predicted_s) for r in again.rows] == [(r.candidate, r.predicted_s) for r in report.rows]
     assert again.best.candidate == report.best.candidate
 
 
@@ -112,18 +114,9 @@ class FakeTrials:
 def synthetic_prepared(predicted, memory_per_rank=1 << 40):
     """A Prepared search over `predicted` (candidate -> predicted seconds), each predicted to need 50 MiB
     of states and a 10 MiB baseline."""
-    from fspeed.autotune.cost_model import StepCost
-    from fspeed.autotune.memory_model import MemoryPrediction
-    from fspeed.parallel.memory import MemoryEstimate
-
-    def prediction(c):
-        estimate = MemoryEstimate("plan", "fp32", 1, 2, {"params": 50 << 20}, {}, {}, 0, 0)
-        return MemoryPrediction(c, estimate, 0, 10 << 20)
-
-    memory = {c: prediction(c) for c in predicted}
-    costs = {c: StepCost(c, s) for c, s in predicted.items()}
-    rows = {c: tuner.Row(c, "not run", "", memory[c].peak_bytes, s) for c, s in predicted.items()}
-    return tuner.Prepared((), memory, costs, rows, memory_per_rank)
+    states = {c: 50 << 20 for c in predicted}
+    rows = {c: tuner.Row(c, "not run", "", 60 << 20, s) for c, s in predicted.items()}
+    return tuner.Prepared((), states, dict(predicted), rows, memory_per_rank, baseline=10 << 20)
 
 
 def run_search(tmp_path, monkeypatch, predicted, fake, **changes):

@@ -35,11 +35,8 @@ from typing import Callable, Optional, Sequence
 from ..config.compose import compose_run_config
 from ..remat_budget import CANDIDATES as BUDGET_ORDER
 from .collectives import measure_collectives
-from .cost_model import CommCosts, StepCost, predict_step
-from .memory_model import (
-    MemoryPrediction, calibrated_baseline, default_memory_per_rank, format_bytes, predict_memory,
-    process_baseline_bytes, prune,
-)
+from .cost_model import CommCosts, predict_step
+from .memory_model import default_memory_per_rank, format_bytes, predict_memory, process_baseline_bytes, prune
 from .profiling import Profile, build_job, profile_job
 from .space import Candidate, SearchSpace, Skipped, enumerate_candidates
 from .trials import ResultsFile, TrialResult, TrialSettings, candidate_key, run_fingerprint, run_trial
@@ -142,13 +139,47 @@ def _sec(s: Optional[float]) -> str:
 
 @dataclass
 class Prepared:
-    """What the search works from: the candidates with their predictions and the rows of the rest."""
+    """What the search works from: every candidate's row (skipped, over memory, or not run yet with its
+    predictions), the predicted bytes of the model's part per rank (`states`: without the process
+    baseline), the baseline, the predicted seconds per step (`costs`) and the memory limit."""
 
     base_overrides: tuple[str, ...]
-    memory: dict[Candidate, MemoryPrediction]
-    costs: dict[Candidate, StepCost]
+    states: dict[Candidate, int]
+    costs: dict[Candidate, float]
     rows: dict[Candidate, Row] = field(default_factory=dict)
     memory_per_rank: int = 0
+    baseline: int = 0
+    on_cpu: bool = True  # the baseline shares the memory the limit is for (a GPU's excludes it)
+
+    def peak(self, candidate: Candidate, baseline: Optional[int] = None) -> int:
+        base = self.baseline if baseline is None else baseline
+        return self.states[candidate] + (base if self.on_cpu else 0)
+
+    def to_json(self, fingerprint: str) -> str:
+        rows = [{"candidate": dataclasses.asdict(c), "status": r.status, "reason": r.reason,
+                 "states": self.states.get(c), "predicted_s": self.costs.get(c)} for c, r in self.rows.items()]
+        return json.dumps({"fingerprint": fingerprint, "memory_per_rank": self.memory_per_rank,
+                           "baseline": self.baseline, "on_cpu": self.on_cpu, "rows": rows})
+
+    @classmethod
+    def from_json(cls, text: str, fingerprint: str, base_overrides: tuple[str, ...]) -> Optional["Prepared"]:
+        """The predictions saved by the same tuning (same base, world, protocol, space and limit), else None."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if data.get("fingerprint") != fingerprint:
+            return None
+        prepared = cls(base_overrides, {}, {}, {}, data["memory_per_rank"], data["baseline"], data["on_cpu"])
+        for item in data["rows"]:
+            c = Candidate(**item["candidate"])
+            if item["states"] is not None:
+                prepared.states[c] = item["states"]
+            if item["predicted_s"] is not None:
+                prepared.costs[c] = item["predicted_s"]
+            predicted = prepared.peak(c) if c in prepared.states else None
+            prepared.rows[c] = Row(c, item["status"], item["reason"], predicted, item["predicted_s"])
+        return prepared
 
 
 def _base_value(settings: TuneSettings, key: str) -> Optional[str]:
@@ -188,11 +219,11 @@ def prepare(settings: TuneSettings, links: Optional[CommCosts] = None, baseline:
     job = build_job(base)
     found = enumerate_candidates(base_space(settings), base, settings.world, job.facts)
     rows = {s.candidate: Row(s.candidate, "skipped", s.reason) for s in found.skipped}
+    limit = settings.memory_per_rank or default_memory_per_rank(settings.world)
     if not found.candidates:
-        return Prepared(settings.base_overrides, {}, {}, rows)
+        return Prepared(settings.base_overrides, {}, {}, rows, limit)
     profile = _profile(job, base, found.candidates, progress)
     baseline = process_baseline_bytes(_baseline_overrides(settings)) if baseline is None else baseline
-    limit = settings.memory_per_rank or default_memory_per_rank(settings.world)
     memory = {c: predict_memory(c, profile, base, baseline) for c in found.candidates}
     fits, over = prune(list(memory.values()), limit)
     for s in over:
@@ -201,10 +232,11 @@ def prepare(settings: TuneSettings, links: Optional[CommCosts] = None, baseline:
              f"over {format_bytes(limit)} per rank; measuring the collectives of {settings.world} ranks")
     links = links if links is not None else measure_collectives(settings.world)
     partition = base.pipeline.partition
-    costs = {p.candidate: predict_step(p.candidate, profile, links, partition) for p in fits}
+    costs = {p.candidate: predict_step(p.candidate, profile, links, partition).seconds for p in fits}
     for p in fits:
-        rows[p.candidate] = Row(p.candidate, "not run", "", p.peak_bytes, costs[p.candidate].seconds)
-    return Prepared(settings.base_overrides, memory, costs, rows, limit)
+        rows[p.candidate] = Row(p.candidate, "not run", "", p.peak_bytes, costs[p.candidate])
+    states = {c: dataclasses.replace(m, baseline=0).peak_bytes for c, m in memory.items()}
+    return Prepared(settings.base_overrides, states, costs, rows, limit, baseline)
 
 
 def _baseline_overrides(settings: TuneSettings) -> list[str]:
@@ -228,7 +260,7 @@ def _order(settings: TuneSettings, prepared: Prepared) -> list[Candidate]:
     """The candidates in the order the strategy tries them."""
     fits = [c for c, row in prepared.rows.items() if row.status == "not run"]
     if settings.strategy == "model":
-        return sorted(fits, key=lambda c: prepared.costs[c].seconds)
+        return sorted(fits, key=lambda c: prepared.costs[c])
     if settings.strategy == "grid":
         return fits
     if settings.strategy == "random":
@@ -243,10 +275,21 @@ def _order(settings: TuneSettings, prepared: Prepared) -> list[Candidate]:
 
 def tune(settings: TuneSettings, links: Optional[CommCosts] = None, baseline: Optional[int] = None,
          progress: Callable[[str], None] = print) -> TuneReport:
-    """Run the search (module docstring) and return its report."""
-    prepared = prepare(settings, links, baseline, progress)
-    results = ResultsFile(settings.workdir / "results.jsonl",
-                          run_fingerprint(settings.base_overrides, settings.world, settings.trial))
+    """Run the search (module docstring) and return its report. The predictions are saved in
+    `workdir/predictions.json` before the first trial: a tuning started again with the same settings
+    takes them (and the trials of results.jsonl) and goes on along the same path."""
+    fingerprint = run_fingerprint(settings.base_overrides, settings.world, settings.trial)
+    saved = settings.workdir / "predictions.json"
+    prediction_key = f"{fingerprint} {base_space(settings)!r} {settings.memory_per_rank}"
+    prepared = Prepared.from_json(saved.read_text(), prediction_key, settings.base_overrides) \
+        if saved.exists() else None
+    if prepared is None:
+        prepared = prepare(settings, links, baseline, progress)
+        settings.workdir.mkdir(parents=True, exist_ok=True)
+        saved.write_text(prepared.to_json(prediction_key))
+    else:
+        progress(f"autotune: the predictions of {saved} (the same tuning, resumed)")
+    results = ResultsFile(settings.workdir / "results.jsonl", fingerprint)
     done = results.load()
     ran = resumed = 0
     calibration: list[float] = []
@@ -269,7 +312,7 @@ def tune(settings: TuneSettings, links: Optional[CommCosts] = None, baseline: Op
             ran += 1
         row.result, row.status, row.reason = result, result.status, result.reason
         if result.ok:
-            calibration.append(result.step_s / prepared.costs[candidate].seconds)
+            calibration.append(result.step_s / prepared.costs[candidate])
             if len(calibration) == 1 and result.max_peak_bytes:
                 _recalibrate_memory(prepared, candidate, result.max_peak_bytes)
             if best is None or result.step_s < best.result.step_s:
@@ -287,24 +330,23 @@ def _cannot_win(settings: TuneSettings, prepared: Prepared, candidate: Candidate
     measured step by more than the noise."""
     if settings.strategy != "model" or best is None or len(calibration) < 2:
         return False
-    expected = prepared.costs[candidate].seconds * statistics.median(calibration)
+    expected = prepared.costs[candidate] * statistics.median(calibration)
     return expected * (1 + settings.noise) >= best.result.step_s
 
 
 def _recalibrate_memory(prepared: Prepared, measured: Candidate, peak: int) -> None:
     """Carry the baseline the first trial measured to every prediction, and prune again with it."""
-    baseline = calibrated_baseline(prepared.memory[measured], peak)
-    for c, prediction in prepared.memory.items():
-        prepared.memory[c] = dataclasses.replace(prediction, baseline=baseline)
+    if not prepared.on_cpu:
+        return  # a GPU's limit is the device's; the process baseline is host memory
+    prepared.baseline = max(peak - prepared.states[measured], 0)
+    for c in prepared.states:
         row = prepared.rows.get(c)
         if row is not None and row.status == "not run":
-            row.predicted_bytes = prepared.memory[c].peak_bytes
+            row.predicted_bytes = prepared.peak(c)
             if row.predicted_bytes > prepared.memory_per_rank:
                 row.status, row.reason = "over memory", (
                     f"predicted peak {format_bytes(row.predicted_bytes)} per rank (baseline measured by the first "
                     f"trial) is over autotune.memory_per_rank={format_bytes(prepared.memory_per_rank)}")
-
-
 
 
 def _target_path(obj: object, what: str) -> str:
