@@ -32,33 +32,44 @@ def _with_repo_on_path() -> dict:
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def test_a_killed_rank_restarts_the_group_and_the_run_ends_bit_identical_with_its_goodput(tmp_path):
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory) -> tuple[Path, float]:
+    """The uninterrupted run the faulted ones are compared with: (its checkpoints, its goodput)."""
+    workdir = tmp_path_factory.mktemp("clean")
+    checkpoints, _ = fi.reference_run(RESTARTABLE, workdir)
+    goodput = fi.goodput_in((workdir / "log.txt").read_text())
+    assert goodput is not None and 0 < goodput <= 1
+    return checkpoints, goodput
+
+
+def test_a_killed_rank_restarts_the_group_and_the_run_ends_bit_identical_with_its_goodput(tmp_path, clean_run):
     """kill -9 of a rank mid-run with --max_restarts 1: the group restarts from the newest checkpoint by
     itself, finishes, and its final state equals the uninterrupted run's bit for bit; the log says what
-    failed; goodput is in the summary and in metrics.csv, in (0, 1], and lower than the clean run's."""
-    reference, _ = fi.reference_run(RESTARTABLE, tmp_path / "reference")
-    trial = fi.healing_trial(RESTARTABLE, tmp_path / "faulted", reference, random.Random(7), window_s=0.5,
+    failed; goodput is in the summary and in metrics.csv, with the restart's cost."""
+    trial = fi.healing_trial(RESTARTABLE, tmp_path, clean_run[0], random.Random(7), window_s=0.5,
                              extra=("monitor.csv=true",))
     assert trial.ok, trial.detail
     output = trial.numbers["output"]
     assert "was killed by SIGKILL" in output and "resumed from" in output and "lost (the failed attempt" in output
-    clean = fi.goodput_in((tmp_path / "reference" / "log.txt").read_text())
     faulted = trial.numbers["goodput"]
-    assert clean is not None and faulted is not None
-    assert 0 < faulted < clean <= 1
-    with open(tmp_path / "faulted" / "run" / "metrics.csv") as f:
+    assert faulted is not None and 0 < faulted <= 1
+    with open(tmp_path / "run" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r["goodput"]]
     assert len(rows) == 1 and float(rows[0]["goodput"]) == pytest.approx(faulted, abs=1e-3)
     assert int(rows[0]["restarts"]) == 1 and int(rows[0]["steps_redone"]) == trial.numbers["steps_redone"]
     assert float(rows[0]["seconds_lost"]) > 0
 
 
-def test_a_stopped_rank_times_out_and_the_group_restarts(tmp_path):
+def test_a_stopped_rank_times_out_the_group_restarts_and_goodput_is_lower(tmp_path, clean_run):
     """SIGSTOP of a rank: its peer's collective times out (parallel.timeout_s), the group is restarted
-    (the stopped worker killed after the shutdown timeout) and the run finishes."""
-    trial = fi.healing_trial(RESTARTABLE, tmp_path, None, random.Random(3), fault=signal.SIGSTOP, window_s=0.5)
+    (the stopped worker killed after the shutdown timeout), and the run finishes bit-identical to the
+    clean one; the stall (the timeout, the restart) makes its goodput lower than the clean run's."""
+    trial = fi.healing_trial(RESTARTABLE, tmp_path, clean_run[0], random.Random(3), fault=signal.SIGSTOP,
+                             window_s=0.5)
     assert trial.ok, trial.detail
+    assert "stopped responding (ignored SIGTERM, killed with SIGKILL)" in trial.numbers["output"]
     assert "CommError" in trial.numbers["output"]
+    assert 0 < trial.numbers["goodput"] < clean_run[1]
 
 
 def test_a_failure_that_repeats_at_the_same_step_stops_with_its_own_error(tmp_path):
@@ -84,13 +95,17 @@ def test_a_failure_that_repeats_at_the_same_step_stops_with_its_own_error(tmp_pa
 
 def test_what_failed_is_said_from_the_agents_view_and_the_ranks_records():
     records = [RankRecord(0, 0, 7, None), RankRecord(1, 0, 6, None)]
-    killed = [AgentFailure(1, -9, "SIGKILL", None), AgentFailure(0, -15, "SIGTERM", None)]
+    killed = [AgentFailure(1, -9, "SIGKILL", None), AgentFailure(0, -15, "SIGTERM", None, stopped=True)]
     assert describe_failure(records, killed) == "rank 1 was killed by SIGKILL during step 7 (then rank 0)"
     raised = [RankRecord(0, 0, 2, "step 3: RuntimeError: boom"), RankRecord(1, 0, 2, None)]
     assert describe_failure(raised, []) == "rank 0 failed: step 3: RuntimeError: boom"
     assert describe_failure(raised, [AgentFailure(0, 1, None, "step 3: RuntimeError: boom")]) == \
         "rank 0 exited with code 1 (step 3: RuntimeError: boom)"
     assert describe_failure([], []) == "the workers failed before their first step"
+    timed_out = [AgentFailure(1, 1, None, "step 4: CommError: timed out"), AgentFailure(0, -9, "SIGKILL", None, True)]
+    assert describe_failure([RankRecord(0, 0, 3, None), RankRecord(1, 0, 3, "step 4: CommError: timed out")],
+                            timed_out) == ("rank 0 stopped responding (ignored SIGTERM, killed with SIGKILL); rank 1 "
+                                           "exited with code 1 (step 4: CommError: timed out)")
 
 
 def test_goodput_counts_the_steps_a_checkpoint_kept_and_the_restarts_cost(tmp_path, monkeypatch):

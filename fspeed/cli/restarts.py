@@ -84,6 +84,7 @@ class AgentFailure:
     exitcode: int
     signal: Optional[str]
     message: Optional[str]
+    stopped: bool = False  # the agent stopped it because another rank had failed
 
     def how(self) -> str:
         if self.signal:
@@ -138,7 +139,7 @@ def agent_failures(attempt: int) -> list[AgentFailure]:
         except ValueError:
             continue
         if entry.get("attempt") == attempt:
-            return [AgentFailure(f["rank"], f["exitcode"], f.get("signal"), f.get("message"))
+            return [AgentFailure(f["rank"], f["exitcode"], f.get("signal"), f.get("message"), bool(f.get("stopped")))
                     for f in entry["failures"]]
     return []
 
@@ -154,7 +155,12 @@ def describe_failure(records: list[RankRecord], failures: list[AgentFailure]) ->
         text = f"rank {first.rank} {first.how()}{where}"
         if record is not None and record.error and record.error not in (first.message or ""):
             text += f": {record.error}"
-        others = [f.rank for f in failures[1:]]
+        hung = [f.rank for f in failures if f.stopped and f.signal == "SIGKILL"]
+        if hung:  # stopped (SIGSTOP) or hung: what made the others' collectives time out
+            names = ", ".join(map(str, hung))
+            text = (f"rank{'s' if len(hung) > 1 else ''} {names} stopped responding (ignored SIGTERM, killed with "
+                    f"SIGKILL); {text}")
+        others = [f.rank for f in failures[1:] if f.rank not in hung]
         return text + (f" (then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" if others else "")
     failed = [r for r in records if r.error]
     if failed:

@@ -126,12 +126,18 @@ def _record_failed_attempts() -> str:
     (module docstring); returns the record's path (the caller removes it)."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
     handle, path = tempfile.mkstemp(prefix="fspeed-attempts-", suffix=".jsonl")
     os.close(handle)
     os.environ[FAILURES_ENV] = path
-    monitor = LocalElasticAgent._monitor_workers
+    monitor, close = LocalElasticAgent._monitor_workers, SubprocessContext.close
     previous: dict[str, object] = {}
+
+    def close_noting_who_still_ran(self, *args, **kwargs):  # those the agent stops, because another failed
+        if not hasattr(self, "_fspeed_stopped"):
+            self._fspeed_stopped = set(getattr(self, "_running_local_ranks", ()))
+        return close(self, *args, **kwargs)
 
     def monitor_and_record(self, worker_group):
         result = monitor(self, worker_group)
@@ -139,12 +145,14 @@ def _record_failed_attempts() -> str:
             return result
         spec = worker_group.spec
         attempt = spec.max_restarts - self._remaining_restarts
+        stopped = getattr(self._pcontext, "_fspeed_stopped", set())
         failed = [{"rank": rank, "exitcode": f.exitcode, "signal": f.signal_name() if f.exitcode < 0 else None,
-                   "message": _worker_message(f), "time": f.timestamp}
-                  for rank, f in sorted(result.failures.items(), key=_first_cause)]
+                   "message": _worker_message(f), "time": f.timestamp, "stopped": f.local_rank in stopped}
+                  for rank, f in result.failures.items()]
+        failed.sort(key=_first_cause)
         with open(path, "a") as file:
             file.write(json.dumps({"attempt": attempt, "failures": failed}) + "\n")
-        first = (failed[0]["rank"], failed[0]["message"])
+        first = (failed[0]["rank"], failed[0]["message"])  # a repeat: the same rank, the same message
         if self._remaining_restarts > 0 and first[1] and previous.get("first") == first:
             print(f"fspeed: rank {first[0]} failed again with the same error in attempt {attempt} as in attempt "
                   f"{attempt - 1}: a repeatable failure, not restarting", file=sys.stderr, flush=True)
@@ -152,15 +160,16 @@ def _record_failed_attempts() -> str:
         previous["first"] = first
         return result
     LocalElasticAgent._monitor_workers = monitor_and_record
+    SubprocessContext.close = close_noting_who_still_ran
     return path
 
 
-def _first_cause(item) -> tuple:
-    """Sort key of (rank, failure): the likely cause first. A worker ended by SIGTERM (or exiting with
-    128 + SIGTERM) was stopped by this agent because another failed; then the earliest, then by rank."""
-    rank, failure = item
-    stopped = failure.exitcode in (-signal.SIGTERM, 128 + signal.SIGTERM)
-    return stopped, failure.timestamp, rank
+def _first_cause(failure: dict) -> tuple:
+    """Sort key of a recorded failure: the likely cause first. Last come the workers this agent
+    stopped because another had failed; before them a peer's error about a failed collective (a
+    consequence); a worker ended by a signal nobody here sent (kill -9, a crash) comes first."""
+    consequence = "CommError" in (failure["message"] or "")
+    return failure["stopped"], failure["signal"] is None, consequence, failure["time"], failure["rank"]
 
 
 def _fresh_worker_store_on_restart() -> None:
