@@ -6,7 +6,8 @@ not setup, evaluation or saving). Steps a failure undid are not useful: the usef
 checkpoint are saved in its client_state (`goodput`: with the run they belong to), and a restarted
 attempt continues from the checkpoint's count, not from where the failed attempt got to. A
 checkpoint of another run (a manual `checkpoint.resume=true`) starts the count at zero: goodput is
-this run's. Each restart costs `steps_redone` (the failed attempt's last step minus the checkpoint's)
+this run's. It is measured at the end of the last step, before the final checkpoint is written. Each
+restart costs `steps_redone` (the failed attempt's last step minus the checkpoint's)
 and `seconds_lost`: from the last moment the run was at the checkpoint's step (its save, or an
 earlier restart's return to it) to the moment the restarted attempt trains again. With restarts
 possible, rank 0 keeps the first attempt's start and the restarts in `restarts/run.json`
@@ -25,7 +26,7 @@ from .restarts import RECORD_DIR, RUN_FILE, read_json, restart_count, write_json
 
 CLIENT_STATE_KEY = "goodput"
 COLUMNS = ("goodput", "steps_redone", "seconds_lost", "restarts")
-"""metrics.csv's run-level columns, filled in the run's last row."""
+"""metrics.csv's run-level columns, filled in the last step's row."""
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,9 @@ class Goodput:
         return (f"goodput {self.value:.3f}: {self.useful_s:.1f}s in useful training steps of {self.wall_s:.1f}s "
                 f"since the first attempt started; {lost}")
 
-    def row(self, step: int) -> dict[str, Any]:
-        """The metrics row (metrics.csv's COLUMNS) at the run's last step."""
-        return {"step": step, "goodput": self.value, "steps_redone": self.steps_redone,
+    def row(self) -> dict[str, Any]:
+        """The run-level metrics (metrics.csv's COLUMNS) the last step's row carries."""
+        return {"goodput": self.value, "steps_redone": self.steps_redone,
                 "seconds_lost": self.seconds_lost, "restarts": self.restarts}
 
     def scalars(self) -> dict[str, float]:

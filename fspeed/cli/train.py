@@ -306,6 +306,7 @@ class _TrainingRun:
         self.breakdowns: list[dict[str, float]] = []
         self.remat_sums: dict[str, dict[str, float]] = {}  # activation_checkpointing.profile: ms per block
         self.first_step = self.state.step
+        self.goodput: Optional[Goodput] = None
         self.lr_curve: list[tuple[float, float]] = []  # scheduler=lr_range_test: (lr, loss) of each applied step
         self.val_start = self.evaluate(self.state)
         if self.val_start is not None:
@@ -342,23 +343,14 @@ class _TrainingRun:
                     record_for_the_launcher(text)  # what the agent compares to see a failure repeat
                 if run.checkpoint.save_on_failure:
                     _save_last_good_step(error, self.state, self.save, self.mesh, self.ckpt_dir)
-                self._close_monitors()
                 raise
             finally:
                 if self.bar is not None:
                     self.bar.close()
-
-    def _close_monitors(self, goodput: Optional[Goodput] = None) -> None:
-        """The run-level metrics (the comm log's totals; at the end, the goodput), then close the monitors."""
-        if not self.monitor:
-            return
-        if self.mesh is not None:
-            self.monitor.write_scalars(comm_scalars(self.mesh.log), self.state.step)
-        if goodput is not None:
-            self.monitor.write(goodput.row(self.state.step))
-            self.monitor.write_scalars(goodput.scalars(), self.state.step)
-        self.monitor.close()
-        self.monitor = None
+                if self.monitor:
+                    if self.mesh is not None:
+                        self.monitor.write_scalars(comm_scalars(self.mesh.log), self.state.step)
+                    self.monitor.close()
 
     def _step(self) -> None:
         """One training step, and its row of metrics: recorded, evaluated on schedule, written, shown."""
@@ -390,8 +382,13 @@ class _TrainingRun:
         if self.val_batches and ((t.eval_every and state.step % t.eval_every == 0) or last):
             self.val_loss = self.evaluate(state)
             row["val_loss"] = self.val_loss
+        if last:  # the run's goodput, at the end of its last step (before the final checkpoint)
+            self.goodput = self.ledger.report()
+            row.update(self.goodput.row())
         if self.monitor:
             self.monitor.write(row)
+            if last:
+                self.monitor.write_scalars(self.goodput.scalars(), state.step)
         if self.bar is not None:
             rate = {"tok_s": f"{row['tokens_per_s']:,.0f}"} if "tokens_per_s" in row \
                 else {"samples_s": f"{samples_per_s:,.1f}"}
@@ -410,8 +407,7 @@ class _TrainingRun:
         path = self.save(state)
         train_time = time.perf_counter() - self.train_start
         drop = 1.0 - val_loss / val_start if val_start is not None else None
-        goodput = self.ledger.report()
-        self._close_monitors(goodput)
+        goodput = self.goodput or self.ledger.report()  # the latter: no step left to train (resumed at the end)
         summary = {
             "val_loss_start": val_start, "val_loss_end": val_loss, "val_loss_drop": drop,
             "steps": state.step, "skipped_steps": state.skipped_steps, "train_seconds": train_time,
