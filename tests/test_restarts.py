@@ -178,3 +178,21 @@ def test_the_targets_train_until_their_third_step():
     model(**batch), model(**batch)
     with pytest.raises(RuntimeError, match="third training step"):
         model(**batch)
+
+
+def test_max_restarts_is_a_launch_flag_with_a_whole_number(monkeypatch, capsys):
+    from fspeed.cli.train import _max_restarts_flag, main
+    from fspeed.config import ConfigError
+
+    assert _max_restarts_flag(["--max_restarts", "3", "train.steps=1"], launch=True) == (["train.steps=1"], 3)
+    assert _max_restarts_flag(["--max_restarts=0"], launch=True) == ([], 0)
+    assert _max_restarts_flag(["train.steps=1"], launch=False) == (["train.steps=1"], 0)
+    with pytest.raises(ConfigError, match="must be a whole number"):
+        _max_restarts_flag(["--max_restarts", "-1"], launch=True)
+    with pytest.raises(ConfigError, match="this flag needs --launch"):
+        _max_restarts_flag(["--max_restarts", "1"], launch=False)
+    # under torchrun with restarts on, a run directory of its own per rank and attempt is refused
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    with pytest.raises(SystemExit) as stop:
+        main(["train.steps=1"])
+    assert stop.value.code == 2 and "hydra.run.dir: a run torchrun may restart" in capsys.readouterr().err

@@ -15,6 +15,8 @@ checkpoint). A user's error is one message and exit code 2 (`user_errors`); with
 these checks run once, before the ranks start. Nothing is lost once training runs: SIGTERM or
 SIGINT stop after the current step (`stop_requests`), a divergence stops before the bad step is
 applied, and with `checkpoint.save_on_failure` (the default) the last good step is saved first.
+With `--launch --max_restarts N` a failed rank restarts the group, which resumes from the newest
+checkpoint by itself (`restarts`); every run ends with its goodput (`goodput`).
 """
 
 from __future__ import annotations
