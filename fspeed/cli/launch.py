@@ -10,6 +10,7 @@ machine: all visible GPUs, or on a CPU-only machine `--num_gpus` processes (defa
 reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from its environment (set by
 torchrun); `--local_rank` is only passed with `--append_local_rank`. A failure ends in one summary
 (the failed rank, its exit code and its message); `--debug` shows torchrun's tracebacks instead.
+`--max_restarts N` restarts the worker group after a failure instead, up to N times (see `agent.py`).
 See `fspeed.launcher`.
 """
 
@@ -74,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--ssh_port", type=int, default=None, help="ssh port for remote nodes")
     add("--rdzv_backend", choices=("static", "c10d"), default="static",
         help="static: ranks node-major in hostfile order (DeepSpeed's); c10d: elastic-style rendezvous")
-    add("--max_restarts", type=int, default=0, help="torchrun worker-group restarts before failing")
+    add("--max_restarts", type=int, default=0,
+        help="after a rank fails, restart the whole worker group up to N times (fspeed-train's ranks then "
+             "resume from the newest checkpoint); default 0: the job fails")
     add("--module", action="store_true", help="run the script as a module (python -m)")
     add("--no_python", action="store_true", help="run the script as an executable, without python")
     add("--append_local_rank", action="store_true",
