@@ -6,6 +6,7 @@ every sample of the epoch used once, equal to the uninterrupted two-rank run up 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -237,7 +238,7 @@ def test_a_run_continues_on_the_node_that_remains_with_its_batch_and_samples(tmp
     assert "fspeed: node 1 (127.0.0.1, slots 0, rank 1, local) was lost (was killed by signal 9); the run went on " \
            "without it" in out
     assert checkpoint.latest_tag(checkpoints) == "global_step10"          # the epoch's 10 steps, continued
-    resumed_at = int(out.split("resumed from ")[1].split("(step ")[1].split(")")[0])
+    resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", out).group(1))
     assert 2 <= resumed_at < 10
 
     # every sample of the epoch once across the change: 2 data ranks up to the checkpoint the restart
@@ -274,5 +275,8 @@ def test_a_run_continues_on_the_node_that_remains_with_its_batch_and_samples(tmp
 def test_a_fixed_data_size_that_no_longer_fits_stops_naming_why(tmp_path):
     code, out, _ = _elastic_run(tmp_path, "fixed", "parallel.data=2")
     assert code == 2, out[-4000:]
-    summary = [line for line in out.splitlines() if line.startswith("fspeed: the job failed")]
-    assert len(summary) == 1 and "parallel.data" in summary[0] and "world size is 1" in summary[0], out[-4000:]
+    summary = out[out.index("fspeed: the job failed"):].splitlines()
+    assert summary[0] == "fspeed: the job failed: rank 0 (local rank 0) exited with code 2:", out[-4000:]
+    why = [line for line in summary if "parallel.data=2 = 2 ranks, but the world size is 1" in line]
+    assert len(why) == 1 and "parallel.data=-1 continues on the ranks that remain" in why[0], summary
+    assert any("node 1 (127.0.0.1, slots 0, rank 1, local) was lost" in line for line in summary)

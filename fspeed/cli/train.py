@@ -67,7 +67,8 @@ from .observe import (FlopsWatch, check_monitor_packages, finish_lr_range_test, 
                       progress_line, step_timers)
 from .goodput import CLIENT_STATE_KEY as GOODPUT_KEY, COLUMNS as GOODPUT_COLUMNS, Goodput, GoodputLedger
 from .restarts import (
-    AttemptRecord, agent_failures, describe_failure, restarts_possible, step_error, world_change, world_size,
+    AttemptRecord, agent_failures, describe_failure, restart_count, restarts_possible, step_error, world_change,
+    world_size,
 )
 from .run_batches import LOADER_KEY, RunBatches
 from .resume import nothing_to_resume_line, resumable_tag, saved_tokenizer
@@ -148,6 +149,8 @@ def _user_job(run: RunConfig, device: Optional[torch.device]) -> _Job:
 
 
 _LAUNCH_HINT = "start the ranks with fspeed-train --launch (or fspeed --num_gpus N, or torchrun)"
+_RESTARTED_HINT = ("a restart came back with another world (fspeed --nnodes); parallel.data=-1 continues on the ranks "
+                   "that remain")
 
 
 def data_parallel_size(cfg: DictConfig) -> int:
@@ -168,7 +171,7 @@ def data_parallel_size(cfg: DictConfig) -> int:
         product = " x ".join([f"parallel.data={data_size}", *names])
         raise ConfigError([Problem("parallel.data", f"{product} = {data_size * model} ranks, but the world size is "
                                    f"{world}", data_size, f"{world // model} or -1" if world % model == 0 else None,
-                                   _LAUNCH_HINT if world == 1 else None)])
+                                   _RESTARTED_HINT if restart_count() > 0 else _LAUNCH_HINT if world == 1 else None)])
     return data_size
 
 
