@@ -15,6 +15,10 @@ TORCHELASTIC_ERROR_FILE. A restarted rank 0 logs one line from both: which rank 
 which step, and how many steps the restart redoes (the failed attempt's last step minus the
 checkpoint's). `restarts/run.json` (rank 0) keeps the first attempt's start and each restart's
 cost, for the run's goodput (`goodput`).
+
+Each record also holds the attempt's world size (WORLD_SIZE): after a node range lost a node
+(`fspeed --nnodes MIN:MAX`) the restarted group is smaller, and its line says so (`world_change`:
+"the world shrank from 2 to 1 rank (a node was lost)").
 """
 
 from __future__ import annotations
@@ -37,6 +41,23 @@ RUN_FILE = "run.json"
 def restart_count() -> int:
     """Which restart this worker is (0: the first attempt, or not under torchrun)."""
     return int(os.environ.get(RESTART_COUNT_ENV, "0") or 0)
+
+
+def world_size() -> int:
+    """This attempt's number of ranks (WORLD_SIZE; 1 outside a launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def world_change(records: list[RankRecord], now: int) -> Optional[str]:
+    """'the world shrank from N to M ranks' when the previous attempt's records say it ran on another
+    world size than `now` (a node range that lost or regained nodes); None when it did not, or is unknown."""
+    before = {r.world for r in records if r.world is not None}
+    if len(before) != 1 or now in before:
+        return None
+    (previous,) = before
+    how = "shrank" if now < previous else "grew"
+    why = " (a node was lost)" if now < previous else ""
+    return f"the world {how} from {previous} to {now} rank{'s' if now != 1 else ''}{why}"
 
 
 def restarts_possible() -> bool:
@@ -74,6 +95,7 @@ class RankRecord:
     attempt: int
     step: int
     error: Optional[str]
+    world: Optional[int] = None  # the attempt's WORLD_SIZE (None in a record written without it)
 
 
 @dataclass(frozen=True)
@@ -112,7 +134,7 @@ class AttemptRecord:
     def stepped(self, step: int, error: Optional[str] = None) -> None:
         """After a completed step (or, with `error`, a caught failure of the next one)."""
         if self.enabled:
-            write_json(self.path, {"attempt": self.attempt, "step": step, "error": error})
+            write_json(self.path, {"attempt": self.attempt, "step": step, "error": error, "world": world_size()})
 
     def previous_attempt(self) -> list[RankRecord]:
         """Every rank's record of the attempt before this one (ranks that wrote none are left out)."""
@@ -120,7 +142,8 @@ class AttemptRecord:
         for path in sorted(self.directory.glob("rank*.json")):
             value = read_json(path)
             if isinstance(value, dict) and value.get("attempt") == self.attempt - 1:
-                records.append(RankRecord(int(path.stem[4:]), value["attempt"], int(value["step"]), value["error"]))
+                records.append(RankRecord(int(path.stem[4:]), value["attempt"], int(value["step"]), value["error"],
+                                          value.get("world")))
         return records
 
 

@@ -66,7 +66,10 @@ from ..train_step import NonFiniteError, make_train_step
 from .observe import (FlopsWatch, check_monitor_packages, finish_lr_range_test, metrics_csv_path, open_monitors,
                       progress_line, step_timers)
 from .goodput import CLIENT_STATE_KEY as GOODPUT_KEY, COLUMNS as GOODPUT_COLUMNS, Goodput, GoodputLedger
-from .restarts import AttemptRecord, agent_failures, describe_failure, restarts_possible, step_error
+from .restarts import (
+    AttemptRecord, agent_failures, describe_failure, restart_count, restarts_possible, step_error, world_change,
+    world_size,
+)
 from .run_batches import LOADER_KEY, RunBatches
 from .resume import nothing_to_resume_line, resumable_tag, saved_tokenizer
 from .resumed_world import BATCH_KEY, batch_for_resume, batch_record
@@ -146,6 +149,8 @@ def _user_job(run: RunConfig, device: Optional[torch.device]) -> _Job:
 
 
 _LAUNCH_HINT = "start the ranks with fspeed-train --launch (or fspeed --num_gpus N, or torchrun)"
+_RESTARTED_HINT = ("a restart came back with another world (fspeed --nnodes); parallel.data=-1 continues on the ranks "
+                   "that remain")
 
 
 def data_parallel_size(cfg: DictConfig) -> int:
@@ -166,7 +171,7 @@ def data_parallel_size(cfg: DictConfig) -> int:
         product = " x ".join([f"parallel.data={data_size}", *names])
         raise ConfigError([Problem("parallel.data", f"{product} = {data_size * model} ranks, but the world size is "
                                    f"{world}", data_size, f"{world // model} or -1" if world % model == 0 else None,
-                                   _LAUNCH_HINT if world == 1 else None)])
+                                   _RESTARTED_HINT if restart_count() > 0 else _LAUNCH_HINT if world == 1 else None)])
     return data_size
 
 
@@ -278,9 +283,11 @@ class _TrainingRun:
         if self.lead:
             limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
             start = f"{self.ckpt_dir / resume_tag} (step {step})" if resume_tag else "step 0 (no checkpoint yet)"
-            log.warning("restart %d of %s: attempt %d failed: %s; resumed from %s, %d step%s lost (the failed "
+            changed = world_change(records, world_size())
+            log.warning("restart %d of %s: attempt %d failed: %s; %sresumed from %s, %d step%s lost (the failed "
                         "attempt had reached step %d)", self.record.attempt, limit, self.record.attempt - 1, failure,
-                        start, restart["steps_redone"], "" if restart["steps_redone"] == 1 else "s", last_step)
+                        f"{changed}; " if changed else "", start, restart["steps_redone"],
+                        "" if restart["steps_redone"] == 1 else "s", last_step)
             if self.ledger.lost_start:
                 log.warning("restarts/run.json is missing from %s: goodput counts from this attempt's start",
                             self.out_dir)

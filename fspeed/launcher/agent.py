@@ -35,6 +35,19 @@ for the whole job, and the workers' process group reads its peers' addresses fro
 restarted rank would find the failed attempt's (stale) addresses and fail to connect. On every
 restart the agent of node 0 serves a fresh store on a free port, which the other nodes' agents
 learn through the job's store; the restarted workers connect to it (MASTER_PORT).
+
+Under the c10d rendezvous (`--rdzv_backend c10d`, `--nnodes MIN:MAX`) the same holds: torchrun
+hands the workers one store, created at the first rendezvous and kept for the agent's life, so
+every round (the first included) gets a fresh store published in the round's own part of the
+rendezvous store. Two more things make a round after a lost node safe for workers that resume
+from checkpoints:
+
+- The attempt number is the group's: the agents of a round take the highest of theirs, so an
+  agent that joined later (its own count still 0) restarts its workers as the others do
+  (TORCHELASTIC_RESTART_COUNT): they resume instead of starting from step 0.
+- torchrun restarts a healthy group when a node waits to join (a scale-up, not counted as a
+  restart): the workers would start again from step 0 with the same restart count. Here a waiting
+  node joins at the group's next restart instead.
 """
 
 from __future__ import annotations
@@ -173,27 +186,43 @@ def _first_cause(failure: dict) -> tuple:
 
 
 def _fresh_worker_store_on_restart() -> None:
-    """After a restart's rendezvous, point the workers at a store of this attempt (module docstring)."""
+    """After a restart's rendezvous (under c10d, after every rendezvous), point the workers at a store of
+    this attempt, with the group's attempt number (module docstring)."""
     import datetime
 
     from torch.distributed import TCPStore
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
     rendezvous = LocalElasticAgent._rendezvous
 
     def rendezvous_with_a_fresh_store(self, worker_group):
         rendezvous(self, worker_group)
         spec = worker_group.spec
+        elastic = spec.rdzv_handler.get_backend() != "static"
+        if elastic:
+            _take_the_group_attempt(self, worker_group)
         attempt = spec.max_restarts - self._remaining_restarts
-        if attempt == 0:
+        if attempt == 0 and not elastic:
             return
-        key = f"fspeed/worker_store_port/{attempt}"
+        key = f"fspeed/worker_store_port/{attempt}"  # under c10d, in this round's part of the store
         if worker_group.group_rank == 0:
             self._fspeed_worker_store = TCPStore(worker_group.master_addr, 0, None, True,
                                                  datetime.timedelta(seconds=300), wait_for_workers=False)
             worker_group.store.set(key, str(self._fspeed_worker_store.port))
         worker_group.master_port = int(worker_group.store.get(key).decode())
     LocalElasticAgent._rendezvous = rendezvous_with_a_fresh_store
+    DynamicRendezvousHandler.num_nodes_waiting = lambda self: 0  # a waiting node joins at the next restart
+
+
+def _take_the_group_attempt(agent, worker_group) -> None:
+    """Under c10d: every agent of the round uses the highest attempt number among them (a node that
+    joined later has counted no restart of the group's)."""
+    spec, store = worker_group.spec, worker_group.store
+    store.set(f"fspeed/attempt/{worker_group.group_rank}", str(spec.max_restarts - agent._remaining_restarts))
+    group_attempt = max(int(store.get(f"fspeed/attempt/{rank}").decode())
+                        for rank in range(worker_group.group_world_size))
+    agent._remaining_restarts = min(agent._remaining_restarts, spec.max_restarts - group_attempt)
 
 
 def _stop_failed_groups_within_the_shutdown_timeout() -> None:
