@@ -1,7 +1,7 @@
 """Goodput under injected faults: a 2-rank fspeed-train run that heals itself, against the same run
 without faults.
 
-    python benchmarks/goodput.py [--steps 600] [--faults 3] [--save-every 20] [--seed 0] [--workdir DIR]
+    python benchmarks/goodput.py [--steps 3000] [--faults 3] [--save-every 20] [--seed 0] [--workdir DIR]
     python benchmarks/goodput.py --quick      # a tiny model and 60 steps: a smoke test of the harness
 
 Both runs are `fspeed-train --launch --max_restarts <faults>` (ZeRO-3, 2 data ranks, checkpoints
@@ -126,7 +126,7 @@ def _cell(value: Optional[float], spec: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--faults", type=int, default=3)
     parser.add_argument("--save-every", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="a tiny model for 60 steps (a smoke test)")
