@@ -71,7 +71,9 @@ def _buffers(state) -> dict[str, torch.Tensor]:
 
 
 def _barrier_time(mesh, fn) -> float:
-    """Wall time of `fn` on the slowest rank (all start together)."""
+    """Wall time of `fn` on the slowest rank (all start together, once the page cache holds no dirty
+    data: a write would otherwise wait on the writeback of the one before it)."""
+    os.sync()
     mesh.all_gather_objects(None, "bench start")
     t0 = time.perf_counter()
     fn()
