@@ -26,8 +26,8 @@ after another rank had failed; the same holds when the group is stopped to be re
 With `--max-restarts` above 0, every failed attempt is appended as one JSON line (the attempt; each
 failed rank's exit code or signal and message) to a file named in the workers' environment as
 `FSPEED_ATTEMPT_FAILURES`: a restarted worker reads what failed before it (`fspeed.cli.restarts`).
-A failure that repeats (the same first-failed rank leaving the same message, which names the step,
-as the attempt before) is a bug and not a fault: the agent restarts no more, and the job fails with
+A failure that repeats (the first failed rank, whichever it is, leaving the same message, which names
+the step, as the attempt before) is a bug and not a fault: the agent restarts no more, and the job fails with
 that error.
 
 A restarted group also gets a store of its own: torchrun's static rendezvous keeps one TCPStore
@@ -165,12 +165,14 @@ def _record_failed_attempts() -> str:
         failed.sort(key=_first_cause)
         with open(path, "a") as file:
             file.write(json.dumps({"attempt": attempt, "failures": failed}) + "\n")
-        first = (failed[0]["rank"], failed[0]["message"])  # a repeat: the same rank, the same message
-        if self._remaining_restarts > 0 and first[1] and previous.get("first") == first:
-            print(f"fspeed: rank {first[0]} failed again with the same error in attempt {attempt} as in attempt "
+        # a repeat: the first cause's message (it names the step) again, whichever rank got there first
+        # (a bug fails every rank at the same step, in any order)
+        rank, message = failed[0]["rank"], failed[0]["message"]
+        if self._remaining_restarts > 0 and message and previous.get("message") == message:
+            print(f"fspeed: rank {rank} failed again with the same error in attempt {attempt} as in attempt "
                   f"{attempt - 1}: a repeatable failure, not restarting", file=sys.stderr, flush=True)
             self._remaining_restarts = 0
-        previous["first"] = first
+        previous["message"] = message
         return result
     LocalElasticAgent._monitor_workers = monitor_and_record
     SubprocessContext.close = close_noting_who_still_ran
