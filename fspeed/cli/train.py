@@ -323,9 +323,7 @@ class _TrainingRun:
             return
         done = float(pending.done())
         if self.mesh is not None:
-            for axis, size in self.mesh.sizes.items():
-                if size > 1:
-                    done = self.mesh.comm(axis).all_reduce_scalar(done, "min")
+            done = self.mesh.all_reduce_scalar(done, "min")
         if done:
             self.finish_save()
 
