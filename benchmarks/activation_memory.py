@@ -170,9 +170,9 @@ def main() -> None:
             whole = max(world.run(partitioned_kept, False, *sizes))
             parts = max(world.run(partitioned_kept, True, *sizes))
             ratios[layers] = parts / whole
-            print(f"tensor=2, full remat, {layers} layers, kept per rank: whole inputs {whole / 2**20:.1f} MiB, "
-                  f"partitioned {parts / 2**20:.1f} MiB ({ratios[layers]:.3f}; the fused head's x gradient is "
-                  "partitioned too, its weight gradients are not)")
+            print(f"tensor slicing over 2 ranks, full remat, {layers} layers, kept per rank: whole inputs "
+                  f"{whole / 2**20:.1f} MiB, partitioned {parts / 2**20:.1f} MiB ({ratios[layers]:.3f}; "
+                  "the fused head's x gradient is partitioned too, its weight gradients are not)")
     print(f"partitioned_saved_bytes_over_unpartitioned={ratios[args.layers]:.3f}")
     print(f"partitioned_saved_bytes_over_unpartitioned_32_layers={ratios[32]:.3f}")
 

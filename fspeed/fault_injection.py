@@ -4,15 +4,19 @@ then check what a user would: `latest` resumes and the run ends bit-identical to
 failed, no worker is left running, errors name what failed.
 
 Each `*_trial` function runs one trial in a fresh directory and returns a `Trial`;
-`tests/test_faults.py` runs a few, `benchmarks/fault_injection.py` many. Processes are found
+`tests/test_faults.py` runs a few, `benchmarks/fault_injection.py` many. `healing_trial` injects
+faults into a run with `--max_restarts` that must heal itself (`tests/test_restarts.py`,
+`benchmarks/goodput.py`). Processes are found
 through /proc (Linux): a rank is a descendant of the job whose environment has RANK (from
 torchrun), the agent the descendant running `fspeed.launcher.agent`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -400,6 +404,87 @@ def sigstop_trial(job: Job, workdir: Path, rng: random.Random, resume: bool = Tr
     ok = process.returncode != 0 and named and orphans == 0 and code == 0
     return Trial("sigstop", ok, f"rank {victim} stopped; job exit {process.returncode} after {seconds:.0f} s; "
                  f"timeout error named {named}; resume exit {code}", orphans, seconds)
+
+
+def goodput_in(output: str) -> Optional[float]:
+    """The goodput a run's output ends with (its summary's `goodput 0.873: ...` line), or None."""
+    found = re.findall(r"^goodput (\d+\.\d+):", output, re.MULTILINE)
+    return float(found[-1]) if found else None
+
+
+def _attempts(run_dir: Path) -> list[dict]:
+    """Every rank's restart record (`fspeed.cli.restarts`) of a run directory: attempt, last step, error."""
+    records = []
+    for path in sorted((run_dir / "restarts").glob("rank*.json")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):  # being replaced: read again at the next poll
+            return []
+    return records
+
+
+def _training_in(run_dir: Path, attempt: int, world_size: int) -> bool:
+    """Whether every rank of the run has completed a step in `attempt`."""
+    records = _attempts(run_dir)
+    return len(records) == world_size and all(r["attempt"] == attempt for r in records)
+
+
+def restart_record(run_dir: Path) -> dict:
+    """Rank 0's record of the run's start and restarts (`restarts/run.json`); {} without one."""
+    try:
+        return json.loads((run_dir / "restarts" / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def healing_trial(job: Job, workdir: Path, reference: Optional[Path], rng: random.Random, *, faults: int = 1,
+                  fault: int = signal.SIGKILL, window_s: float = 1.0, world_size: int = 2, shutdown_s: int = 3,
+                  extra: Sequence[str] = (), env: Optional[dict] = None) -> Trial:
+    """Run a multi-rank `job` with `--max_restarts faults` and send `fault` (SIGKILL: a rank dies;
+    SIGSTOP: a rank stops responding) to a random rank `faults` times, each a random moment up to
+    `window_s` after the attempt's ranks all completed a step. The run must heal: exit 0, one
+    restart per fault, the restart said in the log, no worker left, and (given the `reference` run's
+    checkpoints) the final checkpoint bit-identical to it. numbers: goodput, restarts,
+    restart_seconds (mean, from the fault to the restarted attempt training again), steps_redone."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    run_dir, checkpoints = workdir / "run", workdir / "ck"
+    command = job.command(run_dir, checkpoints, *extra, f"--max_restarts={faults}")
+    process = start(command, cwd=workdir, log=workdir / "log.txt",
+                    env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(shutdown_s), **(env or {})})
+    workers: list[int] = []
+    back_after: list[float] = []
+    try:
+        for attempt in range(faults):
+            if not wait_until(lambda: _training_in(run_dir, attempt, world_size) or process.poll() is not None, 300):
+                return Trial("healing", False, f"attempt {attempt} did not train within 300 s")
+            time.sleep(rng.uniform(0, window_s))
+            ranks = rank_pids(process.pid)
+            if process.poll() is not None or len(ranks) < world_size:
+                return Trial("healing", False, f"the run ended before fault {attempt + 1}:\n"
+                             + (workdir / "log.txt").read_text(errors="replace")[-3000:])
+            workers += list(ranks.values())
+            faulted_at = time.time()
+            os.kill(ranks[rng.choice(sorted(ranks))], fault)
+            ready = lambda: (restart_record(run_dir).get("ready") or [0, 0])[1] > faulted_at  # noqa: E731
+            if not wait_until(lambda: ready() or process.poll() is not None, 300):
+                return Trial("healing", False, f"no restart within 300 s of fault {attempt + 1}")
+            back_after.append(restart_record(run_dir).get("ready", [0, faulted_at])[1] - faulted_at)
+        code = process.wait(timeout=600)
+        wait_until(lambda: not alive(workers), 10)
+        orphans = len(alive(workers))
+    finally:
+        stop_session(process, also=workers)
+    output = (workdir / "log.txt").read_text(errors="replace")
+    restarts = restart_record(run_dir).get("restarts", [])
+    same = reference is None or (code == 0 and same_checkpoint(checkpoints, reference))
+    said = all(f"restart {n + 1} of {faults}: attempt {n} failed: rank" in output for n in range(faults))
+    ok = code == 0 and len(restarts) == faults and said and orphans == 0 and same
+    return Trial("healing", ok, f"{faults} x {signal.Signals(fault).name}: exit {code}, {len(restarts)} restarts, "
+                 f"said in the log {said}, bit-identical {same}, {orphans} workers left"
+                 + ("" if ok else f"\n{output[-4000:]}"), orphans, sum(back_after),
+                 {"goodput": goodput_in(output), "restarts": len(restarts),
+                  "restart_seconds": sum(back_after) / max(len(back_after), 1),
+                  "steps_redone": sum(r["steps_redone"] for r in restarts), "output": output})
 
 
 def _last_lines(text: str, n: int) -> str:

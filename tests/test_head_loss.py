@@ -131,7 +131,8 @@ def _kept_by_sliced_head(partition: bool) -> int:
         loss = head_loss(x, local, targets, norm=layer_norm, norm_params=(weight, bias), comm=comm, partition=partition)
         loss.backward()
     run()
-    return bytes_kept_for_backward(run)[0]
+    # the fewest of three: gloo's own threads allocate now and then, and malloc's count is the process's
+    return min(bytes_kept_for_backward(run)[0] for _ in range(3))
 
 
 def test_a_partitioned_sliced_head_keeps_half_the_x_gradient():

@@ -264,9 +264,12 @@ def partitioned_case(partition):
     state = fs.init_train_state(params, opt, plan=plan, mesh=mesh, model=model)
     step = fs.make_train_step(model.loss, opt, plan=plan, mesh=mesh)
     state, _ = step(state, batch)  # warm up
-    s = step.begin(state)
-    kept, _ = bytes_kept_for_backward(lambda: step.micro(s, state, batch))
-    return kept, s.runtime.finish().buffer.clone()
+    kept = []
+    for _ in range(3):  # the fewest of three: gloo's own threads allocate now and then, and malloc counts them
+        s = step.begin(state)
+        kept.append(bytes_kept_for_backward(lambda: step.micro(s, state, batch))[0])
+        grad = s.runtime.finish().buffer.clone()
+    return min(kept), grad
 
 
 @pytest.mark.skipif(live_host_bytes() is None, reason="counts malloc's bytes (glibc)")

@@ -110,6 +110,7 @@ HEADLINES = (  # (benchmark, figure, what it compares); lower is better for time
     ("activation_memory", "full_remat_saved_bytes_over_theory", "bytes kept with full remat / theory"),
     ("activation_memory", "remat_vs_torch_checkpoint_step_time", "remat / torch.utils.checkpoint (time)"),
     ("checkpoint_io", "save_time_vs_dcp", "sharded save / torch.distributed.checkpoint"),
+    ("goodput", "goodput_under_faults", "useful step time / wall time, 3 rank kills healed by restarts"),
     ("cpu_adam", "cpu_adam_vs_best", "CPU Adam / the best of torch and DeepSpeed"),
     ("sparse_attention", "sparse_speedup_at_10pct_density", "block-sparse speed-up over dense at 10% density"),
 )

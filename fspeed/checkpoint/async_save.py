@@ -12,11 +12,14 @@ The ranks of a sharded state agree on the outcome over a group kept for the back
 this rank's state bytes in host memory while the save is in flight (pinned when the state lives
 on a GPU, so the copy is a DMA the step boundary waits for). Start the next save of a directory
 only after `wait()` on the previous one: fspeed-train keeps at most one save in flight. The
-thread is not a daemon: the interpreter waits for a save in flight before it exits.
+thread is not a daemon: the interpreter waits for a save in flight before it exits. It runs at the
+lowest scheduling priority, so that where the cores also train (a CPU run) it takes what the steps
+leave idle.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -48,6 +51,15 @@ def host_copy(tree: Any) -> Any:
     return copied
 
 
+def _yield_to_training() -> None:
+    """Lower this thread's scheduling priority (Linux: nice is per thread) so that its checksum and
+    copies take the cores when training leaves them idle, not while a step computes on them."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not permitted: the save runs at normal priority
+        pass
+
+
 class AsyncSave:
     """A checkpoint save running in a background thread (`save_checkpoint(..., blocking=False)`)."""
 
@@ -61,6 +73,7 @@ class AsyncSave:
         self._thread.start()
 
     def _run(self, save: Callable[[], Path]) -> None:
+        _yield_to_training()
         try:
             self._result = save()
         except BaseException as e:  # handed to whoever waits

@@ -67,7 +67,8 @@ def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor], file_format:
 
 
 class _Call(threading.Thread):
-    """`fn(*args)` in a thread; `error` holds what it raised."""
+    """`fn(*args)` in a thread; `error` holds what it raised. (Not a ThreadPoolExecutor: a background
+    save may still be writing while the interpreter exits, when executors take no new work.)"""
 
     def __init__(self, fn, *args) -> None:
         super().__init__(daemon=True)

@@ -10,6 +10,9 @@ machine: all visible GPUs, or on a CPU-only machine `--num_gpus` processes (defa
 reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from its environment (set by
 torchrun); `--local_rank` is only passed with `--append_local_rank`. A failure ends in one summary
 (the failed rank, its exit code and its message); `--debug` shows torchrun's tracebacks instead.
+`--max_restarts N` restarts the worker group after a failure instead, up to N times (see `agent.py`).
+`--nnodes MIN:MAX` (with a hostfile) lets the run continue on the nodes that remain after a node is
+lost, down to MIN (c10d rendezvous; see `fspeed.launcher.elastic`).
 See `fspeed.launcher`.
 """
 
@@ -25,8 +28,9 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from fspeed.launcher import (
-    LaunchConfigError, LaunchError, LaunchSpec, NodeCommand, build_node_commands, exported_env, local_pool,
-    pool_from_slot_counts, rank_log_files, read_hostfile, run_node_commands, select_resources, user_env,
+    LaunchConfigError, LaunchError, LaunchSpec, NodeCommand, NodeRange, RendezvousTimings, build_node_commands,
+    exported_env, local_pool, parse_node_range, pool_from_slot_counts, rank_log_files, read_hostfile, run_node_commands,
+    select_resources, user_env,
 )
 from fspeed.launcher.environment import DEBUG_ENV
 
@@ -72,9 +76,22 @@ def build_parser() -> argparse.ArgumentParser:
     add("--node_rank", type=int, default=None, help="start only this node's agent, here, without ssh")
     add("--no_ssh", action="store_true", help="DeepSpeed's flag for the same; requires --node_rank")
     add("--ssh_port", type=int, default=None, help="ssh port for remote nodes")
-    add("--rdzv_backend", choices=("static", "c10d"), default="static",
-        help="static: ranks node-major in hostfile order (DeepSpeed's); c10d: elastic-style rendezvous")
-    add("--max_restarts", type=int, default=0, help="torchrun worker-group restarts before failing")
+    add("--rdzv_backend", choices=("static", "c10d"), default=None,
+        help="static (default): ranks node-major in hostfile order (DeepSpeed's); c10d: elastic-style "
+             "rendezvous (implied by --nnodes)")
+    add("--max_restarts", type=int, default=0,
+        help="after a rank fails, restart the whole worker group up to N times (fspeed-train's ranks then "
+             "resume from the newest checkpoint); default 0: the job fails")
+    add("--nnodes", default=None, metavar="MIN:MAX",
+        help="with a hostfile: start on up to MAX nodes (default: the hosts given) and, when a node is lost, "
+             "continue on those that remain while at least MIN do (c10d rendezvous; needs --max_restarts >= 1)")
+    timings = RendezvousTimings()
+    add("--rdzv_last_call_s", type=int, default=None,
+        help=f"c10d: once MIN nodes joined a rendezvous, wait this long for the others (default {timings.last_call_s})")
+    add("--rdzv_node_timeout_s", type=int, default=None,
+        help=f"c10d: a node silent this long counts as lost (default {timings.node_timeout_s})")
+    add("--rdzv_join_timeout_s", type=int, default=None,
+        help=f"c10d: a rendezvous that takes longer fails the run (default {timings.join_timeout_s})")
     add("--module", action="store_true", help="run the script as a module (python -m)")
     add("--no_python", action="store_true", help="run the script as an executable, without python")
     add("--append_local_rank", action="store_true",
@@ -115,17 +132,42 @@ def plan_from_args(args: argparse.Namespace, *, environ: Mapping[str, str], cwd:
         raise LaunchConfigError(
             f"--node_rank {args.node_rank}: must be between 0 and {len(resources) - 1} "
             f"(nodes: {', '.join(resources)})")
+    nodes, backend, timings = _rendezvous_from_args(args, hostfile is not None, len(resources))
     spec = LaunchSpec(
         script=args.user_script, script_args=tuple(args.user_args), python=sys.executable, cwd=str(cwd),
         module=args.module, no_python=args.no_python, master_addr=args.master_addr, master_port=args.master_port,
-        rdzv_backend=args.rdzv_backend, log_dir=args.log_dir, log_tee=not args.log_files_only,
-        append_local_rank=args.append_local_rank, max_restarts=args.max_restarts, ssh_port=args.ssh_port)
+        rdzv_backend=backend, log_dir=args.log_dir, log_tee=not args.log_files_only,
+        append_local_rank=args.append_local_rank, max_restarts=args.max_restarts, ssh_port=args.ssh_port,
+        nodes=nodes, rdzv_timings=timings)
     commands = build_node_commands(
         resources, spec, own_names=own_names, local_has_cuda=cuda_device_count > 0,
         extra_env={**user_env(cwd, home, environ, args.env), **({DEBUG_ENV: "1"} if args.debug else {})},
         remote_env=exported_env(environ, cwd),
         run_all_here=args.node_rank is not None)
     return commands if args.node_rank is None else [commands[args.node_rank]]
+
+
+def _rendezvous_from_args(args: argparse.Namespace, has_hostfile: bool,
+                          hosts: int) -> tuple[Optional[NodeRange], str, RendezvousTimings]:
+    """(--nnodes's range or None, the rendezvous backend, the c10d timings), checked against each other."""
+    nodes = None
+    if args.nnodes is not None:
+        if not has_hostfile:
+            raise LaunchConfigError(f"--nnodes {args.nnodes}: a node range needs --hostfile with the nodes "
+                                    "('<host> slots=<n>' lines); without one only this machine (1 node) is used")
+        nodes = parse_node_range(args.nnodes, hosts)
+        if args.rdzv_backend == "static":
+            raise LaunchConfigError(f"--nnodes {args.nnodes} needs the c10d rendezvous (the static one has a fixed "
+                                    "set of nodes): leave --rdzv_backend out, or pass --rdzv_backend c10d")
+    backend = args.rdzv_backend or ("c10d" if nodes is not None else "static")
+    given = {name: value for name, value in (("last_call_s", args.rdzv_last_call_s),
+                                             ("node_timeout_s", args.rdzv_node_timeout_s),
+                                             ("join_timeout_s", args.rdzv_join_timeout_s)) if value is not None}
+    if given and backend != "c10d":
+        flags = ", ".join(f"--rdzv_{name}" for name in given)
+        raise LaunchConfigError(f"{flags}: timings of the c10d rendezvous, which this launch does not use "
+                                "(it is used with --nnodes MIN:MAX or --rdzv_backend c10d)")
+    return nodes, backend, RendezvousTimings(**given)
 
 
 def _own_host_names() -> tuple[str, ...]:
@@ -174,7 +216,7 @@ def launch(argv: list[str]) -> int:
         return 0
     print(_summary(commands, "starting"), file=sys.stderr, flush=True)
     try:
-        result = run_node_commands(commands)
+        result = run_node_commands(commands, min_nodes=commands[0].min_nodes)
     except LaunchError as error:
         print(f"fspeed: error: {error}", file=sys.stderr)
         return 1
@@ -185,6 +227,8 @@ def launch(argv: list[str]) -> int:
         print(_log_locations(args.log_dir, commands), file=sys.stderr)
     if not result.ok:
         print("\n".join(f"fspeed: {line}" for line in result.summary().splitlines()), file=sys.stderr)
+    elif result.lost:
+        print("\n".join(f"fspeed: {line}" for line in result.lost_message().splitlines()), file=sys.stderr)
     return result.exit_code
 
 

@@ -3,7 +3,9 @@
 `checkpoint.resume=true` loads `latest` from checkpoint.dir when there is one and otherwise starts
 from step 0 with one warning naming the directory; `checkpoint.resume=required` makes a missing
 checkpoint an error (a ConfigError: exit code 2 before any work). The default checkpoint.dir is
-the run's own new directory, where there is never anything to resume: both say so.
+the run's own new directory, where there is never anything to resume: both say so. A worker that
+torchrun restarted after a failure (`restarts`) resumes as with `checkpoint.resume=true`, whatever
+the setting.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from ..config import ConfigError, Problem
 from ..config.schema import RunConfig
 
 
-def resumable_tag(run: RunConfig, out_dir: Path) -> Optional[str]:
-    """The checkpoint tag `checkpoint.resume` loads; None: a fresh start. With resume=required, no
-    checkpoint is a ConfigError."""
-    if not run.checkpoint.resume:
+def resumable_tag(run: RunConfig, out_dir: Path, restarted: bool = False) -> Optional[str]:
+    """The checkpoint tag `checkpoint.resume` loads (or, `restarted`, a restarted worker resumes);
+    None: a fresh start. With resume=required, no checkpoint is a ConfigError."""
+    if not run.checkpoint.resume and not restarted:
         return None
     tag = checkpoint.latest_tag(run.checkpoint.dir)
     if tag is None and run.checkpoint.resume == "required":

@@ -52,7 +52,5 @@ class StopRequests:
         """The signal any rank received (the same answer on every rank), or None."""
         flag = float(self.signum or 0)
         if mesh is not None:
-            for axis, size in mesh.sizes.items():
-                if size > 1:
-                    flag = mesh.comm(axis).all_reduce_scalar(flag, "max")
+            flag = mesh.all_reduce_scalar(flag, "max")
         return int(flag) or None

@@ -15,6 +15,8 @@ checkpoint). A user's error is one message and exit code 2 (`user_errors`); with
 these checks run once, before the ranks start. Nothing is lost once training runs: SIGTERM or
 SIGINT stop after the current step (`stop_requests`), a divergence stops before the bad step is
 applied, and with `checkpoint.save_on_failure` (the default) the last good step is saved first.
+With `--launch --max_restarts N` a failed rank restarts the group, which resumes from the newest
+checkpoint by itself (`restarts`); every run ends with its goodput (`goodput`).
 """
 
 from __future__ import annotations
@@ -63,12 +65,18 @@ from ..timers import METRIC_KEYS, breakdown_summary
 from ..train_step import NonFiniteError, make_train_step
 from .observe import (FlopsWatch, check_monitor_packages, finish_lr_range_test, metrics_csv_path, open_monitors,
                       progress_line, step_timers)
+from .goodput import CLIENT_STATE_KEY as GOODPUT_KEY, COLUMNS as GOODPUT_COLUMNS, Goodput, GoodputLedger
+from .restarts import (
+    AttemptRecord, agent_failures, describe_failure, restart_count, restarts_possible, step_error, world_change,
+    world_size,
+)
 from .run_batches import LOADER_KEY, RunBatches
 from .resume import nothing_to_resume_line, resumable_tag, saved_tokenizer
 from .resumed_world import BATCH_KEY, batch_for_resume, batch_record
 from .run_data import prepare_data
 from .stop_requests import StopRequests, TrainingStopped
-from .user_errors import DEBUG_ENV, USER_ERRORS, debug_requested, exit_with_user_error, raised_on_every_rank
+from .user_errors import (DEBUG_ENV, USER_ERRORS, debug_requested, exit_with_user_error, raised_on_every_rank,
+                          record_for_the_launcher)
 from .user_job import build_user_data, build_user_model
 
 log = logging.getLogger("fspeed")
@@ -141,6 +149,8 @@ def _user_job(run: RunConfig, device: Optional[torch.device]) -> _Job:
 
 
 _LAUNCH_HINT = "start the ranks with fspeed-train --launch (or fspeed --num_gpus N, or torchrun)"
+_RESTARTED_HINT = ("a restart came back with another world (fspeed --nnodes); parallel.data=-1 continues on the ranks "
+                   "that remain")
 
 
 def data_parallel_size(cfg: DictConfig) -> int:
@@ -161,7 +171,7 @@ def data_parallel_size(cfg: DictConfig) -> int:
         product = " x ".join([f"parallel.data={data_size}", *names])
         raise ConfigError([Problem("parallel.data", f"{product} = {data_size * model} ranks, but the world size is "
                                    f"{world}", data_size, f"{world // model} or -1" if world % model == 0 else None,
-                                   _LAUNCH_HINT if world == 1 else None)])
+                                   _RESTARTED_HINT if restart_count() > 0 else _LAUNCH_HINT if world == 1 else None)])
     return data_size
 
 
@@ -182,8 +192,11 @@ class _TrainingRun:
     saves and stop requests), then saved and summarized (`finish`)."""
 
     def __init__(self, run: RunConfig, out_dir: Path):
+        rank = int(os.environ.get("RANK", "0"))
+        self.ledger = GoodputLedger(out_dir, persist=rank == 0 and restarts_possible())
+        self.record = AttemptRecord(out_dir, rank, enabled=restarts_possible())
         self.ckpt_dir = Path(run.checkpoint.dir)
-        resume_tag = resumable_tag(run, out_dir)
+        resume_tag = resumable_tag(run, out_dir, restarted=self.record.attempt > 0)
         run = batch_for_resume(run, self.ckpt_dir, resume_tag)  # the saved global batch on another world size
         self.run, self.out_dir = run, out_dir
         t, triad = run.train, run.batch
@@ -243,9 +256,15 @@ class _TrainingRun:
         if resume_tag is not None:
             state, saved_client_state = checkpoint.load_checkpoint(self.ckpt_dir, state, tag=resume_tag, mesh=mesh)
             self.batches.resume(saved_client_state, state.step)
+            self.ledger.resumed(saved_client_state, state.step)
             log.info("resumed from %s at step %d", self.ckpt_dir / resume_tag, state.step)
+        elif self.record.attempt > 0 and self.lead:
+            log.warning("restarted before the first checkpoint (%s): training starts again from step 0",
+                        self.ckpt_dir)
         elif run.checkpoint.resume and self.lead:
             log.warning("%s", nothing_to_resume_line(run, self.out_dir))
+        if self.record.attempt > 0:
+            self._restarted_after_failure(resume_tag, state.step)
         if resume_tag is None and run.checkpoint.init_from:  # fine-tuning: weights only, a fresh optimizer
             try:
                 state = checkpoint.init_from_weights(state, run.checkpoint.init_from)
@@ -254,13 +273,34 @@ class _TrainingRun:
             log.info("weights from %s", run.checkpoint.init_from)
         return state
 
+    def _restarted_after_failure(self, resume_tag: Optional[str], step: int) -> None:
+        """A restarted attempt (`restarts`): record the restart and (rank 0) say what failed, where this
+        attempt resumes and how many steps it redoes."""
+        records = self.record.previous_attempt()
+        failure = describe_failure(records, agent_failures(self.record.attempt - 1))
+        last_step = max((r.step for r in records), default=step)
+        restart = self.ledger.restarted(failure, step, last_step)
+        if self.lead:
+            limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+            start = f"{self.ckpt_dir / resume_tag} (step {step})" if resume_tag else "step 0 (no checkpoint yet)"
+            changed = world_change(records, world_size())
+            log.warning("restart %d of %s: attempt %d failed: %s; %sresumed from %s, %d step%s lost (the failed "
+                        "attempt had reached step %d)", self.record.attempt, limit, self.record.attempt - 1, failure,
+                        f"{changed}; " if changed else "", start, restart["steps_redone"],
+                        "" if restart["steps_redone"] == 1 else "s", last_step)
+            if self.ledger.lost_start:
+                log.warning("restarts/run.json is missing from %s: goodput counts from this attempt's start",
+                            self.out_dir)
+
     def save(self, state: TrainState, background: bool = False) -> Optional[Path]:
-        """A checkpoint of `state` with the run's client state; with a mesh, a collective: every rank
-        writes its own shard. A save in flight is finished first (at most one); `background` starts
-        the save in a thread and returns None (`poll_save` reports it)."""
+        """A checkpoint of `state` with the run's client state (with the goodput count, for a restart);
+        with a mesh, a collective: every rank writes its own shard. A save in flight is finished first
+        (at most one); `background` starts the save in a thread and returns None (`poll_save` reports it)."""
         self.finish_save()
         loader_state = self.batches.state_dict()
-        client = self.client_state if loader_state is None else {**self.client_state, LOADER_KEY: loader_state}
+        client = {**self.client_state, GOODPUT_KEY: self.ledger.client_state()}
+        if loader_state is not None:
+            client[LOADER_KEY] = loader_state
         saved = checkpoint.save_checkpoint(self.ckpt_dir, state, client_state=client, mesh=self.mesh,
                                            keep_last=self.run.checkpoint.keep_last, blocking=not background)
         if background:
@@ -283,9 +323,7 @@ class _TrainingRun:
             return
         done = float(pending.done())
         if self.mesh is not None:
-            for axis, size in self.mesh.sizes.items():
-                if size > 1:
-                    done = self.mesh.comm(axis).all_reduce_scalar(done, "min")
+            done = self.mesh.all_reduce_scalar(done, "min")
         if done:
             self.finish_save()
 
@@ -307,10 +345,12 @@ class _TrainingRun:
         failure saves the last good step first, where it can)."""
         run = self.run
         self.flops_watch = FlopsWatch(run, self.model, self.mesh, self.lead, run.batch.grad_accum)
-        self.monitor = open_monitors(run, self.out_dir, self.batches.metric_names) if self.lead else None
+        self.monitor = open_monitors(run, self.out_dir, self.batches.metric_names + GOODPUT_COLUMNS) \
+            if self.lead else None
         self.breakdowns: list[dict[str, float]] = []
         self.remat_sums: dict[str, dict[str, float]] = {}  # activation_checkpointing.profile: ms per block
         self.first_step = self.state.step
+        self.goodput: Optional[Goodput] = None
         self.lr_curve: list[tuple[float, float]] = []  # scheduler=lr_range_test: (lr, loss) of each applied step
         self.val_start = self.evaluate(self.state)
         if self.val_start is not None:
@@ -322,20 +362,32 @@ class _TrainingRun:
         self.val_loss, self.metrics = self.val_start, {}
         self.window_start, self.window_steps = time.perf_counter(), 0
         self.train_start = time.perf_counter()
+        self.ledger.training_starts(self.state.step)
         stops = StopRequests() if run.checkpoint.save_on_failure else nullcontext()
+        activity = f"step {self.state.step + 1}"
         with stops:
             try:
                 while self.state.step < self.batches.steps:
+                    activity = f"step {self.state.step + 1}"
                     self._step()
+                    self.record.stepped(self.state.step)
                     last = self.state.step == self.batches.steps
+                    activity = "the background save in flight"
                     self.poll_save()
                     if run.checkpoint.save_every and self.state.step % run.checkpoint.save_every == 0 and not last:
+                        activity = f"the save of step {self.state.step}"
                         self.save(self.state, background=run.checkpoint.async_save)
                     signum = stops.agreed(self.mesh) if isinstance(stops, StopRequests) else None
                     if signum and not last:
                         raise TrainingStopped(signum, self.state.step)
             except BaseException as error:
                 self._settle_save()
+                if isinstance(error, Exception) and not isinstance(error, TrainingStopped):
+                    text = step_error(error, activity)
+                    if text == self.record.previous_error:  # said once, in full, by the attempt before
+                        error.repeated_in_attempt = self.record.attempt - 1
+                    self.record.stepped(self.state.step, text)
+                    record_for_the_launcher(text)  # what the agent compares to see a failure repeat
                 if run.checkpoint.save_on_failure:
                     _save_last_good_step(error, self.state, self.save, self.mesh, self.ckpt_dir)
                 raise
@@ -350,9 +402,11 @@ class _TrainingRun:
     def _step(self) -> None:
         """One training step, and its row of metrics: recorded, evaluated on schedule, written, shown."""
         t = self.run.train
+        started = time.perf_counter()
         batch, batch_metrics = self.batches.batch(self.state.step)
         self.flops_watch.before_step(self.state, batch)
         self.state, self.metrics = self.train_step(self.state, batch)
+        self.ledger.step_took(time.perf_counter() - started)
         state, metrics = self.state, self.metrics
         self.window_steps += 1
         samples_per_s = self.window_steps * self.run.batch.train_batch_size / (time.perf_counter() - self.window_start)
@@ -375,8 +429,13 @@ class _TrainingRun:
         if self.val_batches and ((t.eval_every and state.step % t.eval_every == 0) or last):
             self.val_loss = self.evaluate(state)
             row["val_loss"] = self.val_loss
+        if last:  # the run's goodput, at the end of its last step (before the final checkpoint)
+            self.goodput = self.ledger.report()
+            row.update(self.goodput.row())
         if self.monitor:
             self.monitor.write(row)
+            if last:
+                self.monitor.write_scalars(self.goodput.scalars(), state.step)
         if self.bar is not None:
             rate = {"tok_s": f"{row['tokens_per_s']:,.0f}"} if "tokens_per_s" in row \
                 else {"samples_s": f"{samples_per_s:,.1f}"}
@@ -395,10 +454,13 @@ class _TrainingRun:
         path = self.save(state)
         train_time = time.perf_counter() - self.train_start
         drop = 1.0 - val_loss / val_start if val_start is not None else None
+        goodput = self.goodput or self.ledger.report()  # the latter: no step left to train (resumed at the end)
         summary = {
             "val_loss_start": val_start, "val_loss_end": val_loss, "val_loss_drop": drop,
             "steps": state.step, "skipped_steps": state.skipped_steps, "train_seconds": train_time,
             "checkpoint": str(path), "metrics_csv": str(metrics_csv_path(run, self.out_dir) or "") or None,
+            "goodput": goodput.value, "restarts": goodput.restarts, "steps_redone": goodput.steps_redone,
+            "seconds_lost": goodput.seconds_lost,
         }
         if not self.lead:
             return summary
@@ -418,6 +480,7 @@ class _TrainingRun:
         else:
             print(f"\ntraining loss {self.metrics.get('loss', float('nan')):.4f} after {state.step} steps "
                   f"({state.skipped_steps} skipped) in {train_time:.0f}s (no validation data)")
+        print(goodput.line())
         if summary["metrics_csv"]:
             print(f"metrics:    {summary['metrics_csv']}")
         same = " and the same zero/parallel settings" if self.mesh is not None and self.mesh.world_size > 1 else ""
@@ -515,6 +578,13 @@ def _hydra_app(cfg: DictConfig) -> Optional[float]:
         if raised_on_every_rank(err):
             _leave_together()
         exit_with_user_error(err, rank, run.train.gradient_clipping if run is not None else None)
+    except Exception as err:
+        before = getattr(err, "repeated_in_attempt", None)
+        if before is None or debug_requested():
+            raise
+        print(f"fspeed-train (rank {rank}): {type(err).__name__}: {err} (again: attempt {before} failed the same "
+              "way at the same step; its traceback is above)", file=sys.stderr, flush=True)
+        sys.exit(1)
     shutdown_distributed()
     return summary["val_loss_end"]
 
@@ -537,6 +607,9 @@ checked before any work starts: a mistake is one message naming the key, and exi
 fspeed-train's flags:
   --launch       run parallel.data x parallel.tensor x parallel.pipe ranks of this command on this
                  machine (the fspeed launcher, torchrun underneath), after checking everything once
+  --max_restarts N
+                 with --launch: after a failure (a rank dies, fails, or stops responding) restart
+                 every rank from the newest checkpoint, up to N times (default 0: the run ends)
   --debug        tracebacks (the ranks' and torchrun's) instead of one-line errors and summaries
 
 Hydra's flags (--hydra-help lists them all):
@@ -546,6 +619,7 @@ Hydra's flags (--hydra-help lists them all):
 examples:
   fspeed-train train.steps=200 optimizer=lamb precision=bf16
   fspeed-train --launch parallel.data=2 zero.stage=3
+  fspeed-train --launch --max_restarts 3 parallel.data=2 checkpoint.save_every=100
   fspeed-train deepspeed_config=ds_config.json
   fspeed-train checkpoint.dir=outputs/run1/checkpoints checkpoint.resume=required
   fspeed-export outputs/run1/checkpoints model.safetensors     # the trained weights
@@ -568,6 +642,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     if "--debug" in argv:
         os.environ[DEBUG_ENV] = "1"  # Hydra's own switch; the ranks of --launch inherit it
     argv = [a for a in argv if a not in ("--launch", "--debug")]
+    try:
+        argv, max_restarts = _max_restarts_flag(argv, launch)
+    except ConfigError as err:
+        exit_with_user_error(err)
     args = get_args_parser().parse_args(argv)
     if args.help:  # fspeed-train's own flags first; Hydra's help (groups, the composed config) follows
         print(USAGE, flush=True)
@@ -577,7 +655,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         overrides, translation = prepare_overrides(args.overrides, check_group_options=not own_config_dir)
         if launch:
-            sys.exit(_launch(overrides, [a for a in argv if a not in args.overrides]))
+            sys.exit(_launch(overrides, [a for a in argv if a not in args.overrides], max_restarts))
+        if restarts_possible() and not own_config_dir and not any(o.startswith("hydra.run.dir=") for o in overrides):
+            raise ConfigError([Problem("hydra.run.dir", "a run torchrun may restart (its --max-restarts is above 0) "
+                                       "needs one run directory for every rank and attempt, to resume from and "
+                                       "to keep its restart records in", hint="set hydra.run.dir=<directory> "
+                                       "(fspeed-train --launch sets it)")])
     except USER_ERRORS as err:
         if debug_requested():
             raise
@@ -617,9 +700,36 @@ def _end_rank(code: int) -> None:
     os._exit(code)
 
 
-def _launch(overrides: list[str], flags: list[str]) -> int:
-    """Run this command on parallel.data x parallel.tensor local ranks through the fspeed launcher,
-    once the config, the corpus and the checkpoint directory pass the checks the ranks would make."""
+def _max_restarts_flag(argv: list[str], launch: bool) -> tuple[list[str], int]:
+    """(argv without `--max_restarts N` / `--max_restarts=N`, N; 0 without the flag). N must be an
+    integer >= 0, and the flag needs --launch (under torchrun, its own flag sets the limit)."""
+    rest, value = [], None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--max_restarts":
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+            i += 2
+            continue
+        if arg.startswith("--max_restarts="):
+            value = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    if value is None:
+        return rest, 0
+    if not value.isdigit():
+        raise ConfigError([Problem("--max_restarts", "must be a whole number of restarts", value, "0, 1, 2, ...")])
+    if not launch:
+        raise ConfigError([Problem("--max_restarts", "restarts are torchrun's: this flag needs --launch", int(value),
+                                   hint="fspeed-train --launch --max_restarts N ..., or fspeed --max_restarts N")])
+    return rest, int(value)
+
+
+def _launch(overrides: list[str], flags: list[str], max_restarts: int = 0) -> int:
+    """Run this command on parallel.data x parallel.tensor local ranks through the fspeed launcher
+    (torchrun restarting the group up to `max_restarts` times after a failure), once the config, the
+    corpus and the checkpoint directory pass the checks the ranks would make."""
     from .launch import launch
 
     if not any(o.startswith("hydra.run.dir=") for o in overrides):
@@ -643,7 +753,8 @@ def _launch(overrides: list[str], flags: list[str]) -> int:
     except CheckpointError as e:
         raise ConfigError([Problem("checkpoint.dir", str(e))]) from None
     debug = ["--debug"] if debug_requested() else []
-    return launch(["--num_gpus", str(data_size * tensor), *debug, "--module", "fspeed.cli.train", *flags, *overrides])
+    return launch(["--num_gpus", str(data_size * tensor), "--max_restarts", str(max_restarts), *debug, "--module",
+                   "fspeed.cli.train", *flags, *overrides])
 
 
 def _compose_as_the_ranks_will(overrides: list[str]) -> DictConfig:

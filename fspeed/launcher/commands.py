@@ -5,8 +5,10 @@ Node k of the pool runs `python -u -m fspeed.launcher.agent` (torchrun's elastic
 rendezvous is torchrun's static one at `master_addr:master_port`: global ranks are node-major in
 hostfile order (node 0 gets ranks 0..n0-1, and so on, uneven slot counts included), exactly
 DeepSpeed's assignment. `rdzv_backend='c10d'` uses c10d rendezvous instead (elastic-friendly, but
-node order is then decided by the rendezvous). A single local node without an explicit port
-lets torchrun pick a free one.
+node order is then decided by the rendezvous): node 0 serves its store (`is_host`), every node
+names itself by its host (`--local-addr`), and `nodes` (a `NodeRange`, `elastic.py`) gives
+torchrun's `--nnodes=MIN:MAX`, with the rendezvous timings of `rdzv_timings`. A single local node
+without an explicit port lets torchrun pick a free one.
 
 Every worker starts through `fspeed.launcher.tether` (torchrun's `--module` mode), which ties it
 to its agent and then execs the script (`script` mode: `python -u script`; `module`: `python -u
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .elastic import NodeRange, RendezvousTimings
 from .hostfile import LaunchConfigError
 from .resources import format_slots
 from .tether import AGENT_TETHER_ENV, TETHER_MODULE
@@ -65,6 +68,8 @@ class LaunchSpec:
     append_local_rank: bool = False
     max_restarts: int = 0
     ssh_port: Optional[int] = None
+    nodes: Optional[NodeRange] = None     # --nnodes MIN:MAX (c10d only)
+    rdzv_timings: RendezvousTimings = field(default_factory=RendezvousTimings)  # c10d only
 
     def __post_init__(self) -> None:
         if self.rdzv_backend not in ("static", "c10d"):
@@ -75,6 +80,13 @@ class LaunchSpec:
             raise LaunchConfigError(f"--master_port {self.master_port}: must be between 1 and 65535")
         if self.max_restarts < 0:
             raise LaunchConfigError(f"max_restarts {self.max_restarts}: must be >= 0")
+        if self.nodes is not None and self.rdzv_backend != "c10d":
+            raise LaunchConfigError(f"--nnodes {self.nodes.torchrun()} needs the c10d rendezvous; "
+                                    f"--rdzv_backend {self.rdzv_backend} has a fixed set of nodes")
+        if self.nodes is not None and self.nodes.elastic and self.max_restarts < 1:
+            raise LaunchConfigError(
+                f"--nnodes {self.nodes.torchrun()}: the nodes that remain after a loss continue by restarting "
+                f"their workers, so pass --max_restarts N with N >= 1 (each lost node uses one restart)")
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,7 @@ class NodeCommand:
     argv: tuple[str, ...]                 # executed here (`ssh ...` for remote nodes)
     env: Mapping[str, str] = field(default_factory=dict)   # set on top of this process's environment
     rendezvous: str = ""                  # e.g. 'static at 127.0.0.1:29500'
+    min_nodes: Optional[int] = None       # with a node range: the nodes the run needs to go on
 
     @property
     def ranks(self) -> range:
@@ -139,12 +152,15 @@ def node_log_dir(log_dir: str, node_rank: int) -> str:
     return str(Path(log_dir) / f"node{node_rank}")
 
 
-def _torchrun_args(spec: LaunchSpec, *, nnodes: int, nproc: int, node_rank: int, master_addr: str,
+def _torchrun_args(spec: LaunchSpec, *, host: str, nnodes: int, nproc: int, node_rank: int, master_addr: str,
                    master_port: Optional[int]) -> list[str]:
-    args = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", f"--max-restarts={spec.max_restarts}"]
+    count = spec.nodes.torchrun() if spec.nodes is not None else str(nnodes)
+    args = [f"--nnodes={count}", f"--nproc-per-node={nproc}", f"--max-restarts={spec.max_restarts}"]
     if spec.rdzv_backend == "c10d":
         port = master_port if master_port is not None else DEFAULT_MASTER_PORT
-        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={master_addr}:{port}", f"--rdzv-id={spec.rdzv_id}"]
+        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={master_addr}:{port}", f"--rdzv-id={spec.rdzv_id}",
+                 f"--rdzv-conf={spec.rdzv_timings.rdzv_conf(is_host=node_rank == 0)}",
+                 f"--local-addr={'127.0.0.1' if is_loopback(host) else host}"]
     else:
         args += [f"--node-rank={node_rank}", f"--master-addr={master_addr}"]
         if master_port is not None:
@@ -182,7 +198,10 @@ def build_node_commands(resources: Mapping[str, Sequence[int]], spec: LaunchSpec
     rendezvous = f"{spec.rdzv_backend} at {master_addr}:" + (
         str(master_port) if master_port is not None
         else str(DEFAULT_MASTER_PORT) if spec.rdzv_backend == "c10d" else "<free port>")
+    if spec.nodes is not None:
+        rendezvous += f", {spec.nodes.describe()}"
     extra_env = dict(extra_env or {})
+    min_nodes = spec.nodes.min_nodes if spec.nodes is not None else None
     commands: list[NodeCommand] = []
     first_rank = 0
     for node_rank, (host, slots) in enumerate(resources.items()):
@@ -192,7 +211,7 @@ def build_node_commands(resources: Mapping[str, Sequence[int]], spec: LaunchSpec
         if remote or local_has_cuda:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
         agent = [spec.python, "-u", "-m", AGENT_MODULE] + _torchrun_args(
-            spec, nnodes=len(hosts), nproc=len(slots), node_rank=node_rank,
+            spec, host=host, nnodes=len(hosts), nproc=len(slots), node_rank=node_rank,
             master_addr=master_addr, master_port=master_port)
         if remote:
             remote_vars = {**(remote_env or {}), **env, AGENT_TETHER_ENV: "stdin"}
@@ -200,9 +219,9 @@ def build_node_commands(resources: Mapping[str, Sequence[int]], spec: LaunchSpec
             line = f"cd {shlex.quote(spec.cwd)} && env {exports} " + " ".join(shlex.quote(a) for a in agent)
             ssh = ["ssh", "-o", "BatchMode=yes"] + (["-p", str(spec.ssh_port)] if spec.ssh_port else [])
             commands.append(NodeCommand(node_rank, host, slots, first_rank, world_size, True,
-                                        tuple(ssh + [host, line]), {}, rendezvous))
+                                        tuple(ssh + [host, line]), {}, rendezvous, min_nodes))
         else:
             commands.append(NodeCommand(node_rank, host, slots, first_rank, world_size, False, tuple(agent), env,
-                                        rendezvous))
+                                        rendezvous, min_nodes))
         first_rank += len(slots)
     return commands

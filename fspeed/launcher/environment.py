@@ -26,7 +26,7 @@ from .hostfile import LaunchConfigError
 from .tether import AGENT_PID_ENV, AGENT_TETHER_ENV
 
 __all__ = [
-    "DEBUG_ENV", "EXPORTED_PREFIXES", "NEVER_EXPORTED", "REPORT_ENV", "ENV_FILE_NAME", "parse_env_file",
+    "DEBUG_ENV", "EXPORTED_PREFIXES", "FAILURES_ENV", "NEVER_EXPORTED", "REPORT_ENV", "ENV_FILE_NAME", "parse_env_file",
     "parse_env_assignments", "user_env", "exported_env",
 ]
 
@@ -35,7 +35,9 @@ EXPORTED_PREFIXES = (
 )
 REPORT_ENV = "FSPEED_AGENT_REPORT"      # where a local agent writes its failure report (agent.py)
 DEBUG_ENV = "FSPEED_DEBUG"              # "1": agents show torchrun's tracebacks and logs on failure (--debug)
-NEVER_EXPORTED = ("CUDA_VISIBLE_DEVICES", "TORCHELASTIC_", "PYTHONHOME", REPORT_ENV, AGENT_PID_ENV, AGENT_TETHER_ENV)
+FAILURES_ENV = "FSPEED_ATTEMPT_FAILURES"  # the agent's record of failed attempts, read by restarted workers
+NEVER_EXPORTED = ("CUDA_VISIBLE_DEVICES", "TORCHELASTIC_", "PYTHONHOME", REPORT_ENV, FAILURES_ENV, AGENT_PID_ENV,
+                  AGENT_TETHER_ENV)
 ENV_FILE_NAME = ".fspeed_env"
 
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -14,6 +14,11 @@ summary lines arrive through ssh on stderr.
 Each agent's stdin is a pipe this process holds open: if the launcher dies (even by SIGKILL) the
 agents read end-of-file and stop their workers (`tether.py`); workers die with their agent.
 
+With a node range (`min_nodes`, `fspeed --nnodes MIN:MAX`, see `elastic.py`) a node that fails
+while at least `min_nodes` others are still running (or done) is lost, not fatal: the others are
+left alone (their agents re-rendezvous without it and restart their workers) and the job succeeds
+if they do. Only when fewer than `min_nodes` remain are the others stopped, as above.
+
 A node whose workers all succeeded waits in torchrun's exit barrier for the other nodes (up to
 300 s, in a C++ store wait that does not react to SIGTERM). A local agent with no child process
 left is in that state, so it is killed at once rather than after `kill_after_s`.
@@ -63,6 +68,7 @@ class NodeOutcome:
     returncode: int
     failures: tuple[RankFailure, ...] = ()
     stopped: bool = False                 # terminated by the launcher after another node failed
+    lost: bool = False                    # failed while enough nodes remained: the run went on without it
     root_cause_rank: Optional[int] = None  # torchrun's first observed failure on this node
 
     @property
@@ -74,10 +80,17 @@ class NodeOutcome:
 class LaunchResult:
     outcomes: tuple[NodeOutcome, ...]     # in node order
     failure_order: tuple[int, ...] = ()   # node ranks, in the order their failures were observed
+    min_nodes: Optional[int] = None       # with a node range: the nodes the run needs to go on
 
     @property
     def ok(self) -> bool:
-        return all(outcome.ok for outcome in self.outcomes)
+        return all(outcome.ok or outcome.lost for outcome in self.outcomes) and not all(
+            outcome.lost for outcome in self.outcomes)
+
+    @property
+    def lost(self) -> tuple[NodeOutcome, ...]:
+        """The nodes the run went on without (a node range), in node order."""
+        return tuple(outcome for outcome in self.outcomes if outcome.lost)
 
     @property
     def exit_code(self) -> int:
@@ -88,8 +101,10 @@ class LaunchResult:
         return 128 - code if code < 0 else code
 
     def _first_failed(self) -> NodeOutcome:
-        return self.outcomes[self.failure_order[0]] if self.failure_order else next(
-            o for o in self.outcomes if not o.ok)
+        """The first node seen failing that the run could not go on without (else the first lost one)."""
+        fatal = [rank for rank in self.failure_order if not self.outcomes[rank].lost]
+        order = fatal or list(self.failure_order)
+        return self.outcomes[order[0]] if order else next(o for o in self.outcomes if not o.ok)
 
     def root_cause(self) -> Optional[RankFailure]:
         """The failed rank the job's exit code comes from (torchrun's first failure on the first node
@@ -105,7 +120,16 @@ class LaunchResult:
         head = f"the job failed: {root.describe()}" if root else f"the job failed (exit code {self.exit_code})"
         if root is not None and root.message:
             head += ":" + (f" {root.message}" if "\n" not in root.message else "\n" + _indent(root.message))
+        if self.min_nodes is not None and any(o.stopped for o in self.outcomes):
+            gone = sum(1 for o in self.outcomes if not o.ok and not o.stopped)
+            head += (f"\nfewer than the {self.min_nodes} node{'s' if self.min_nodes > 1 else ''} the run needs "
+                     f"(--nnodes) remained after {gone} failed: the others were stopped")
         return head + "\n" + _indent(self.failure_message())
+
+    def lost_message(self) -> str:
+        """One line per node the run went on without: the node and how it ended."""
+        return "\n".join(f"{o.command.describe()} was lost ({_status(o.returncode)}); the run went on without it"
+                         for o in self.lost)
 
     def failure_message(self) -> str:
         """One line per failed node, naming the node, its ranks and (when known) the failed ranks."""
@@ -113,10 +137,11 @@ class LaunchResult:
         for outcome in self.outcomes:
             if outcome.ok:
                 continue
-            code = outcome.returncode
-            status = f"was killed by signal {-code}" if code < 0 else f"failed with exit code {code}"
+            status = _status(outcome.returncode)
             node = outcome.command.describe()
-            if outcome.stopped:
+            if outcome.lost:
+                lines.append(f"{node} was lost ({status}); the run went on without it")
+            elif outcome.stopped:
                 lines.append(f"{node} was stopped after another node failed")
             elif outcome.failures:
                 ranks = "; ".join(f.describe() + (" (its first failure)" if f.rank == outcome.root_cause_rank else "")
@@ -126,6 +151,10 @@ class LaunchResult:
             else:
                 lines.append(f"{node} {status} (see its torchrun output above for the failed rank)")
         return "\n".join(lines)
+
+
+def _status(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"failed with exit code {code}"
 
 
 def _indent(text: str) -> str:
@@ -151,8 +180,10 @@ def _raise_interrupted(signum: int, frame: object) -> None:
 
 
 def run_node_commands(commands: Sequence[NodeCommand], *, environ: Optional[Mapping[str, str]] = None,
-                      grace_s: float = 5.0, kill_after_s: float = 45.0, poll_s: float = 0.05) -> LaunchResult:
-    """Start every node command, wait for all, and report (see the module docstring)."""
+                      grace_s: float = 5.0, kill_after_s: float = 45.0, poll_s: float = 0.05,
+                      min_nodes: Optional[int] = None) -> LaunchResult:
+    """Start every node command, wait for all, and report (see the module docstring); `min_nodes`:
+    a node range's minimum, the nodes the job goes on with after losing others."""
     base_env = dict(os.environ if environ is None else environ)
     in_main_thread = threading.current_thread() is threading.main_thread()
     with tempfile.TemporaryDirectory(prefix="fspeed-launch-") as report_dir:
@@ -173,7 +204,7 @@ def run_node_commands(commands: Sequence[NodeCommand], *, environ: Optional[Mapp
                 except OSError as error:
                     _stop(processes.values(), kill_after_s)
                     raise LaunchError(f"cannot start {command.describe()}: {command.argv[0]}: {error}") from None
-            failure_order, stopped = _wait(processes, grace_s, kill_after_s, poll_s)
+            failure_order, stopped, lost = _wait(processes, grace_s, kill_after_s, poll_s, min_nodes)
         except (KeyboardInterrupt, _Interrupted):
             _stop(processes.values(), kill_after_s)
             raise KeyboardInterrupt from None
@@ -184,23 +215,28 @@ def run_node_commands(commands: Sequence[NodeCommand], *, environ: Optional[Mapp
         for command in commands:
             failures, root = ((), None) if command.remote else _read_report(reports[command.node_rank])
             outcomes.append(NodeOutcome(command, processes[command.node_rank].returncode, failures,
-                                        command.node_rank in stopped, root))
-    return LaunchResult(tuple(outcomes), tuple(failure_order))
+                                        command.node_rank in stopped, command.node_rank in lost, root))
+    return LaunchResult(tuple(outcomes), tuple(failure_order), min_nodes)
 
 
-def _wait(processes: Mapping[int, subprocess.Popen], grace_s: float, kill_after_s: float,
-          poll_s: float) -> tuple[list[int], set[int]]:
+def _wait(processes: Mapping[int, subprocess.Popen], grace_s: float, kill_after_s: float, poll_s: float,
+          min_nodes: Optional[int] = None) -> tuple[list[int], set[int], set[int]]:
+    """(node ranks in the order they failed, those stopped here, those lost while enough remained)."""
     failure_order: list[int] = []
     stopped: set[int] = set()
+    lost: set[int] = set()
     deadline: Optional[float] = None
     while True:
         running = {rank: p for rank, p in processes.items() if p.poll() is None}
         for rank, process in processes.items():
             if process.returncode not in (None, 0) and rank not in failure_order and rank not in stopped:
                 failure_order.append(rank)
+                remaining = sum(1 for p in processes.values() if p.returncode in (None, 0))
+                if min_nodes is not None and deadline is None and remaining >= min_nodes:
+                    lost.add(rank)
         if not running:
-            return failure_order, stopped
-        if failure_order and deadline is None:
+            return failure_order, stopped, lost
+        if deadline is None and any(rank not in lost for rank in failure_order):
             deadline = time.monotonic() + grace_s
         if deadline is not None and time.monotonic() >= deadline:
             stopped.update(running)

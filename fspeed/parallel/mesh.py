@@ -152,6 +152,12 @@ class Mesh:
         """Every rank's small picklable `obj`, in global rank order (for agreeing on decisions)."""
         return all_gather_objects(obj, what, self.world_size, self.rank)
 
+    def all_reduce_scalar(self, value: float, op: str = "sum") -> float:
+        """`value` reduced over the whole world (axis by axis): the same answer on every rank."""
+        for axis in AXES:
+            value = self.comms[axis].all_reduce_scalar(value, op)
+        return float(value)
+
     def background_gather(self) -> Callable[[Any, str], list]:
         """`all_gather_objects` over a gloo group of the whole world kept for one background thread
         (an asynchronous checkpoint save), so that its collectives never interleave with training's
