@@ -11,6 +11,11 @@ same space from scratch; then DeepSpeed's fast mode is replayed over the grid's 
 ZeRO stage (DeepSpeed tunes neither remat nor the rest: remat none), the largest micro-batch that
 fits and the next two smaller ones (at most 3 per stage), the best throughput of those trials.
 
+The grid, the tuning and the fast mode's trials run minutes apart, and this shared machine's speed
+drifts by more than the differences between the best layouts (about 10% between runs of one layout
+here); so the three picks (the grid's best, the tuner's, DeepSpeed's) are measured again, one after
+another for `--rounds` rounds (median of each), and the ratios compare those measurements.
+
 Ends with: autotune_best_over_grid_best (the tuner's pick's throughput, as the grid measured it,
 over the grid's best; goal >= 0.97), autotune_trials_over_grid (goal <= 0.25),
 autotune_vs_deepspeed_fast_mode (goal >= 1.0), autotune_memory_prediction_error (largest |predicted
@@ -22,12 +27,13 @@ autotune_failed_trials_predicted_to_fit (goal 0) and autotune_wall_s.
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from fspeed.autotune.space import Candidate, SearchSpace
-from fspeed.autotune.trials import TrialSettings
+from fspeed.autotune.trials import TrialSettings, candidate_key, run_trial
 from fspeed.autotune.tuner import Row, TuneSettings, tune
 
 MODEL = ("model.n_layer=4", "model.n_head=4", "model.d_model=128", "model.seq_len=128", "data.max_bytes=400000")
@@ -71,11 +77,26 @@ def deepspeed_fast_mode(grid: dict[Candidate, Row]) -> tuple[list[Candidate], Ca
     return tried, max(measured, key=lambda c: grid[c].result.samples_per_s)
 
 
+def remeasure(picks: list[Candidate], base: tuple[str, ...], trial: TrialSettings, root: Path, rounds: int,
+              progress) -> dict[Candidate, float]:
+    """Each pick's median samples/s over `rounds` rounds of trials, the picks taking turns."""
+    measured: dict[Candidate, list[float]] = {c: [] for c in picks}
+    for k in range(rounds):
+        for c in picks:
+            result = run_trial(c, base, root / f"{candidate_key(c)}-{k}", trial)
+            if not result.ok:
+                raise RuntimeError(f"re-measuring {c.label()} failed: {result.status}: {result.reason}")
+            measured[c].append(result.samples_per_s)
+            progress(f"re-measured {c.label()}: {result.samples_per_s:.1f} samples/s")
+    return {c: statistics.median(v) for c, v in measured.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of re-measuring the three picks")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, 2 layouts, 1 tuned trial (no figures kept)")
     args = parser.parse_args()
     root = args.workdir or Path(tempfile.mkdtemp(prefix="fspeed-autotune-bench-"))
@@ -107,7 +128,11 @@ def main() -> None:
     common = [c for c in valid if c in predicted]
     print(f"grid best: {best_grid.label()} ({valid[best_grid].result.samples_per_s:.1f} samples/s); "
           f"autotune pick: {pick.label()}; DeepSpeed fast mode tried {len(ds_tried)}, picked {ds_pick.label()}")
-    throughput = {c: row.result.samples_per_s for c, row in valid.items()}
+    picks = list(dict.fromkeys([best_grid, pick, ds_pick]))
+    throughput = remeasure(picks, base, trial, root / "picks", 1 if args.smoke else args.rounds, quiet)
+    print(f"{'pick':<12} {'configuration':<30} {'grid samples/s':>15} {'again samples/s':>16}")
+    for name, c in (("grid best", best_grid), ("autotune", pick), ("DeepSpeed", ds_pick)):
+        print(f"{name:<12} {c.label():<30} {valid[c].result.samples_per_s:>15.1f} {throughput[c]:>16.1f}")
     correlation = spearman([predicted[c] for c in common], [valid[c].result.step_s for c in common])
     print(f"autotune_best_over_grid_best={throughput[pick] / throughput[best_grid]:.3f}")
     print(f"autotune_trials_over_grid={tuned.trials_run / len(valid):.3f}")

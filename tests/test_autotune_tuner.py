@@ -196,3 +196,51 @@ def test_the_base_micro_batch_fixes_that_axis_and_a_base_accumulation_is_refused
     with pytest.raises(ValueError, match=r"train.grad_accum=2 in the base: with a fixed global batch"):
         base_space(TuneSettings(world=2, base_overrides=(*TINY, "train.grad_accum=2")))
     assert base_space(TuneSettings(world=2, base_overrides=TINY)).micro_batch is None
+
+
+def test_throughput_compares_samples_per_second_and_latency_step_time(tmp_path, monkeypatch):
+    from fspeed.autotune.space import Candidate
+
+    small, large = Candidate(1, 2, 1, data=2), Candidate(1, 8, 1, data=2)  # global batches 4 and 16
+    predicted = {small: 1.0, large: 2.0}  # the large batch: twice the step time, twice the samples per second
+    fast = FakeTrials()
+    report = run_search(tmp_path / "throughput", monkeypatch, predicted, fast)
+    assert fast.ran[0] == large and report.best.candidate == large
+    slow = FakeTrials()
+    report = run_search(tmp_path / "latency", monkeypatch, predicted, slow, metric="latency")
+    assert slow.ran[0] == small and report.best.candidate == small
+    with pytest.raises(ValueError, match="autotune.metric='speed'; allowed: throughput, latency"):
+        small_settings(tmp_path, metric="speed")
+
+
+def test_patience_stops_after_that_many_trials_without_a_better_one(tmp_path, monkeypatch):
+    cs = layouts(6)
+    predicted = {c: 1.0 + i / 10 for i, c in enumerate(cs)}  # grid order: each slower than the first
+    fake = FakeTrials()
+    run_search(tmp_path, monkeypatch, predicted, fake, strategy="grid", patience=2)
+    assert fake.ran == cs[:3]
+
+
+def test_a_tuning_that_does_not_resume_keeps_the_earlier_files_as_previous(tmp_path, monkeypatch):
+    cs = layouts(2)
+    predicted = dict(zip(cs, [1.0, 1.1]))
+    run_search(tmp_path, monkeypatch, predicted, FakeTrials(), strategy="grid")
+    first = (tmp_path / "results.jsonl").read_text()
+    again = FakeTrials()
+    report = run_search(tmp_path, monkeypatch, predicted, again, strategy="grid", resume=False)
+    assert again.ran == cs and report.trials_run == 2 and report.trials_resumed == 0
+    assert (tmp_path / "results.jsonl.previous").read_text() == first
+
+
+def test_a_remat_layout_is_predicted_with_what_remat_imports(tmp_path, monkeypatch):
+    from fspeed.autotune.space import Candidate
+
+    plain, remat = Candidate(1, 2, 1, data=2), Candidate(1, 2, 1, data=2, remat="full")
+    prepared = synthetic_prepared({plain: 1.0, remat: 1.0})
+    prepared.remat_baseline = 80 << 20
+    assert prepared.peak(remat) - prepared.peak(plain) == 80 << 20
+    again = tuner.Prepared.from_json(prepared.to_json("key"), "key", ())
+    assert again.peak(remat) == prepared.peak(remat)
+    # a first trial under remat calibrates the plain baseline without remat's part
+    tuner._recalibrate_memory(prepared, remat, 200 << 20)
+    assert prepared.baseline == (200 << 20) - (50 << 20) - (80 << 20)

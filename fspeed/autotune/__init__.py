@@ -9,7 +9,8 @@ with the reason), `profiling` (the one short profiling pass), `memory_model` (ea
 predicted peak bytes per rank, and pruning), `collectives` and `cost_model` (each candidate's
 predicted step time), `trials` (real short runs of fspeed-train, recorded in a results file that an
 interrupted tuning resumes from), `tuner` (the search and its strategies), `outputs` (the best
-layout as overrides, a config file and a ds_config), `plots` and `command` (`fspeed-autotune`).
+layout as overrides, a config file and a ds_config), `plots` and `command` (`fspeed-autotune`), and
+`deepspeed_block` (DeepSpeed's `autotuning` block as the tuner's settings).
 
 The package itself is callable (`fs.autotune(...)` is `tuner.autotune`), and its names load on
 first use: importing fspeed does not import the configuration machinery the tuner composes with.
@@ -31,7 +32,8 @@ _HOMES = {
     "CommCosts": "cost_model", "LinkCost": "cost_model", "StepCost": "cost_model", "predict_step": "cost_model",
     "ResultsFile": "trials", "TrialResult": "trials", "TrialSettings": "trials", "run_trial": "trials",
     "TuneReport": "tuner", "TuneSettings": "tuner", "autotune": "tuner", "tune": "tuner",
-    "ds_config": "outputs", "write_best": "outputs",
+    "ds_config": "outputs", "merged_ds_config": "outputs", "write_best": "outputs",
+    "translate_block": "deepspeed_block",
 }
 
 __all__ = sorted(_HOMES)

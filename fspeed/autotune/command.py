@@ -7,6 +7,8 @@
 
 Keys under `autotune.` are the tuner's (`AUTOTUNE_KEYS`, and `autotune.space.<axis>` for each axis
 of `SearchSpace`); every other key=value is fspeed-train's, the base every candidate starts from.
+A `deepspeed_config=` whose `autotuning` block is enabled sets the tuning from that block
+(`deepspeed_block`); autotune keys on the command line win over it.
 The table is printed and written (results.csv, results.json) with the best layout's files
 (best.overrides, best.yaml, ds_config.json) to `autotune.dir`; the trials' results.jsonl there
 lets a tuning that was interrupted resume. Exit code 0 with a best layout, 1 when no trial ran
@@ -20,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from .deepspeed_block import autotuning_enabled, translate_block, write_base
 from .memory_model import parse_bytes
 from .space import SearchSpace
 from .trials import TrialSettings
@@ -36,6 +39,10 @@ AUTOTUNE_KEYS = {
     "warm_steps": "steps of a trial before measuring; default 2",
     "measured_steps": "steps of a trial measured; default 3",
     "timeout_s": "a trial running longer is stopped and recorded as a hang; default 600",
+    "metric": "throughput (samples/s) | latency (s per step); default throughput",
+    "patience": "stop after this many trials in a row without a better one; default: the strategy's",
+    "fast_micro_batches": "micro-batches per ZeRO stage of the fast strategy; default 3",
+    "resume": "take the finished trials of autotune.dir (false: start again); default true",
 }
 SPACE_AXES = tuple(f.name for f in dataclasses.fields(SearchSpace))
 
@@ -94,9 +101,36 @@ def parse_command(argv: list[str]) -> TuneSettings:
         else:
             raise UsageError(f"{key}: unknown autotune key; allowed: {', '.join(sorted(AUTOTUNE_KEYS))}, space.AXIS")
     try:
-        return _settings(tuner, space, base)
+        base, ds_base = _deepspeed_block(base, tuner, space)
+        settings = _settings(tuner, space, base)
     except (TypeError, ValueError) as err:
         raise UsageError(str(err)) from None
+    if ds_base is None:
+        return settings
+    path = write_base(ds_base, settings.workdir)
+    overrides = tuple(f"deepspeed_config={path}" if o.startswith("deepspeed_config=") else o for o in base)
+    return dataclasses.replace(settings, base_overrides=overrides)
+
+
+def _deepspeed_block(base: list[str], tuner: dict[str, Any], space: dict[str, Any]) -> tuple[list[str], Any]:
+    """With a `deepspeed_config=` whose autotuning block is enabled: fill `tuner` and `space` from
+    the block where the command line left them, print what each key became, and return the base
+    ds_config to write (else None)."""
+    from ..config.command_line import load_deepspeed_config  # noqa: PLC0415
+
+    paths = [o.split("=", 1)[1] for o in base if o.startswith("deepspeed_config=")]
+    if not paths:
+        return base, None
+    ds = load_deepspeed_config(paths[-1])
+    if not autotuning_enabled(ds):
+        return base, None
+    block_tuner, block_space, summary, ds_base = translate_block(ds)
+    for key, value in block_tuner.items():
+        tuner.setdefault(key, value)
+    for key, value in block_space.items():
+        space.setdefault(key, value)
+    print(f"fspeed-autotune: the autotuning block of {paths[-1]}:\n  " + "\n  ".join(summary), file=sys.stderr)
+    return base, ds_base
 
 
 def _settings(tuner: dict[str, Any], space: dict[str, Any], base: list[str]) -> TuneSettings:
@@ -105,6 +139,10 @@ def _settings(tuner: dict[str, Any], space: dict[str, Any], base: list[str]) -> 
         if key in tuner and strategy != needs:
             raise ValueError(f"autotune.{key} applies to autotune.strategy={needs}, and the strategy is {strategy}")
     trial = {k: tuner[k] for k in ("warm_steps", "measured_steps", "timeout_s") if k in tuner}
+    extra = {k: tuner[k] for k in ("metric", "patience", "fast_micro_batches") if k in tuner}
+    resume = tuner.get("resume", True)
+    if not isinstance(resume, bool):
+        raise ValueError(f"autotune.resume={resume!r}: allowed: true, false")
     memory = tuner.get("memory_per_rank")
     world = tuner.get("nproc", 1)
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
@@ -113,7 +151,7 @@ def _settings(tuner: dict[str, Any], space: dict[str, Any], base: list[str]) -> 
                         space=SearchSpace(**space), strategy=strategy,
                         memory_per_rank=parse_bytes(memory) if memory is not None else None,
                         max_trials=tuner.get("max_trials", 8), noise=float(tuner.get("noise", 0.05)),
-                        seed=tuner.get("seed", 0), trial=TrialSettings(**trial))
+                        seed=tuner.get("seed", 0), trial=TrialSettings(**trial), resume=resume, **extra)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -9,8 +9,9 @@ with the activations the profiling pass measured (`profiling.Profile`: bytes one
 under the candidate's remat, linear in the micro-batch). A pipeline stage holds each of its layers'
 activations once per micro-batch in flight (`Schedule.in_flight`) and its checkpointed groups the
 share the whole-model remat keeps. The process itself (interpreter, libraries, the data every rank
-holds) is the `baseline`, measured once (`process_baseline_bytes`). On a CPU everything is one
-memory, so the peak per rank is device + host + baseline; on a GPU the device part is checked.
+holds) is the `baseline`, measured once (`process_baselines`, with what a remat layout's process
+holds more). On a CPU everything is one memory, so the peak per rank is device + host + baseline;
+on a GPU the device part is checked.
 
 Approximations, each erring high (a candidate is pruned only when it surely does not fit): tensor
 slicing's activations are counted whole (the residual stream is replicated, the rest 1/t), and the
@@ -243,24 +244,32 @@ torch.nn.functional.gelu(torch.nn.functional.scaled_dot_product_attention(
 opt = build_optimizer(run)  # a step of the run's optimizer on a small parameter: its kernels are compiled
 state = init_train_state({"w": torch.zeros(4096)}, opt, precision=build_precision(run))
 make_train_step(lambda p, b, rng=None: (p["w"] * b).sum(), opt)(state, torch.ones(4096))
-for line in open("/proc/self/status"):
-    if line.startswith("VmHWM:"):
-        print(int(line.split()[1]) * 1024)
+def peak():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+print(peak())
+from torch.utils.checkpoint import checkpoint  # remat's first call imports what its contexts need
+checkpoint(lambda a: w(a).sin(), x, use_reentrant=False).sum().backward()
+print(peak())
 """
 
 
-def process_baseline_bytes(base_overrides: Sequence[str] = (), python: Optional[str] = None) -> int:
-    """Peak resident bytes of a fresh interpreter that imported fspeed-train, prepared the run's data
-    and model as a rank does (`profiling.build_job` of `base_overrides`) and ran a small forward and
-    backward: a trial's memory that is not the model's states and activations. The first trial
-    measures it better (`calibrated_baseline`): a rank also holds its process group's buffers."""
+def process_baselines(base_overrides: Sequence[str] = (), python: Optional[str] = None) -> tuple[int, int]:
+    """(peak resident bytes of a fresh interpreter that imported fspeed-train, prepared the run's
+    data and model as a rank does (`profiling.build_job` of `base_overrides`) and ran a small forward
+    and backward, the bytes a first remat call adds to it). The first: a trial's memory that is not
+    the model's states and activations; the first trial measures it better (`calibrated_baseline`):
+    a rank also holds its process group's buffers. The second: what torch's checkpoint imports on its
+    first call (its selective contexts; ~80 MiB with torch 2.13), paid by every remat layout."""
     out = subprocess.run([python or sys.executable, "-c", _BASELINE_SCRIPT, json.dumps(list(base_overrides))],
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"measuring the process baseline failed:\n{out.stderr[-2000:]}")
-    return int(out.stdout.strip().splitlines()[-1])
+    plain, with_remat = (int(v) for v in out.stdout.strip().splitlines()[-2:])
+    return plain, max(with_remat - plain, 0)
 
 
 __all__ = ["MemoryPrediction", "available_host_bytes", "budget_choice", "calibrated_baseline", "candidate_plan",
            "default_memory_per_rank", "format_bytes", "parse_bytes", "pipeline_activations", "pipeline_bounds",
-           "predict_memory", "process_baseline_bytes", "prune"]
+           "predict_memory", "process_baselines", "prune"]

@@ -8,7 +8,9 @@
 `best.overrides` is the base's overrides and the candidate's, one per line; `best.yaml` the whole
 composed configuration (fspeed-train's primary config); `ds_config.json` the part a DeepSpeed
 config can say, which fspeed's translator turns back into the same keys (the rest, the remat policy
-and the tensor and pipeline sizes, stays in the overrides and the YAML file).
+and the tensor and pipeline sizes, stays in the overrides and the YAML file). When the base holds a
+`deepspeed_config=`, ds_config.json is that file with the tuned keys in place (DeepSpeed's
+ds_config_optimal.json), ready for a training run.
 """
 
 from __future__ import annotations
@@ -38,6 +40,25 @@ def ds_config(candidate: Candidate) -> dict[str, Any]:
     return config
 
 
+def merged_ds_config(base_overrides: Sequence[str], candidate: Candidate) -> dict[str, Any]:
+    """`ds_config(candidate)` over the base's deepspeed_config file, if it has one."""
+    tuned = ds_config(candidate)
+    paths = [o.split("=", 1)[1] for o in base_overrides if o.startswith("deepspeed_config=")]
+    if not paths:
+        return tuned
+    merged = json.loads(Path(paths[-1]).read_text())
+    merged.pop("autotuning", None)
+    zero = dict(merged.get("zero_optimization") or {})
+    chosen = tuned.pop("zero_optimization")
+    for key in ("offload_optimizer", "offload_param"):  # the candidate says whether it offloads; the file, how
+        if key not in chosen:
+            zero.pop(key, None)
+        elif isinstance(zero.get(key), dict) and zero[key].get("device") in ("cpu", "nvme"):
+            chosen.pop(key)
+    zero.update(chosen)
+    return {**merged, **tuned, "zero_optimization": zero}
+
+
 def best_yaml(base_overrides: Sequence[str], candidate: Candidate) -> str:
     """The whole configuration of the base with `candidate`, as fspeed-train's primary config file."""
     from hydra import compose, initialize_config_module  # noqa: PLC0415 (Hydra only where configs are written)
@@ -60,8 +81,8 @@ def write_best(directory: Path, base_overrides: Sequence[str], candidate: Candid
              "ds_config": directory / "ds_config.json"}
     paths["overrides"].write_text("\n".join([*base_overrides, *candidate.to_overrides()]) + "\n")
     paths["yaml"].write_text(best_yaml(base_overrides, candidate))
-    paths["ds_config"].write_text(json.dumps(ds_config(candidate), indent=2) + "\n")
+    paths["ds_config"].write_text(json.dumps(merged_ds_config(base_overrides, candidate), indent=2) + "\n")
     return paths
 
 
-__all__ = ["best_yaml", "ds_config", "write_best"]
+__all__ = ["best_yaml", "ds_config", "merged_ds_config", "write_best"]

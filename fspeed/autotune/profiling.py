@@ -318,10 +318,20 @@ def copy_seconds_per_byte(nbytes: int = 32 << 20, repeats: int = 5) -> float:
 
 
 def profile_job(job: Job, run: RunConfig, micro_batches: Sequence[int], remat: Sequence[RematKey],
-                with_layers: bool = False, repeats: int = 5) -> Profile:
+                with_layers: bool = False, repeats: int = 5, threads: Optional[int] = None) -> Profile:
     """The profiling pass over `job` (module docstring): every remat choice of `remat` at each of
     `micro_batches` (two sizes give the linear fit), and with `with_layers` each layer's costs at the
-    smallest size."""
+    smallest size; timed on `threads` intra-op threads (a trial's rank's: `trials.rank_threads`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        return _profile_job(job, run, micro_batches, remat, with_layers, repeats)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _profile_job(job: Job, run: RunConfig, micro_batches: Sequence[int], remat: Sequence[RematKey],
+                 with_layers: bool, repeats: int) -> Profile:
     from ..config.build import build_optimizer, build_precision  # noqa: PLC0415
 
     model = job.model

@@ -236,7 +236,8 @@ class SearchSpace:
     """The values each axis may take (None: derived from the world and the base run; see module doc).
 
     `micro_batch`: None = powers of two dividing the global batch per data rank (with no global
-    batch: up to 4x the base's micro-batch). `grad_accum` applies only when no global batch is
+    batch: up to 4x the base's micro-batch), within `micro_batch_min`..`micro_batch_max` (DeepSpeed's
+    min/max_train_micro_batch_size_per_gpu; without a global batch the max also sets the limit). `grad_accum` applies only when no global batch is
     fixed (None: the base's). `tensor`, `pipe`: None = every size dividing the world the model
     allows. `slow`: also search `overlap_comm` and the bucket sizes (else the base's values).
     """
@@ -255,6 +256,8 @@ class SearchSpace:
     overlap_comm: Optional[tuple[Optional[bool], ...]] = None  # slow mode; None: (False, True)
     reduce_bucket_size: Optional[tuple[int, ...]] = None  # slow mode; None: DEFAULT_BUCKETS
     allgather_bucket_size: Optional[tuple[int, ...]] = None  # slow mode; None: DEFAULT_BUCKETS
+    micro_batch_min: int = 1
+    micro_batch_max: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("zero_stage", "micro_batch", "grad_accum", "remat", "offload_optimizer", "offload_param",
@@ -270,6 +273,13 @@ class SearchSpace:
         _check_values("zero_stage", self.zero_stage, lambda v: v in (0, 1, 2, 3), "0, 1, 2, 3")
         for name in ("micro_batch", "grad_accum", "tensor", "pipe", "reduce_bucket_size", "allgather_bucket_size"):
             _check_values(name, getattr(self, name) or (), _positive_int, "positive integers")
+        for name in ("micro_batch_min", "micro_batch_max"):
+            value = getattr(self, name)
+            if value is not None and not _positive_int(value):
+                raise ValueError(f"autotune.space.{name}={value!r}: allowed: a positive integer")
+        if self.micro_batch_max is not None and self.micro_batch_max < self.micro_batch_min:
+            raise ValueError(f"autotune.space.micro_batch_max={self.micro_batch_max} is below "
+                             f"autotune.space.micro_batch_min={self.micro_batch_min}: no micro-batch is left")
         _check_values("virtual_stages", self.virtual_stages or (), lambda v: _positive_int(v) and v >= 2,
                       "integers >= 2 (interleaved_1f1b's chunks per stage)")
         _check_values("schedule", self.schedule, lambda v: v in PIPELINE_SCHEDULES, ", ".join(PIPELINE_SCHEDULES))
@@ -324,10 +334,13 @@ def _divisors(n: int) -> list[int]:
 
 def _micro_batches(space: SearchSpace, per_rank: Optional[int], base_micro: int) -> list[int]:
     if space.micro_batch is not None:
-        return list(space.micro_batch)
-    limit = per_rank if per_rank is not None else 4 * base_micro
-    sizes = [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
-    return [m for m in sizes if per_rank is None or per_rank % m == 0]
+        sizes = list(space.micro_batch)
+    else:
+        limit = per_rank if per_rank is not None else space.micro_batch_max or 4 * base_micro
+        sizes = [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
+        sizes = [m for m in sizes if per_rank is None or per_rank % m == 0]
+    top = space.micro_batch_max if space.micro_batch_max is not None else max(sizes)
+    return [m for m in sizes if space.micro_batch_min <= m <= top]
 
 
 def _meshes(space: SearchSpace, world: int) -> list[tuple[int, int]]:

@@ -103,6 +103,17 @@ class TrialResult:
         return cls(**values)
 
 
+def rank_threads(world: int) -> int:
+    """torch's intra-op threads in each rank of a trial: OMP_NUM_THREADS when set, else torchrun's
+    rule (1 with several ranks on the node, torch's default alone)."""
+    import torch  # noqa: PLC0415
+
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return 1 if world > 1 else torch.get_num_threads()
+
+
 def candidate_key(candidate: Candidate) -> str:
     """A stable, file-name-safe key of a candidate: its label's words and a hash of its overrides."""
     digest = hashlib.sha1(" ".join(candidate.to_overrides()).encode()).hexdigest()[:10]
@@ -278,4 +289,4 @@ class ResultsFile:
 
 
 __all__ = ["FAILED", "OK", "OUT_OF_MEMORY", "ResultsFile", "STATUSES", "TIMEOUT", "TrialResult", "TrialSettings",
-           "candidate_key", "read_peak_rss", "run_fingerprint", "run_trial", "step_measurements", "trial_overrides"]
+           "candidate_key", "rank_threads", "read_peak_rss", "run_fingerprint", "run_trial", "step_measurements", "trial_overrides"]

@@ -14,8 +14,14 @@ Strategies (`TuneSettings.strategy`):
 - `grid`: every candidate that fits, in enumeration order (up to `max_trials`).
 - `random`: a seeded random sample of `max_trials` of them.
 - `fast`: DeepSpeed's fast mode for comparison: the ZeRO stages at the base's other settings (no
-  remat, no offload, no tensor or pipeline slicing), each with its largest fitting micro-batch and
-  the next two smaller ones, stopping after 5 trials without improvement.
+  remat, no tensor or pipeline slicing, the first value of each offload axis), each with its largest fitting micro-batch and
+  the next smaller ones (`fast_micro_batches` in all, 3 by default), stopping after 5 trials
+  without improvement.
+
+Layouts are compared by `metric`: `throughput` (default: samples per second, which at a fixed
+global batch orders them as step time does) or `latency` (seconds per step, whatever the batch).
+`patience` stops any strategy after that many trials in a row without a better one (DeepSpeed's
+`tuner_early_stopping`).
 
 Every trial goes to `workdir/results.jsonl` first (`trials.ResultsFile`); a tuning started again
 with the same settings runs only the trials that file does not hold.
@@ -36,12 +42,13 @@ from ..config.compose import compose_run_config
 from ..remat_budget import CANDIDATES as BUDGET_ORDER
 from .collectives import measure_collectives
 from .cost_model import CommCosts, predict_step
-from .memory_model import default_memory_per_rank, format_bytes, predict_memory, process_baseline_bytes, prune
+from .memory_model import default_memory_per_rank, format_bytes, predict_memory, process_baselines, prune
 from .profiling import Profile, build_job, profile_job
 from .space import Candidate, SearchSpace, Skipped, enumerate_candidates
-from .trials import ResultsFile, TrialResult, TrialSettings, candidate_key, run_fingerprint, run_trial
+from .trials import ResultsFile, TrialResult, TrialSettings, candidate_key, rank_threads, run_fingerprint, run_trial
 
 STRATEGIES = ("model", "grid", "random", "fast")
+METRICS = ("throughput", "latency")
 
 
 @dataclass(frozen=True)
@@ -58,12 +65,23 @@ class TuneSettings:
     noise: float = 0.05
     seed: int = 0
     trial: TrialSettings = TrialSettings()
+    metric: str = "throughput"
+    patience: Optional[int] = None  # None: the strategy's own stop (5 for fast)
+    fast_micro_batches: int = 3
+    resume: bool = True  # False: start from scratch (workdir's earlier predictions and trials kept as *.previous)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"autotune.strategy={self.strategy!r}; allowed: {', '.join(STRATEGIES)}")
-        if not isinstance(self.max_trials, int) or self.max_trials < 1:
-            raise ValueError(f"autotune.max_trials={self.max_trials!r} must be a positive integer")
+        if self.metric not in METRICS:
+            raise ValueError(f"autotune.metric={self.metric!r}; allowed: {', '.join(METRICS)}")
+        for name in ("max_trials", "fast_micro_batches", *(("patience",) if self.patience is not None else ())):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"autotune.{name}={value!r} must be a positive integer")
+        if self.fast_micro_batches != 3 and self.strategy != "fast":
+            raise ValueError(f"autotune.fast_micro_batches applies to autotune.strategy=fast, and the strategy is "
+                             f"{self.strategy}")
         if not 0 <= self.noise < 1:
             raise ValueError(f"autotune.noise={self.noise!r} must be in [0, 1) (a relative measurement noise)")
         object.__setattr__(self, "base_overrides", tuple(self.base_overrides))
@@ -150,16 +168,21 @@ class Prepared:
     memory_per_rank: int = 0
     baseline: int = 0
     on_cpu: bool = True  # the baseline shares the memory the limit is for (a GPU's excludes it)
+    remat_baseline: int = 0  # what a remat layout's process holds more (`memory_model.process_baselines`)
 
     def peak(self, candidate: Candidate, baseline: Optional[int] = None) -> int:
-        base = self.baseline if baseline is None else baseline
+        base = (self.baseline if baseline is None else baseline) + self.remat_extra(candidate)
         return self.states[candidate] + (base if self.on_cpu else 0)
+
+    def remat_extra(self, candidate: Candidate) -> int:
+        return self.remat_baseline if candidate.remat != "none" else 0
 
     def to_json(self, fingerprint: str) -> str:
         rows = [{"candidate": dataclasses.asdict(c), "status": r.status, "reason": r.reason,
                  "states": self.states.get(c), "predicted_s": self.costs.get(c)} for c, r in self.rows.items()]
         return json.dumps({"fingerprint": fingerprint, "memory_per_rank": self.memory_per_rank,
-                           "baseline": self.baseline, "on_cpu": self.on_cpu, "rows": rows})
+                           "baseline": self.baseline, "on_cpu": self.on_cpu, "remat_baseline": self.remat_baseline,
+                           "rows": rows})
 
     @classmethod
     def from_json(cls, text: str, fingerprint: str, base_overrides: tuple[str, ...]) -> Optional["Prepared"]:
@@ -170,7 +193,8 @@ class Prepared:
             return None
         if data.get("fingerprint") != fingerprint:
             return None
-        prepared = cls(base_overrides, {}, {}, {}, data["memory_per_rank"], data["baseline"], data["on_cpu"])
+        prepared = cls(base_overrides, {}, {}, {}, data["memory_per_rank"], data["baseline"], data["on_cpu"],
+                       data.get("remat_baseline", 0))
         for item in data["rows"]:
             c = Candidate(**item["candidate"])
             if item["states"] is not None:
@@ -222,9 +246,12 @@ def prepare(settings: TuneSettings, links: Optional[CommCosts] = None, baseline:
     limit = settings.memory_per_rank or default_memory_per_rank(settings.world)
     if not found.candidates:
         return Prepared(settings.base_overrides, {}, {}, rows, limit)
-    profile = _profile(job, base, found.candidates, progress)
-    baseline = process_baseline_bytes(_baseline_overrides(settings)) if baseline is None else baseline
-    memory = {c: predict_memory(c, profile, base, baseline) for c in found.candidates}
+    profile = _profile(job, base, found.candidates, rank_threads(settings.world), progress)
+    remat_baseline = 0
+    if baseline is None:
+        baseline, remat_baseline = process_baselines(_baseline_overrides(settings))
+    memory = {c: predict_memory(c, profile, base, baseline + (remat_baseline if c.remat != "none" else 0))
+              for c in found.candidates}
     fits, over = prune(list(memory.values()), limit)
     for s in over:
         rows[s.candidate] = Row(s.candidate, "over memory", s.reason, memory[s.candidate].peak_bytes)
@@ -236,7 +263,7 @@ def prepare(settings: TuneSettings, links: Optional[CommCosts] = None, baseline:
     for p in fits:
         rows[p.candidate] = Row(p.candidate, "not run", "", p.peak_bytes, costs[p.candidate])
     states = {c: dataclasses.replace(m, baseline=0).peak_bytes for c, m in memory.items()}
-    return Prepared(settings.base_overrides, states, costs, rows, limit, baseline)
+    return Prepared(settings.base_overrides, states, costs, rows, limit, baseline, remat_baseline=remat_baseline)
 
 
 def _baseline_overrides(settings: TuneSettings) -> list[str]:
@@ -246,31 +273,40 @@ def _baseline_overrides(settings: TuneSettings) -> list[str]:
     return overrides
 
 
-def _profile(job, base, candidates: Sequence[Candidate], progress: Callable[[str], None]) -> Profile:
+def _profile(job, base, candidates: Sequence[Candidate], threads: int, progress: Callable[[str], None]) -> Profile:
     micro = sorted({c.micro_batch for c in candidates})
     keys = {(c.remat, c.remat_every) for c in candidates if c.remat != "budget"} | {("none", 1)}
     if any(c.remat == "budget" for c in candidates):
         keys |= {(policy or "none", every) for policy, every in BUDGET_ORDER}
-    progress(f"autotune: profiling {len(keys)} remat choice(s) at micro-batch {micro[0]} and {micro[-1]}")
+    progress(f"autotune: profiling {len(keys)} remat choice(s) at micro-batch {micro[0]} and {micro[-1]} on "
+             f"{threads} thread(s), as a trial's rank")
     return profile_job(job, base, (micro[0], micro[-1]), sorted(keys),
-                       with_layers=any(c.pipe > 1 or c.tensor > 1 for c in candidates))
+                       with_layers=any(c.pipe > 1 or c.tensor > 1 for c in candidates), threads=threads)
 
 
 def _order(settings: TuneSettings, prepared: Prepared) -> list[Candidate]:
     """The candidates in the order the strategy tries them."""
     fits = [c for c, row in prepared.rows.items() if row.status == "not run"]
     if settings.strategy == "model":
-        return sorted(fits, key=lambda c: prepared.costs[c])
+        return sorted(fits, key=lambda c: _score(settings, c, prepared.costs[c]))
     if settings.strategy == "grid":
         return fits
     if settings.strategy == "random":
         return random.Random(settings.seed).sample(fits, len(fits))
-    plain = [c for c in fits if c.remat == "none" and not c.offload_optimizer and c.tensor == 1 and c.pipe == 1]
+    space = base_space(settings)  # the fast mode keeps the other axes at their first value (offload: the base's)
+    plain = [c for c in fits if c.remat == "none" and c.tensor == 1 and c.pipe == 1
+             and (c.offload_optimizer, c.offload_param) == (space.offload_optimizer[0], space.offload_param[0])]
     ordered = []
     for stage in sorted({c.zero_stage for c in plain}):
         mine = sorted((c for c in plain if c.zero_stage == stage), key=lambda c: -c.micro_batch)
-        ordered += mine[:3]
+        ordered += mine[:settings.fast_micro_batches]
     return ordered
+
+
+def _score(settings: TuneSettings, candidate: Candidate, step_s: float) -> float:
+    """What the search minimises for `candidate` taking `step_s` per step: seconds per sample for
+    throughput, seconds per step for latency."""
+    return step_s / candidate.global_batch if settings.metric == "throughput" else step_s
 
 
 def tune(settings: TuneSettings, links: Optional[CommCosts] = None, baseline: Optional[int] = None,
@@ -280,6 +316,10 @@ def tune(settings: TuneSettings, links: Optional[CommCosts] = None, baseline: Op
     takes them (and the trials of results.jsonl) and goes on along the same path."""
     fingerprint = run_fingerprint(settings.base_overrides, settings.world, settings.trial)
     saved = settings.workdir / "predictions.json"
+    if not settings.resume:  # a tuning from scratch; the earlier one's files are kept as *.previous
+        for path in (saved, settings.workdir / "results.jsonl"):
+            if path.exists():
+                path.replace(path.with_name(path.name + ".previous"))
     prediction_key = f"{fingerprint} {base_space(settings)!r} {settings.memory_per_rank}"
     prepared = Prepared.from_json(saved.read_text(), prediction_key, settings.base_overrides) \
         if saved.exists() else None
@@ -299,8 +339,9 @@ def tune(settings: TuneSettings, links: Optional[CommCosts] = None, baseline: Op
         row = prepared.rows[candidate]
         if row.status != "not run":  # re-pruned after the memory baseline was calibrated
             continue
+        patience = settings.patience or (5 if settings.strategy == "fast" else None)
         if ran + resumed >= settings.max_trials or _cannot_win(settings, prepared, candidate, calibration, best) \
-                or (settings.strategy == "fast" and since_best >= 5):
+                or (patience is not None and since_best >= patience):
             break
         key = candidate_key(candidate)
         if key in done:
@@ -315,7 +356,8 @@ def tune(settings: TuneSettings, links: Optional[CommCosts] = None, baseline: Op
             calibration.append(result.step_s / prepared.costs[candidate])
             if len(calibration) == 1 and result.max_peak_bytes:
                 _recalibrate_memory(prepared, candidate, result.max_peak_bytes)
-            if best is None or result.step_s < best.result.step_s:
+            if best is None or _score(settings, candidate, result.step_s) < _score(settings, best.candidate,
+                                                                                    best.result.step_s):
                 best, since_best = row, 0
             else:
                 since_best += 1
@@ -331,14 +373,15 @@ def _cannot_win(settings: TuneSettings, prepared: Prepared, candidate: Candidate
     if settings.strategy != "model" or best is None or len(calibration) < 2:
         return False
     expected = prepared.costs[candidate] * statistics.median(calibration)
-    return expected * (1 + settings.noise) >= best.result.step_s
+    return _score(settings, candidate, expected) * (1 + settings.noise) >= _score(settings, best.candidate,
+                                                                                   best.result.step_s)
 
 
 def _recalibrate_memory(prepared: Prepared, measured: Candidate, peak: int) -> None:
     """Carry the baseline the first trial measured to every prediction, and prune again with it."""
     if not prepared.on_cpu:
         return  # a GPU's limit is the device's; the process baseline is host memory
-    prepared.baseline = max(peak - prepared.states[measured], 0)
+    prepared.baseline = max(peak - prepared.states[measured] - prepared.remat_extra(measured), 0)
     for c in prepared.states:
         row = prepared.rows.get(c)
         if row is not None and row.status == "not run":
@@ -389,5 +432,5 @@ def autotune(model: object = None, data: object = None, *, world: int, global_ba
     return report
 
 
-__all__ = ["Prepared", "Row", "STRATEGIES", "TuneReport", "TuneSettings", "autotune", "base_config", "base_space",
+__all__ = ["METRICS", "Prepared", "Row", "STRATEGIES", "TuneReport", "TuneSettings", "autotune", "base_config", "base_space",
            "prepare", "tune"]
