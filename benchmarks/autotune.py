@@ -140,6 +140,8 @@ def main() -> None:
     print(f"autotune_memory_prediction_error={max(errors):.3f}")
     print(f"autotune_rank_correlation={correlation:.3f}")
     print(f"autotune_failed_trials_predicted_to_fit={sum(not row.result.ok for row in ran)}")
+    print(f"autotune_trials={tuned.trials_run}")
+    print(f"deepspeed_fast_mode_trials={len(ds_tried)}")
     print(f"autotune_wall_s={wall:.1f}")
 
 
