@@ -13,6 +13,7 @@
 from . import checkpoint, data, models, optim, precision, sparse
 from . import monitor, profile
 from . import parallel
+from . import autotune  # callable: fs.autotune(...) finds the fastest layout (fspeed.autotune.tuner.autotune)
 from .flat import Flat, FlatLayout, LooseGrads
 from .host_memory import retain_freed_host_memory
 from .remat_budget import BudgetChoice, measure_activations, remat_within_budget

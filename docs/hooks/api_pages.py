@@ -24,6 +24,7 @@ MODULES = {  # page (under reference/api/) -> module
     "profile": "fspeed.profile",
     "monitor": "fspeed.monitor",
     "precision": "fspeed.precision",
+    "autotune": "fspeed.autotune",
 }
 
 

@@ -111,6 +111,8 @@ HEADLINES = (  # (benchmark, figure, what it compares); lower is better for time
     ("activation_memory", "remat_vs_torch_checkpoint_step_time", "remat / torch.utils.checkpoint (time)"),
     ("checkpoint_io", "save_time_vs_dcp", "sharded save / torch.distributed.checkpoint"),
     ("goodput", "goodput_under_faults", "useful step time / wall time, 3 rank kills healed by restarts"),
+    ("autotune", "autotune_best_over_grid_best", "the autotuned layout's throughput / the best of a 40-layout "
+                 "grid (higher is better)"),
     ("cpu_adam", "cpu_adam_vs_best", "CPU Adam / the best of torch and DeepSpeed"),
     ("sparse_attention", "sparse_speedup_at_10pct_density", "block-sparse speed-up over dense at 10% density"),
 )

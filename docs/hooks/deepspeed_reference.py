@@ -16,7 +16,7 @@ from typing import Any, Iterable
 from fspeed.config import deepspeed_efficiency as E
 from fspeed.config import deepspeed_elasticity as EL
 from fspeed.config import deepspeed_keys as K
-from fspeed.config.deepspeed import translate_deepspeed_config
+from fspeed.config.deepspeed import AUTOTUNING_HANDOVER, translate_deepspeed_config
 from fspeed.sparse.config import MODE_KEYS
 
 OPTIMIZER_TYPES = ("Adam", "AdamW", "Lamb", "SGD", "OneBitAdam", "ZeroOneAdam", "OneBitLamb")
@@ -306,6 +306,9 @@ def render() -> str:
         p.row(key, _kept(fixed.default), f"{fixed.why}; otherwise: {fixed.refused}")
     for key in K.ENABLED_BLOCKS:
         p.row(key, "accepted absent, empty or disabled; enabled refused", K.ENABLED_BLOCK_REASON)
+    p.row("autotuning", "enabled: runs fspeed-autotune (the [launcher guide](../guides/launcher.md) says what "
+          "each key becomes); disabled: no effect", "fspeed-train and fspeed-autotune hand an enabled block to "
+          "the tuner; a training run refuses it: " + AUTOTUNING_HANDOVER)
     for key, (defaults, why) in K.BLOCK_DEFAULTS.items():
         p.row(key, "kept at DeepSpeed's defaults; other values refused", why)
 

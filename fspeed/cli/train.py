@@ -652,6 +652,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         argv.append("hydra.help.app_name=fspeed-train")
         args.overrides.append(argv[-1])
     own_config_dir = args.config_dir is not None or args.config_path is not None
+    _autotune_if_asked(args.overrides, launch)
     try:
         overrides, translation = prepare_overrides(args.overrides, check_group_options=not own_config_dir)
         if launch:
@@ -684,6 +685,23 @@ def main(argv: Optional[list[str]] = None) -> None:
         if not isinstance(stop.code, (int, type(None))):
             print(stop.code, file=sys.stderr)
     _end_rank(code)
+
+
+def _autotune_if_asked(overrides: list[str], launch: bool) -> None:
+    """A deepspeed_config with an enabled autotuning block runs fspeed-autotune (as DeepSpeed's
+    `--autotuning tune`) on the world --launch would start, then exits with the tuner's code."""
+    if not any(o.startswith("deepspeed_config=") for o in overrides):
+        return
+    from ..autotune.command import main as autotune_main  # noqa: PLC0415
+    from ..autotune.deepspeed_block import tuner_argv  # noqa: PLC0415
+
+    try:
+        argv = tuner_argv(overrides, launch)
+    except ValueError as err:
+        exit_with_user_error(ConfigError([Problem("autotuning", str(err))]))
+    if argv is not None:
+        autotune_main(argv)
+        sys.exit(0)
 
 
 def _end_rank(code: int) -> None:

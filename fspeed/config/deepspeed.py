@@ -736,11 +736,22 @@ def _sparse_attention(ds: Mapping[str, Any], w: _Ledger) -> None:
             w.accept(f"sparse_attention.{key}", value, f"DeepSpeed's parser ignores it for mode {mode!r}")
 
 
+AUTOTUNING_HANDOVER = ("an enabled block runs the tuner: fspeed-autotune deepspeed_config=<file> --nproc N, or "
+                       "fspeed-train --launch deepspeed_config=<file> parallel.data=N; a training run takes the "
+                       "tuned config (ds_config.json of the tuning) without the block")
+
+
 def _other(key: str, value: Any, w: _Ledger) -> None:
     if key in K.NO_EFFECT:
         w.accept(key, value, K.NO_EFFECT[key])
     elif key in K.SCALAR_DEFAULTS:
         _fixed(w, key, value, K.SCALAR_DEFAULTS[key])
+    elif key == "autotuning":  # fspeed-train and fspeed-autotune hand an enabled block to the tuner
+        if value is None or value == {} or (isinstance(value, Mapping) and value.get("enabled") is False):
+            w.accept(key, value, "disabled: no tuning, as in DeepSpeed")
+        else:
+            w.unsupported("autotuning.enabled", value.get("enabled", value) if isinstance(value, Mapping) else value,
+                          "false (disabled) here", AUTOTUNING_HANDOVER)
     elif key in K.ENABLED_BLOCKS:
         if value is None or value == {} or (isinstance(value, Mapping) and value.get("enabled") is False):
             w.accept(key, value, K.ENABLED_BLOCK_REASON)

@@ -191,7 +191,7 @@ SCALAR_DEFAULTS: dict[str, Fixed] = {  # top-level keys accepted only at DeepSpe
 }
 
 ENABLED_BLOCKS = (  # accepted when absent, empty or {"enabled": false, ...}
-    "amp", "torch_autocast", "comet", "autotuning", "eigenvalue",
+    "amp", "torch_autocast", "comet", "eigenvalue",
     "quantize_training", "hybrid_engine", "compile", "nebula", "datastates", "expert_parallel",
 )
 ENABLED_BLOCK_REASON = "disabled: DeepSpeed does not use the feature either"
@@ -410,4 +410,4 @@ TRANSLATED_TOP_LEVEL = (
     "curriculum_learning", "progressive_layer_drop", "data_efficiency", "pipeline", "elasticity",
 )
 ALL_TOP_LEVEL = tuple(sorted({*TRANSLATED_TOP_LEVEL, *NO_EFFECT, "zero_allow_untested_optimizer", *SCALAR_DEFAULTS,
-                              *ENABLED_BLOCKS, *BLOCK_DEFAULTS}))
+                              *ENABLED_BLOCKS, *BLOCK_DEFAULTS, "autotuning"}))
