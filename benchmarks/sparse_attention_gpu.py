@@ -19,8 +19,9 @@ remat, and their kept bytes and step time against plain PyTorch with torch.utils
 (`activation_memory.gpu_check`), and a Hugging Face GPT-2 trained by fspeed against an eager loop
 (`your_model.gpu_one_process`), and `train.device=cuda` through `fs.initialize` and `fspeed-train`
 (`check_engine_on_device`: equal to the CPU run, also with the fused head of `fs.causal_lm_loss`;
-train, checkpoint, resume). Correctness failures are listed and make the exit status 1; timing
-always runs. `--sections` picks some of these.
+train, checkpoint, resume), and `fspeed-autotune` on the device (`check_autotune_on_device`: one
+rank, a few layouts profiled on the GPU, their trials' device peaks against the predicted ones).
+Correctness failures are listed and make the exit status 1; timing always runs. `--sections` picks some of these.
 
 On a GPU machine without network access, bring fspeed's wheels along. An image with torch, numpy
 and numba-cuda already installed still needs optree and hydra (the `engine` section's), and numba-cuda
@@ -64,8 +65,8 @@ import your_model  # noqa: E402
 from sparse_attention import BLOCK, D, H, make_layout  # noqa: E402
 
 # attention kernels, fused optimizers, remat + cpu_checkpointing, HF GPT-2, fs.initialize and fspeed-train on the
-# device, the tensor-core route for the Numba kernels
-SECTIONS = ("sparse", "optim", "remat", "hf", "engine", "tensorcore")
+# device, the tensor-core route for the Numba kernels, fspeed-autotune on the device
+SECTIONS = ("sparse", "optim", "remat", "hf", "engine", "tensorcore", "autotune")
 # Largest error against the float64 reference, relative to the reference's largest magnitude.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # measured on CPU: 1e-6, 3e-3, 5e-4
 CASES = [  # (layout config, seq_len, causal, key padding)
@@ -180,6 +181,44 @@ def check_optimizers(device: str) -> list[str]:
         print(f"adamw backend={backend} grad_sq: relative error {err:.1e} against the float64 sum of squares")
         if not err <= 1e-5:
             failures.append(f"adamw backend={backend} grad_sq: relative error {err:.1e} (tolerance 1e-5)")
+    return failures
+
+
+def check_autotune_on_device(device: str, trials: int = 3, tolerance: float = 0.25) -> list[str]:
+    """fspeed-autotune for one rank with `train.device=<device>`: the profiling pass on the device,
+    `trials` real trials, each ok and its measured peak (on CUDA: the allocator's reserved bytes the
+    ranks record) within `tolerance` of the predicted one, relative to the measured."""
+    import tempfile  # noqa: PLC0415
+
+    from fspeed.autotune.space import SearchSpace  # noqa: PLC0415
+    from fspeed.autotune.trials import TrialSettings  # noqa: PLC0415
+    from fspeed.autotune.tuner import TuneSettings, tune  # noqa: PLC0415
+
+    gpu = device == "cuda"
+    size = ("model.n_layer=4", "model.n_head=8", "model.d_model=512", "model.seq_len=512") if gpu else \
+        ("model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.seq_len=32")
+    base = (*size, "data.max_bytes=400000", f"train.device={device}", "train.train_batch_size=16",
+            "precision=bf16" if gpu else "precision=fp32")
+    space = SearchSpace(zero_stage=(0,), remat=("none", "full"), offload_optimizer=(False,), offload_param=(False,),
+                        tensor=(1,), pipe=(1,), micro_batch=(4, 16) if gpu else (16,))
+    with tempfile.TemporaryDirectory(prefix="fspeed-autotune-gpu-") as tmp:
+        report = tune(TuneSettings(world=1, base_overrides=base, workdir=Path(tmp), space=space, strategy="grid",
+                                   max_trials=trials, trial=TrialSettings(warm_steps=2, measured_steps=3,
+                                                                          timeout_s=300)),
+                      progress=lambda line: print(" ", line, flush=True))
+    print(report.table())
+    failures = []
+    for row in report.rows:
+        if row.result is None:
+            continue
+        if not row.result.ok:
+            failures.append(f"autotune on {device}: trial {row.candidate.label()} {row.status}: {row.reason}")
+        elif row.result.max_peak_bytes and row.predicted_bytes:
+            error = abs(row.predicted_bytes - row.result.max_peak_bytes) / row.result.max_peak_bytes
+            print(f"autotune on {device}: {row.candidate.label()} peak predicted/measured error {error:.3f}")
+            if error > tolerance:
+                failures.append(f"autotune on {device}: {row.candidate.label()} predicted peak "
+                                f"{row.predicted_bytes} is {error:.0%} off the measured {row.result.max_peak_bytes}")
     return failures
 
 
@@ -487,6 +526,9 @@ def main() -> None:
     if "tensorcore" in run:
         print()
         failures += tensor_core_route(device)
+    if "autotune" in run:
+        print()
+        failures += check_autotune_on_device(device, **({} if gpu else dict(trials=1)))
 
     print()
     for f in failures:

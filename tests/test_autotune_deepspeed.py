@@ -112,6 +112,8 @@ def test_fspeed_train_hands_an_enabled_block_to_the_tuner(tmp_path, monkeypatch)
     assert tuner_argv(overrides, launch=True) == ["--nproc", "4", f"deepspeed_config={path}", *TINY]
     assert tuner_argv(overrides, launch=False)[:2] == ["--nproc", "1"]
     assert tuner_argv([*TINY], launch=True) is None
+    with pytest.raises(ValueError, match="needs|tunes for the world it would start"):
+        tuner_argv([f"deepspeed_config={path}", *TINY], launch=True)
     seen = {}
 
     def fake_tune(settings, progress=print):

@@ -112,3 +112,23 @@ def test_predicted_peak_matches_the_measured_peak_of_a_real_run(tmp_path):
     assert abs(predicted - measured[large]) <= 0.10 * measured[large], (predicted / 2**20, measured[large] / 2**20)
     without_activations = predicted - predict_memory(large, profile, base).activations
     assert abs(without_activations - measured[large]) > 0.10 * measured[large]  # the tolerance discriminates
+
+
+def test_on_cuda_a_trials_peaks_are_what_its_ranks_allocators_recorded(tmp_path):
+    """fspeed-train on CUDA writes each rank's allocator peaks (`record_device_peak`); a trial takes
+    those over the processes' resident high-water marks (host memory)."""
+    from fspeed.autotune.trials import _measured, device_peaks
+    from fspeed.cli.observe import DEVICE_PEAKS_DIR
+
+    (tmp_path / "metrics.csv").write_text("step,elapsed_s\n1,0.5\n2,0.75\n3,1.0\n")
+    c = Candidate(0, 4, 1, data=2)
+    common = dict(key="k", candidate=c, peak_bytes={0: 300 << 20, 1: 310 << 20}, wall_s=3.0, run_dir=str(tmp_path))
+    assert _measured(c, tmp_path, TrialSettings(warm_steps=1, measured_steps=2), dict(common)).peak_bytes == {
+        0: 300 << 20, 1: 310 << 20}  # on the CPU: the processes' own peaks
+    folder = tmp_path / DEVICE_PEAKS_DIR
+    folder.mkdir()
+    for rank, reserved in ((0, 2 << 30), (1, 3 << 30)):
+        (folder / f"rank{rank}.json").write_text(json.dumps({"max_reserved": reserved, "max_allocated": 1 << 30}))
+    assert device_peaks(tmp_path) == {0: 2 << 30, 1: 3 << 30}
+    result = _measured(c, tmp_path, TrialSettings(warm_steps=1, measured_steps=2), dict(common))
+    assert result.ok and result.step_s == 0.25 and result.max_peak_bytes == 3 << 30

@@ -166,3 +166,4 @@ def test_gpu_check_script_runs_without_a_gpu():
     assert "gpu_correctness_failures=0" in done.stdout and "fspeed_bmm" in done.stdout
     assert "fspeed_flex" in done.stdout and "flex/func" in done.stdout  # the default CUDA backend, in its CPU form
     assert "tensor-core route for the Numba kernels" in done.stdout
+    assert "autotune on cpu: z0 mb16x1 dp1 peak predicted/measured error" in done.stdout

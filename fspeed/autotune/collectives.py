@@ -3,8 +3,8 @@
     links = measure_collectives(world=2)        # CommCosts: per axis, per op, a LinkCost
     links.seconds("data", "all_reduce", 64 << 20, size=2)
 
-`world` processes on this machine (`python -m fspeed.autotune.collectives`, gloo on the CPU) run each
-collective of `cost_model.COLLECTIVES` through fspeed's communication module at two message
+`world` processes on this machine (`python -m fspeed.autotune.collectives`: gloo on the CPU, NCCL
+on each rank's GPU with `device="cuda"`, as the run's ranks will use) run each collective of `cost_model.COLLECTIVES` through fspeed's communication module at two message
 sizes, `repeats` times after a warm-up; the median times give a line `latency + bytes x
 s_per_byte` per op. One node has one transport, so every mesh axis gets the same links (a
 multi-node mesh would measure each axis' group on its own).
@@ -36,13 +36,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _time_op(comm, op: str, nbytes: int, world: int, rank: int, repeats: int) -> float:
+def _time_op(comm, op: str, nbytes: int, world: int, rank: int, repeats: int,
+             device: torch.device = torch.device("cpu")) -> float:
     """Median seconds of one `op` moving `nbytes` (module docstring's message size) on `comm`."""
     import torch.distributed as dist  # noqa: PLC0415
 
+    from .profiling import synchronize  # noqa: PLC0415
+
     n = max(nbytes // 4, world)
     n -= n % world
-    full, part = torch.ones(n), torch.ones(n // world)
+    full, part = torch.ones(n, device=device), torch.ones(n // world, device=device)
     runs = {
         "all_reduce": lambda: comm.all_reduce_(full),
         "all_gather": lambda: comm.all_gather(part, full),
@@ -52,24 +55,28 @@ def _time_op(comm, op: str, nbytes: int, world: int, rank: int, repeats: int) ->
     }
     times = []
     for run in range(repeats + 1):
+        synchronize(device)
         dist.barrier()
         start = time.perf_counter()
         runs[op]()
+        synchronize(device)
         if run:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def _rank_main(rank: int, world: int, port: int, sizes: Sequence[int], repeats: int, out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, sizes: Sequence[int], repeats: int, out: str,
+               device_type: str = "cpu") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from ..parallel.mesh import Mesh, init_distributed, shutdown_distributed  # noqa: PLC0415
+    from ..parallel.mesh import Mesh, init_distributed, local_device, shutdown_distributed  # noqa: PLC0415
 
-    init_distributed(timeout_s=120)
+    init_distributed(backend=None if device_type == "cuda" else "gloo", timeout_s=120)
+    device = local_device() if device_type == "cuda" else torch.device("cpu")
     try:
         comm = Mesh(data=world).comm("data")
-        measured = {op: [(size, _time_op(comm, op, size, world, rank, repeats)) for size in sizes]
+        measured = {op: [(size, _time_op(comm, op, size, world, rank, repeats, device)) for size in sizes]
                     for op in COLLECTIVES}
         if rank == 0:
             Path(out).write_text(json.dumps(measured))
@@ -90,16 +97,16 @@ def links_from_times(measured: dict[str, Sequence[tuple[int, float]]]) -> dict[s
 
 
 def measure_collectives(world: int, sizes: Sequence[int] = (1 << 12, 1 << 22), repeats: int = 5,
-                        timeout_s: float = 120.0) -> CommCosts:
-    """The collectives of `world` ranks on this machine (module docstring); with one rank, nothing
-    to measure: every collective costs nothing."""
+                        timeout_s: float = 120.0, device_type: str = "cpu") -> CommCosts:
+    """The collectives of `world` ranks on this machine, on `device_type` ("cpu" or "cuda"; module
+    docstring); with one rank, nothing to measure: every collective costs nothing."""
     if world <= 1:
         free = LinkCost(0.0, 0.0)
         return CommCosts({axis: {op: free for op in COLLECTIVES} for axis in AXES})
     with tempfile.TemporaryDirectory(prefix="fspeed-collectives-") as tmp:
         out = str(Path(tmp) / "links.json")
         port = _free_port()
-        args = [str(world), str(port), ",".join(map(str, sizes)), str(repeats), out]
+        args = [str(world), str(port), ",".join(map(str, sizes)), str(repeats), out, device_type]
         ranks = [subprocess.Popen([sys.executable, "-m", "fspeed.autotune.collectives", str(rank), *args],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for rank in range(world)]
@@ -121,6 +128,7 @@ def measure_collectives(world: int, sizes: Sequence[int] = (1 << 12, 1 << 22), r
 
 __all__ = ["AXES", "links_from_times", "measure_collectives"]
 
-if __name__ == "__main__":  # one rank of measure_collectives: rank world port sizes repeats out
-    _rank, _world, _port, _sizes, _repeats, _out = sys.argv[1:7]
-    _rank_main(int(_rank), int(_world), int(_port), [int(s) for s in _sizes.split(",")], int(_repeats), _out)
+if __name__ == "__main__":  # one rank of measure_collectives: rank world port sizes repeats out device
+    _rank, _world, _port, _sizes, _repeats, _out, _device = sys.argv[1:8]
+    _rank_main(int(_rank), int(_world), int(_port), [int(s) for s in _sizes.split(",")], int(_repeats), _out,
+               _device)

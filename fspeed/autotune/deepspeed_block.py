@@ -148,14 +148,14 @@ def tuner_argv(overrides: list[str], launch: bool) -> list[str] | None:
     world = 1
     if launch:
         try:
-            world = 1
             for key in ("parallel.data", "parallel.tensor", "parallel.pipe"):
                 world *= int(sizes.get(key, "1"))
         except ValueError:
-            raise ValueError(f"{sizes}: --launch with an autotuning block needs integer sizes, e.g. "
-                             "parallel.data=8 (the world to tune for)") from None
-        if world < 1:
-            raise ValueError("--launch with an autotuning block needs the world to tune for, e.g. parallel.data=8")
+            world = 0
+        if "parallel.data" not in sizes or world < 1:
+            raise ValueError("--launch with an autotuning block tunes for the world it would start: give it as "
+                             "positive sizes, e.g. parallel.data=8 (the tuner then chooses the tensor and pipeline "
+                             f"sizes within it); got {sizes or 'none'}")
     rest = [o for o in overrides if not o.split("=", 1)[0] in sizes]
     return ["--nproc", str(world), *rest]
 

@@ -63,10 +63,11 @@ class MemoryPrediction:
 
     @property
     def peak_bytes(self) -> int:
-        """Bytes per rank that must fit: all of it on a CPU, the device's part on a GPU."""
+        """Bytes per rank that must fit: all of it on a CPU, the device's part on a GPU (the baseline
+        there: the allocator's reserve over what it hands out)."""
         if self.on_cpu:
             return self.device_bytes + self.host_bytes + self.baseline
-        return self.device_bytes
+        return self.device_bytes + self.baseline
 
 
 def candidate_plan(candidate: Candidate, run: RunConfig, profile: Profile) -> Plan:

@@ -42,6 +42,7 @@ from ..train_step import make_train_step
 from .space import ModelFacts
 
 RematKey = tuple[str, int]  # (policy, every)
+CPU = torch.device("cpu")
 
 
 @dataclass
@@ -61,14 +62,15 @@ class Job:
         tokens = getattr(self.train_rows, "tokens", None)
         return tokens.numel() * tokens.element_size() if isinstance(tokens, torch.Tensor) else 0
 
-    def micro_batch(self, size: int) -> Any:
-        """The first `size` training rows as one micro-batch."""
-        return self.train_rows.get(torch.arange(min(size, len(self.train_rows))))
+    def micro_batch(self, size: int, device: Optional[torch.device] = None) -> Any:
+        """The first `size` training rows as one micro-batch (on `device`, where given)."""
+        rows = self.train_rows.get(torch.arange(min(size, len(self.train_rows))))
+        return rows if device is None else tree_map(lambda t: t.to(device), rows)
 
 
-def build_job(run: RunConfig) -> Job:
+def build_job(run: RunConfig, device: Optional[torch.device] = None) -> Job:
     """The model and data of `run` (fspeed-train's corpus GPT or a user's `model._target_` and
-    `data._target_`), with the facts a search needs (`ModelFacts`)."""
+    `data._target_`), with the facts a search needs (`ModelFacts`); a user's module on `device`."""
     from ..cli.run_data import prepare_data  # noqa: PLC0415 (the entry point's own data preparation)
     from ..config.build import build_model_config  # noqa: PLC0415
     from ..models import GPT_RULES, gpt  # noqa: PLC0415
@@ -78,20 +80,21 @@ def build_job(run: RunConfig) -> Job:
         model = gpt(build_model_config(run, data.tokenizer.vocab_size))
         facts = ModelFacts(layers=len(model.layers), tensor_rules=True, heads=run.model.n_head)
         return Job(model, data.train, GPT_RULES, run.model.seq_len, facts, model)
-    return _user_job(run)
+    return _user_job(run, device)
 
 
-def _user_job(run: RunConfig) -> Job:
+def _user_job(run: RunConfig, device: Optional[torch.device]) -> Job:
     from ..cli.user_job import build_user_data, build_user_model  # noqa: PLC0415
     from ..engine import fs_rules  # noqa: PLC0415
 
     train_rows, _ = build_user_data(run)
     example = train_rows.get(torch.arange(min(run.batch.micro_batch_size, len(train_rows))))
-    model = build_user_model(dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, tensor=1, pipe=1)))
+    model = build_user_model(dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, tensor=1, pipe=1)),
+                             device)
     pipeline_model, layers, cut_reason = None, None, ""
     try:
         piped = dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, tensor=1, pipe=2))
-        pipeline_model = build_user_model(piped, example=example)
+        pipeline_model = build_user_model(piped, device, example=example)
         layers = len(pipeline_model.layers)
     except (ConfigError, ValueError) as err:
         cut_reason = _one_line(err)
@@ -220,32 +223,54 @@ def peak_live_bytes(run: Callable[[], Any], interval_s: float = 1e-4) -> tuple[i
     return peak[0] - before, seconds
 
 
-def measure_micro_batch(model: Model, params: PyTree, micro_batch: Any, repeats: int = 5) -> tuple[int, float]:
+def measure_micro_batch(model: Model, params: PyTree, micro_batch: Any, repeats: int = 5,
+                        device: torch.device = CPU) -> tuple[int, float]:
     """(the most bytes one micro-batch's forward and backward hold at once over those before it (what
     it keeps for backward and the gradients backward makes while it is still kept: the larger of the
-    sampled peak and the bytes held when backward starts); the fastest seconds of
-    its forward and backward) through the real train step on one process, after a warm-up step. The
-    times are taken in runs of their own: reading malloc's counters takes its lock, which slows the
-    run it watches."""
+    peak and the bytes held when backward starts); the fastest seconds of its forward and backward)
+    through the real train step on one process, after a warm-up step. On the CPU the peak is
+    sampled from malloc's counters, and the times are taken in runs of their own (reading the
+    counters takes malloc's lock, which slows the run it watches); on CUDA it is the allocator's."""
     opt = sgd(0.0)
     state = init_train_state(params, opt, seed=0, model=model if model.init_buffers is not None else None)
     step = make_train_step(model.loss, opt)
     state, _ = step(state, micro_batch)  # first-step allocations are not activations
-    s = step.begin(state)
-    sampled, _ = peak_live_bytes(lambda: step.micro(s, state, micro_batch))
-    s = step.begin(state)
-    at_backward, _ = bytes_kept_for_backward(lambda: step.micro(s, state, micro_batch))
-    kept = max(sampled, at_backward)  # two lower bounds of the peak: the sampler can miss a short one
-    times = []
-    for _ in range(repeats):
-        s = step.begin(state)
-        start = time.perf_counter()
-        step.micro(s, state, micro_batch)
-        times.append(time.perf_counter() - start)
-    return kept, min(times)
+
+    def micro() -> Callable[[], Any]:  # a micro-batch on a fresh accumulation, begun outside what is measured
+        begun = step.begin(state)
+        return lambda: step.micro(begun, state, micro_batch)
+
+    sampled, _ = device_peak_bytes(micro(), device) if device.type == "cuda" else peak_live_bytes(micro())
+    at_backward, _ = bytes_kept_for_backward(micro(), device)
+    kept = max(sampled, at_backward)  # two lower bounds of the peak on the CPU: the sampler can miss a short one
+    return kept, min(timed(micro(), device) for _ in range(repeats))
 
 
-def measure_layers(model: Model, params: PyTree, micro_batch: Any, repeats: int = 5) -> tuple[LayerCost, ...]:
+def timed(run: Callable[[], Any], device: torch.device = CPU) -> float:
+    """Seconds `run` takes, its CUDA work included (synchronized before and after)."""
+    synchronize(device)
+    start = time.perf_counter()
+    run()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_peak_bytes(run: Callable[[], Any], device: torch.device) -> tuple[int, float]:
+    """(the CUDA allocator's peak bytes while `run` ran over those before it, seconds it took)."""
+    synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    seconds = timed(run, device)
+    return torch.cuda.max_memory_allocated(device) - before, seconds
+
+
+def measure_layers(model: Model, params: PyTree, micro_batch: Any, repeats: int = 5,
+                   device: torch.device = CPU) -> tuple[LayerCost, ...]:
     """Each layer of `model.layers` on `micro_batch`: forward and backward seconds (the fastest after a
     warm-up), bytes kept for backward and output bytes (`LayerCost`)."""
     seq = model.layers
@@ -260,19 +285,22 @@ def measure_layers(model: Model, params: PyTree, micro_batch: Any, repeats: int 
             marks: dict[str, Any] = {}
 
             def forward_backward(i=i, layer=layer, x=x, marks=marks):
+                synchronize(device)
                 start = time.perf_counter()
                 if fused and i == n - 1:
                     y = out = seq.last_with_loss(leaves, x, micro_batch)
                 else:
                     y = layer.fn(leaves, x, rng=torch.Generator().manual_seed(i), **with_state(layer, buffers))
                     out = seq.loss(y, micro_batch) if i == n - 1 else sum(t.float().sum() for t in _floats(y))
+                synchronize(device)
                 marks["forward"], marks["y"] = time.perf_counter() - start, y
                 if isinstance(out, torch.Tensor) and out.requires_grad:
                     out.backward()
                 else:  # nothing to differentiate: a layer without parameters or floating inputs
                     torch.zeros((), requires_grad=True).backward()
+                synchronize(device)
 
-            kept, seconds = bytes_kept_for_backward(forward_backward)
+            kept, seconds = bytes_kept_for_backward(forward_backward, device)
             if run:
                 output = sum(t.numel() * t.element_size() for t in _floats(marks["y"]))
                 rows[i].append((marks["forward"], seconds - marks["forward"], kept, output))
@@ -291,30 +319,38 @@ def leaves_numel(params: PyTree, path: str) -> int:
     return sum(t.numel() for t in tree_leaves(node))
 
 
-def optimizer_seconds_per_element(optimizer, elements: int = 1 << 20, repeats: int = 5) -> float:
-    """Seconds the optimizer's update takes per parameter element (the fastest of `repeats` after a warm-up)."""
-    params = {"probe": torch.zeros(elements)}
-    grads = {"probe": torch.full((elements,), 1e-3)}
+def optimizer_seconds_per_element(optimizer, elements: int = 1 << 20, repeats: int = 5,
+                                  device: torch.device = CPU) -> float:
+    """Seconds the optimizer's update takes per parameter element on `device` (the fastest of
+    `repeats` after a warm-up)."""
+    params = {"probe": torch.zeros(elements, device=device)}
+    grads = {"probe": torch.full((elements,), 1e-3, device=device)}
     state = optimizer.init(params)
     times = []
     for run in range(repeats + 1):
+        synchronize(device)
         start = time.perf_counter()
         _, state = optimizer.update(grads, state, params)
+        synchronize(device)
         if run:
             times.append(time.perf_counter() - start)
     return min(times) / elements
 
 
-def copy_seconds_per_byte(nbytes: int = 32 << 20, repeats: int = 5) -> float:
-    """Seconds per byte of copying one host buffer into another (the fastest of `repeats` after a warm-up)."""
-    source, target = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-    times = []
-    for run in range(repeats + 1):
-        start = time.perf_counter()
-        target.copy_(source)
-        if run:
-            times.append(time.perf_counter() - start)
-    return min(times) / nbytes
+def copy_seconds_per_byte(nbytes: int = 32 << 20, repeats: int = 5, device: torch.device = CPU) -> float:
+    """Seconds per byte of ZeRO-Offload's copies (the fastest of `repeats` after a warm-up): from one
+    host buffer into another on the CPU, from pinned host memory to the GPU and back on CUDA."""
+    on_gpu = device.type == "cuda"
+    source = torch.ones(nbytes // 4, pin_memory=on_gpu)
+    target = torch.empty(nbytes // 4, device=device)
+
+    def copies() -> None:
+        target.copy_(source, non_blocking=on_gpu)
+        if on_gpu:
+            source.copy_(target, non_blocking=True)
+
+    times = [timed(copies, device) / (2 if on_gpu else 1) for _ in range(repeats + 1)]
+    return min(times[1:]) / nbytes
 
 
 def profile_job(job: Job, run: RunConfig, micro_batches: Sequence[int], remat: Sequence[RematKey],
@@ -325,13 +361,18 @@ def profile_job(job: Job, run: RunConfig, micro_batches: Sequence[int], remat: S
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
-        return _profile_job(job, run, micro_batches, remat, with_layers, repeats)
+        return _profile_job(job, run, micro_batches, remat, with_layers, repeats, run_device(run))
     finally:
         torch.set_num_threads(before)
 
 
+def run_device(run: RunConfig) -> torch.device:
+    """Where `run`'s ranks compute (`train.device`): this process's current GPU for cuda, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if run.train.device == "cuda" else CPU
+
+
 def _profile_job(job: Job, run: RunConfig, micro_batches: Sequence[int], remat: Sequence[RematKey],
-                 with_layers: bool, repeats: int) -> Profile:
+                 with_layers: bool, repeats: int, device: torch.device) -> Profile:
     from ..config.build import build_optimizer, build_precision  # noqa: PLC0415
 
     model = job.model
@@ -339,17 +380,19 @@ def _profile_job(job: Job, run: RunConfig, micro_batches: Sequence[int], remat: 
     optimizer = build_optimizer(run)
     profile = Profile(job.facts, params, model.logical_axes, job.rules, build_precision(run),
                       state_bytes_per_parameter(optimizer, next(iter(model.logical_axes), "probe")),
-                      optimizer_seconds_per_element(optimizer), tokens_per_sample=job.tokens_per_sample,
-                      data_bytes=job.data_bytes(), host_copy_s_per_byte=copy_seconds_per_byte())
+                      optimizer_seconds_per_element(optimizer, device=device), tokens_per_sample=job.tokens_per_sample,
+                      data_bytes=job.data_bytes(), host_copy_s_per_byte=copy_seconds_per_byte(device=device))
+    on_device = tree_map(lambda t: t.to(device), params)
     sizes = sorted(set(micro_batches))
     for policy, every in dict.fromkeys(remat):
         measured = model if policy == "none" else with_remat(model, policy, every)
-        profile.remat[(policy, every)] = [(m, *measure_micro_batch(measured, params, job.micro_batch(m), repeats))
-                                          for m in sizes]
+        profile.remat[(policy, every)] = [
+            (m, *measure_micro_batch(measured, on_device, job.micro_batch(m, device), repeats, device)) for m in sizes]
     piped = job.pipeline_model
     if with_layers and piped is not None and piped.layers is not None:
         piped_params = params if piped is model else piped.init(torch.Generator().manual_seed(run.train.seed))
-        profile.layer_costs = measure_layers(piped, piped_params, job.micro_batch(sizes[0]), repeats)
+        profile.layer_costs = measure_layers(piped, tree_map(lambda t: t.to(device), piped_params),
+                                             job.micro_batch(sizes[0], device), repeats, device)
         profile.layer_micro_batch, profile.layers = sizes[0], piped.layers
         profile.pipeline_params, profile.pipeline_axes = piped_params, piped.logical_axes
     return profile
@@ -365,5 +408,6 @@ def _detached(x: Any) -> Any:
     return tuple(one(t) for t in x) if isinstance(x, tuple) else one(x)
 
 
-__all__ = ["Job", "LayerCost", "Profile", "build_job", "copy_seconds_per_byte", "linear_fit", "measure_layers",
-           "measure_micro_batch", "optimizer_seconds_per_element", "peak_live_bytes", "profile_job"]
+__all__ = ["Job", "LayerCost", "Profile", "build_job", "copy_seconds_per_byte", "device_peak_bytes", "linear_fit",
+           "measure_layers", "measure_micro_batch", "optimizer_seconds_per_element", "peak_live_bytes", "profile_job",
+           "run_device", "timed"]

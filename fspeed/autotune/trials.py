@@ -11,7 +11,8 @@ measured_steps` steps, its metrics in the trial directory's `metrics.csv`. The s
 median of the measured steps' wall times (consecutive `elapsed_s`), which include loading the
 batch; throughput is the global batch over it (samples/s, and tokens/s where the run counts
 tokens). Each rank's peak memory is its process's resident high-water mark (`VmHWM` in
-/proc/<pid>/status, read while it runs). A trial that exits non-zero, is killed (out of memory:
+/proc/<pid>/status, read while it runs); on CUDA (`train.device=cuda`) the peak its allocator
+reserved, which fspeed-train records per rank in the run's `device_memory/` folder. A trial that exits non-zero, is killed (out of memory:
 SIGKILL from the kernel, or an allocator's error) or outlives `timeout_s` (a hang) is recorded with
 its reason and every process of its session is killed; the search goes on.
 """
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from ..cli.observe import DEVICE_PEAKS_DIR
 from ..fault_injection import alive, rank_pids, start, stop_session
 from .space import Candidate
 
@@ -236,7 +238,19 @@ def _measured(candidate: Candidate, run_dir: Path, settings: TrialSettings, comm
     step_s = statistics.median(times)
     samples = candidate.global_batch / step_s
     tokens = samples * tokens_per_sample if tokens_per_sample else None
+    common["peak_bytes"] = device_peaks(run_dir) or common["peak_bytes"]
     return TrialResult(status=OK, step_s=step_s, samples_per_s=samples, tokens_per_s=tokens, **common)
+
+
+def device_peaks(run_dir: Path) -> dict[int, int]:
+    """rank -> the CUDA allocator's peak reserved bytes that each rank of a run recorded (fspeed-train's
+    `device_memory/rank<r>.json`); empty for a run on the CPU."""
+    found = {}
+    for path in sorted((Path(run_dir) / DEVICE_PEAKS_DIR).glob("rank*.json")):
+        rank = path.stem[len("rank"):]
+        if rank.isdigit():
+            found[int(rank)] = int(json.loads(path.read_text())["max_reserved"])
+    return found
 
 
 def run_fingerprint(base_overrides: Sequence[str], world: int, settings: TrialSettings) -> str:
@@ -289,4 +303,4 @@ class ResultsFile:
 
 
 __all__ = ["FAILED", "OK", "OUT_OF_MEMORY", "ResultsFile", "STATUSES", "TIMEOUT", "TrialResult", "TrialSettings",
-           "candidate_key", "rank_threads", "read_peak_rss", "run_fingerprint", "run_trial", "step_measurements", "trial_overrides"]
+           "candidate_key", "device_peaks", "rank_threads", "read_peak_rss", "run_fingerprint", "run_trial", "step_measurements", "trial_overrides"]

@@ -38,12 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import torch
+
 from ..config.compose import compose_run_config
 from ..remat_budget import CANDIDATES as BUDGET_ORDER
 from .collectives import measure_collectives
 from .cost_model import CommCosts, predict_step
 from .memory_model import default_memory_per_rank, format_bytes, predict_memory, process_baselines, prune
-from .profiling import Profile, build_job, profile_job
+from .profiling import Profile, build_job, profile_job, run_device
 from .space import Candidate, SearchSpace, Skipped, enumerate_candidates
 from .trials import ResultsFile, TrialResult, TrialSettings, candidate_key, rank_threads, run_fingerprint, run_trial
 
@@ -167,12 +169,12 @@ class Prepared:
     rows: dict[Candidate, Row] = field(default_factory=dict)
     memory_per_rank: int = 0
     baseline: int = 0
-    on_cpu: bool = True  # the baseline shares the memory the limit is for (a GPU's excludes it)
+    on_cpu: bool = True  # the baseline: the process's host memory on a CPU, the allocator's slack on a GPU
     remat_baseline: int = 0  # what a remat layout's process holds more (`memory_model.process_baselines`)
 
     def peak(self, candidate: Candidate, baseline: Optional[int] = None) -> int:
         base = (self.baseline if baseline is None else baseline) + self.remat_extra(candidate)
-        return self.states[candidate] + (base if self.on_cpu else 0)
+        return self.states[candidate] + base
 
     def remat_extra(self, candidate: Candidate) -> int:
         return self.remat_baseline if candidate.remat != "none" else 0
@@ -239,31 +241,35 @@ def prepare(settings: TuneSettings, links: Optional[CommCosts] = None, baseline:
             progress: Callable[[str], None] = print) -> Prepared:
     """Enumerate, profile, predict memory and prune, measure the collectives and predict step times."""
     base = base_config(settings)
-    progress("autotune: building the model and data")
-    job = build_job(base)
+    device = run_device(base)
+    on_cpu = device.type == "cpu"
+    progress(f"autotune: building the model and data ({device.type})")
+    job = build_job(base, None if on_cpu else device)
     found = enumerate_candidates(base_space(settings), base, settings.world, job.facts)
     rows = {s.candidate: Row(s.candidate, "skipped", s.reason) for s in found.skipped}
-    limit = settings.memory_per_rank or default_memory_per_rank(settings.world)
+    limit = settings.memory_per_rank or default_memory_per_rank(settings.world, on_cpu)
     if not found.candidates:
-        return Prepared(settings.base_overrides, {}, {}, rows, limit)
+        return Prepared(settings.base_overrides, {}, {}, rows, limit, on_cpu=on_cpu)
     profile = _profile(job, base, found.candidates, rank_threads(settings.world), progress)
+    if not on_cpu:
+        torch.cuda.empty_cache()  # the trials' ranks need the device this process profiled on
     remat_baseline = 0
-    if baseline is None:
-        baseline, remat_baseline = process_baselines(_baseline_overrides(settings))
-    memory = {c: predict_memory(c, profile, base, baseline + (remat_baseline if c.remat != "none" else 0))
+    if baseline is None:  # on a GPU: the allocator's slack over what it hands out, calibrated by the first trial
+        baseline, remat_baseline = process_baselines(_baseline_overrides(settings)) if on_cpu else (0, 0)
+    memory = {c: predict_memory(c, profile, base, baseline + (remat_baseline if c.remat != "none" else 0), on_cpu)
               for c in found.candidates}
     fits, over = prune(list(memory.values()), limit)
     for s in over:
         rows[s.candidate] = Row(s.candidate, "over memory", s.reason, memory[s.candidate].peak_bytes)
     progress(f"autotune: {len(found.candidates)} candidates, {len(found.skipped)} skipped, {len(over)} predicted "
              f"over {format_bytes(limit)} per rank; measuring the collectives of {settings.world} ranks")
-    links = links if links is not None else measure_collectives(settings.world)
+    links = links if links is not None else measure_collectives(settings.world, device_type=device.type)
     partition = base.pipeline.partition
     costs = {p.candidate: predict_step(p.candidate, profile, links, partition).seconds for p in fits}
     for p in fits:
         rows[p.candidate] = Row(p.candidate, "not run", "", p.peak_bytes, costs[p.candidate])
     states = {c: dataclasses.replace(m, baseline=0).peak_bytes for c, m in memory.items()}
-    return Prepared(settings.base_overrides, states, costs, rows, limit, baseline, remat_baseline=remat_baseline)
+    return Prepared(settings.base_overrides, states, costs, rows, limit, baseline, on_cpu, remat_baseline)
 
 
 def _baseline_overrides(settings: TuneSettings) -> list[str]:
@@ -379,8 +385,6 @@ def _cannot_win(settings: TuneSettings, prepared: Prepared, candidate: Candidate
 
 def _recalibrate_memory(prepared: Prepared, measured: Candidate, peak: int) -> None:
     """Carry the baseline the first trial measured to every prediction, and prune again with it."""
-    if not prepared.on_cpu:
-        return  # a GPU's limit is the device's; the process baseline is host memory
     prepared.baseline = max(peak - prepared.states[measured] - prepared.remat_extra(measured), 0)
     for c in prepared.states:
         row = prepared.rows.get(c)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
+import os
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 
 from ..config import ConfigError, Problem
 from ..config.schema import RunConfig
@@ -195,5 +198,19 @@ def _to_plain(value: Any) -> Any:
     return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
 
 
-__all__ = ["FlopsWatch", "check_monitor_packages", "finish_lr_range_test", "metric_columns", "metrics_csv_path",
-           "open_monitors", "progress_line", "step_timers"]
+DEVICE_PEAKS_DIR = "device_memory"  # rank<r>.json: a CUDA rank's peak allocator bytes (fspeed-autotune reads them)
+
+
+def record_device_peak(device: torch.device, out_dir: Path) -> int:
+    """This rank's peak bytes reserved by the CUDA allocator, also written (with the peak allocated)
+    to `out_dir`/device_memory/rank<RANK>.json; returns the reserved peak."""
+    peaks = {"max_reserved": torch.cuda.max_memory_reserved(device),
+             "max_allocated": torch.cuda.max_memory_allocated(device)}
+    folder = Path(out_dir) / DEVICE_PEAKS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(peaks))
+    return peaks["max_reserved"]
+
+
+__all__ = ["DEVICE_PEAKS_DIR", "FlopsWatch", "check_monitor_packages", "finish_lr_range_test", "metric_columns",
+           "metrics_csv_path", "open_monitors", "progress_line", "record_device_peak", "step_timers"]

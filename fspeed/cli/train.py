@@ -63,8 +63,8 @@ from ..train_init import init_train_state
 from ..train_state import TrainState
 from ..timers import METRIC_KEYS, breakdown_summary
 from ..train_step import NonFiniteError, make_train_step
-from .observe import (FlopsWatch, check_monitor_packages, finish_lr_range_test, metrics_csv_path, open_monitors,
-                      progress_line, step_timers)
+from .observe import (DEVICE_PEAKS_DIR, FlopsWatch, check_monitor_packages, finish_lr_range_test, metrics_csv_path,
+                      open_monitors, progress_line, record_device_peak, step_timers)
 from .goodput import CLIENT_STATE_KEY as GOODPUT_KEY, COLUMNS as GOODPUT_COLUMNS, Goodput, GoodputLedger
 from .restarts import (
     AttemptRecord, agent_failures, describe_failure, restart_count, restarts_possible, step_error, world_change,
@@ -204,7 +204,7 @@ class _TrainingRun:
         torch.manual_seed(t.seed)
         t0 = time.perf_counter()
         self.pending_save: Optional[checkpoint.AsyncSave] = None  # checkpoint.async_save's save in flight
-        device = build_device(run)
+        device = self.device = build_device(run)
         job = _user_job(run, device) if isinstance(run.model, TargetConfig) else \
             _corpus_job(run, self.ckpt_dir, resume_tag)
         self.job, self.client_state = job, {**job.client_state, BATCH_KEY: batch_record(run)}
@@ -462,6 +462,8 @@ class _TrainingRun:
             "goodput": goodput.value, "restarts": goodput.restarts, "steps_redone": goodput.steps_redone,
             "seconds_lost": goodput.seconds_lost,
         }
+        if self.device is not None and self.device.type == "cuda":
+            summary["device_peak_bytes"] = record_device_peak(self.device, self.out_dir)
         if not self.lead:
             return summary
         if self.mesh is not None and run.comms_logger.enabled:
@@ -481,6 +483,9 @@ class _TrainingRun:
             print(f"\ntraining loss {self.metrics.get('loss', float('nan')):.4f} after {state.step} steps "
                   f"({state.skipped_steps} skipped) in {train_time:.0f}s (no validation data)")
         print(goodput.line())
+        if "device_peak_bytes" in summary:
+            print(f"device memory: peak {summary['device_peak_bytes'] / 2**30:.2f} GiB reserved on rank 0 (every "
+                  f"rank's: {self.out_dir / DEVICE_PEAKS_DIR})")
         if summary["metrics_csv"]:
             print(f"metrics:    {summary['metrics_csv']}")
         same = " and the same zero/parallel settings" if self.mesh is not None and self.mesh.world_size > 1 else ""
