@@ -170,3 +170,25 @@ def test_fspeed_train_writes_every_monitor_and_the_breakdown(tmp_path):
     history = wandb_history(run_dir)
     assert sorted(s for s, h in history.items() if TAGS["loss"] in h) == [1, 2, 3, 4, 5, 6]
     assert history[6][TAGS["val_loss"]] == pytest.approx(float(rows[6]["val_loss"]), rel=1e-5)
+
+
+def test_a_resumed_run_sets_aside_the_rows_an_earlier_attempt_wrote_after_its_step(tmp_path):
+    """Steps trained after the last checkpoint and lost to a failure are trained again on resume:
+    metrics.csv keeps one row per step, the lost attempt's rows go to metrics.redone.csv."""
+    import csv
+
+    path = tmp_path / "metrics.csv"
+    with CSVMonitor(path, ("step", "loss")) as first:
+        for step in range(5):
+            first.write({"step": step, "loss": 1.0 + step})
+    with CSVMonitor(path, ("step", "loss"), resumed_at=2) as second:
+        for step in (3, 4, 5):
+            second.write({"step": step, "loss": 0.5 + step})
+    rows = list(csv.DictReader(open(path)))
+    assert [r["step"] for r in rows] == ["0", "1", "2", "3", "4", "5"]
+    assert [r["loss"] for r in rows[3:]] == ["3.5", "4.5", "5.5"]
+    redone = list(csv.DictReader(open(tmp_path / "metrics.redone.csv")))
+    assert [(r["step"], r["loss"]) for r in redone] == [("3", "4"), ("4", "5")]
+    with CSVMonitor(path, ("step", "loss"), resumed_at=5):  # nothing after the step: the file stays
+        pass
+    assert len(list(csv.DictReader(open(path)))) == 6

@@ -47,14 +47,17 @@ def test_a_killed_rank_restarts_the_group_and_the_run_ends_bit_identical_with_it
     itself, finishes, and its final state equals the uninterrupted run's bit for bit; the log says what
     failed; goodput is in the summary and in metrics.csv, with the restart's cost."""
     trial = fi.healing_trial(RESTARTABLE, tmp_path, clean_run[0], random.Random(7), window_s=0.5,
-                             extra=("monitor.csv=true",))
+                             extra=("monitor.csv=true", "train.log_every=1"))
     assert trial.ok, trial.detail
     output = trial.numbers["output"]
     assert "was killed by SIGKILL" in output and "resumed from" in output and "lost (the failed attempt" in output
     faulted = trial.numbers["goodput"]
     assert faulted is not None and 0 < faulted <= 1
     with open(tmp_path / "run" / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r["goodput"]]
+        every = list(csv.DictReader(f))
+    trained = [int(r["step"]) for r in every if r["loss"]]
+    assert trained == sorted(set(trained))  # one row a step: the lost attempt's went to metrics.redone.csv
+    rows = [r for r in every if r["goodput"]]
     assert len(rows) == 1 and float(rows[0]["goodput"]) == pytest.approx(faulted, abs=1e-3)
     assert int(rows[0]["restarts"]) == 1 and int(rows[0]["steps_redone"]) == trial.numbers["steps_redone"]
     assert float(rows[0]["seconds_lost"]) > 0

@@ -60,14 +60,17 @@ def check_monitor_packages(run: RunConfig) -> None:
         raise ConfigError(problems)
 
 
-def open_monitors(run: RunConfig, out_dir: Path, extra_columns: tuple[str, ...] = ()) -> Monitors:
+def open_monitors(run: RunConfig, out_dir: Path, extra_columns: tuple[str, ...] = (),
+                  resumed_at: Optional[int] = None) -> Monitors:
     """The run's monitors (rank 0 calls this): metrics.csv (with `extra_columns`, the data path's
-    metrics), TensorBoard, W&B as configured."""
+    metrics; a run resumed at step `resumed_at` sets aside an earlier attempt's rows after it),
+    TensorBoard, W&B as configured."""
     m = run.monitor
     monitors = []
     try:
         if m.csv:
-            monitors.append(CSVMonitor(Path(m.csv_dir or out_dir) / "metrics.csv", metric_columns(run) + tuple(extra_columns)))
+            monitors.append(CSVMonitor(Path(m.csv_dir or out_dir) / "metrics.csv",
+                                       metric_columns(run) + tuple(extra_columns), resumed_at))
         if m.tensorboard:
             monitors.append(TensorBoardMonitor(m.tensorboard_dir or out_dir / "tensorboard"))
         if m.wandb:

@@ -249,6 +249,7 @@ class _TrainingRun:
         """`state` after the checks before the first step (can every rank save, with room for one
         checkpoint?), resumed from `resume_tag`, or with the weights of checkpoint.init_from."""
         run, mesh = self.run, self.mesh
+        self.resumed = resume_tag is not None
         try:
             checkpoint.preflight(self.ckpt_dir, state, mesh=mesh)
         except CheckpointError as e:
@@ -345,7 +346,8 @@ class _TrainingRun:
         failure saves the last good step first, where it can)."""
         run = self.run
         self.flops_watch = FlopsWatch(run, self.model, self.mesh, self.lead, run.batch.grad_accum)
-        self.monitor = open_monitors(run, self.out_dir, self.batches.metric_names + GOODPUT_COLUMNS) \
+        self.monitor = open_monitors(run, self.out_dir, self.batches.metric_names + GOODPUT_COLUMNS,
+                                     self.state.step if self.resumed or self.record.attempt > 0 else None) \
             if self.lead else None
         self.breakdowns: list[dict[str, float]] = []
         self.remat_sums: dict[str, dict[str, float]] = {}  # activation_checkpointing.profile: ms per block

@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 TRAIN_COLUMNS = (
     "step", "samples", "loss", "val_loss", "lr", "grad_norm", "loss_scale", "skipped",
@@ -20,9 +20,14 @@ TRAIN_COLUMNS = (
 
 
 class CSVMonitor:
-    """Append rows of metrics to a CSV file, flushing each row (a crash loses at most one row)."""
+    """Append rows of metrics to a CSV file, flushing each row (a crash loses at most one row).
 
-    def __init__(self, path: str | os.PathLike, columns: Sequence[str] = TRAIN_COLUMNS):
+    `resumed_at`: the step a resumed run continues from. The rows an earlier attempt wrote for the
+    steps after it (trained, then lost to a failure, and trained again now) move to
+    `<name>.redone.csv` beside the file, so each step has one row of the run's history."""
+
+    def __init__(self, path: str | os.PathLike, columns: Sequence[str] = TRAIN_COLUMNS,
+                 resumed_at: Optional[int] = None):
         self.path = Path(path)
         self.columns = tuple(columns)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -35,11 +40,33 @@ class CSVMonitor:
                     f"{self.path} exists with columns {header}, expected {list(self.columns)}; "
                     "choose another path or remove the file"
                 )
+            if resumed_at is not None:
+                self._set_aside_rows_after(resumed_at)
         self._file = open(self.path, "a", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=self.columns)
         if not resume:
             self._writer.writeheader()
             self._file.flush()
+
+    def _set_aside_rows_after(self, step: int) -> None:
+        with open(self.path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        later = [r for r in rows if r.get("step", "").isdigit() and int(r["step"]) > step]
+        if not later:
+            return
+        redone = self.path.with_name(f"{self.path.stem}.redone{self.path.suffix}")
+        new_file = not redone.exists() or redone.stat().st_size == 0
+        with open(redone, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.columns)
+            if new_file:
+                writer.writeheader()
+            writer.writerows(later)
+        kept = self.path.with_name(self.path.name + ".tmp")
+        with open(kept, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.columns)
+            writer.writeheader()
+            writer.writerows(r for r in rows if not (r.get("step", "").isdigit() and int(r["step"]) > step))
+        os.replace(kept, self.path)
 
     def write(self, row: dict[str, Any]) -> None:
         unknown = set(row) - set(self.columns)
