@@ -29,6 +29,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .launcher.processes import alive, descendants, proc_table
+
 from .checkpoint import CheckpointError, latest_tag, read_meta
 from .checkpoint.tensor_file import open_tensor_file
 
@@ -79,34 +81,6 @@ def run(command: Sequence[str], *, cwd: Path, log: Path, timeout_s: float = 600,
     return code, log.read_text(errors="replace")
 
 
-def _proc_table() -> dict[int, tuple[int, str, bool]]:
-    """pid -> (parent pid, command line, is a zombie), from /proc."""
-    table = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError):
-            continue
-        table[int(stat.parent.name)] = (int(fields[1]), cmdline, fields[0] == "Z")
-    return table
-
-
-def descendants(root: int) -> list[int]:
-    """Every live (non-zombie) process below `root`."""
-    table = _proc_table()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if not table[child][2]:
-                found.append(child)
-            todo.append(child)
-    return found
-
-
 def _environ(pid: int) -> dict[str, str]:
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
@@ -126,18 +100,12 @@ def rank_pids(root: int) -> dict[int, int]:
 
 
 def _cmdline(pid: int) -> str:
-    entry = _proc_table().get(pid)
+    entry = proc_table().get(pid)
     return entry[1] if entry else ""
 
 
 def agent_pid(root: int) -> Optional[int]:
     return next((pid for pid in descendants(root) if "fspeed.launcher.agent" in _cmdline(pid)), None)
-
-
-def alive(pids: Sequence[int]) -> list[int]:
-    """The pids of `pids` still running (zombies are not running)."""
-    table = _proc_table()
-    return [pid for pid in pids if pid in table and not table[pid][2]]
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bool:

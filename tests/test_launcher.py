@@ -23,7 +23,8 @@ from fspeed.launcher import (
     pool_from_slot_counts, read_hostfile, run_node_commands, select_resources, user_env,
 )
 from fspeed.launcher.environment import REPORT_ENV
-from fspeed.launcher.run import _child_pids
+from fspeed.launcher.processes import alive, children, descendants
+from fspeed.launcher.run import _stop
 from fspeed.launcher import tether
 from fspeed.testing import free_port
 
@@ -424,14 +425,35 @@ def test_sigterm_to_the_launcher_stops_the_nodes(tmp_path):
         os.kill(int(pid_file.read_text()), 0)
 
 
-def test_child_pids_sees_children():
+def test_children_are_seen():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        pids = _child_pids(os.getpid())
+        pids = children(os.getpid())
         assert pids is None or child.pid in pids
     finally:
         child.kill()
         child.wait()
+
+
+def test_stopping_an_agent_that_ignores_sigterm_leaves_none_of_its_workers_running(tmp_path):
+    """An agent deaf to SIGTERM is killed after the wait, and the worker it started goes with it
+    (nothing that held the launch's output, or a GPU, outlives the launch)."""
+    ready = tmp_path / "ready"
+    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+            f"open({str(ready)!r}, 'w').close(); time.sleep(600)")
+    agent = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = descendants(agent.pid)
+    assert workers, "the stand-in agent started no worker"
+    _stop([agent], kill_after_s=0.5)
+    assert agent.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while alive(workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert alive(workers) == []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from typing import Optional
 
 from .commands import NodeCommand, node_log_dir
 from .environment import REPORT_ENV
+from .processes import alive, children, descendants
 from .tether import AGENT_TETHER_ENV
 
 __all__ = ["LaunchError", "RankFailure", "NodeOutcome", "LaunchResult", "run_node_commands", "rank_log_files"]
@@ -245,41 +246,32 @@ def _wait(processes: Mapping[int, subprocess.Popen], grace_s: float, kill_after_
         time.sleep(poll_s)
 
 
-def _child_pids(pid: int) -> Optional[set[int]]:
-    """Live child processes of `pid` from /proc (None where /proc is unavailable: not Linux)."""
-    proc = Path("/proc")
-    if not (proc / "self" / "stat").exists():
-        return None
-    children = set()
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[1] == str(pid) and fields[0] != "Z":
-            children.add(int(stat.parent.name))
-    return children
-
-
 def _stop(processes, kill_after_s: float) -> None:
     """SIGTERM (torchrun forwards it to its workers), then SIGKILL what is still alive after `kill_after_s`.
 
     An agent without child processes has no workers left to stop (it waits in the exit barrier,
-    deaf to SIGTERM), so it is killed at once.
+    deaf to SIGTERM), so it is killed at once. No worker outlives this: whatever was below an
+    agent and still runs once the agent is gone is killed.
     """
-    alive = [p for p in processes if p.poll() is None]
-    for process in alive:
-        if _child_pids(process.pid) == set():
+    running = [p for p in processes if p.poll() is None]
+    workers = [pid for p in running for pid in descendants(p.pid)]
+    for process in running:
+        if children(process.pid) == set():
             process.kill()
         else:
             process.terminate()
     end = time.monotonic() + kill_after_s
-    for process in alive:
+    for process in running:
         try:
             process.wait(timeout=max(0.0, end - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+    for pid in alive(workers):  # an agent killed before it stopped its workers leaves them running
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def rank_log_files(log_dir: str, commands: Sequence[NodeCommand]) -> dict[int, list[Path]]:

@@ -13,6 +13,7 @@ serves Megatron's `mpu` interface, so Megatron-style code can be handed a Mesh, 
 from __future__ import annotations
 
 import datetime
+import gc
 import itertools
 import os
 from typing import Any, Callable, Optional
@@ -62,6 +63,8 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    _SUB_GROUPS.clear()  # the sub-groups go now, with their gloo threads, not while the interpreter finalizes
+    gc.collect()
 
 
 class Mesh:
