@@ -533,6 +533,21 @@ def test_a_failing_rank_fails_the_launch_with_one_summary_naming_the_rank_its_co
     assert code == 3 and "ChildFailedError" in stderr and "the job failed: rank 1" in stderr  # torchrun's own
 
 
+def _process_states(pids: list[int]) -> str:
+    """Each process's state, kernel wait channel and command line, for a failure message."""
+    lines = []
+    for pid in pids:
+        proc = Path(f"/proc/{pid}")
+        try:
+            state = next(line for line in (proc / "status").read_text().splitlines() if line.startswith("State:"))
+            wchan = (proc / "wchan").read_text()
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, StopIteration):
+            continue
+        lines.append(f"  {pid} {state} wchan={wchan} {cmdline[:160]}")
+    return "\n".join(lines)
+
+
 @pytest.mark.parametrize("how", ["ctrl-c", "kill -9 of the launcher"])
 def test_stopping_a_launch_prints_no_agent_traceback(tmp_path, how):
     script = tmp_path / "sleeper.py"
@@ -545,11 +560,16 @@ def test_stopping_a_launch_prints_no_agent_traceback(tmp_path, how):
         deadline = time.monotonic() + 120
         while not ((tmp_path / "0").exists() and (tmp_path / "1").exists()) and time.monotonic() < deadline:
             time.sleep(0.2)
+        started = (tmp_path / "0").exists() and (tmp_path / "1").exists()
         if how == "ctrl-c":                                                # a terminal signals the whole group
             os.killpg(launcher.pid, signal.SIGINT)
         else:
             launcher.kill()
-        output, _ = launcher.communicate(timeout=120)                      # until the agents, too, are gone
+        try:
+            output, _ = launcher.communicate(timeout=120)                  # until the agents, too, are gone
+        except subprocess.TimeoutExpired as stuck:
+            pytest.fail(f"the launch did not end (workers had started: {started}); what was left:\n"
+                        f"{_process_states([launcher.pid, *descendants(launcher.pid)])}\noutput: {stuck.output}")
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)

@@ -266,7 +266,10 @@ def _stop(processes, kill_after_s: float) -> None:
             process.wait(timeout=max(0.0, end - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
-            process.wait()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # not reaped yet (a kernel delay): its workers go below regardless
+                pass
     for pid in alive(workers):  # an agent killed before it stopped its workers leaves them running
         try:
             os.kill(pid, signal.SIGKILL)

@@ -12,10 +12,12 @@ serves Megatron's `mpu` interface, so Megatron-style code can be handed a Mesh, 
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import itertools
 import os
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -63,7 +65,23 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    _SUB_GROUPS.clear()  # the sub-groups go now, with their gloo threads, not while the interpreter finalizes
+    release_sub_groups()
+
+
+def release_sub_groups() -> None:
+    """Drop the sub-groups `process_group` made, while the interpreter still runs (also at exit).
+
+    A gloo thread can still hold the last reference to a finished collective, whose tensors it frees
+    under the GIL; if that happens while the interpreter finalizes (a group kept alive until then),
+    the thread dies inside a destructor and the process aborts ("terminate called without an
+    active exception", a SIGABRT after a complete run). So first the GIL is left free for a moment
+    (those threads finish and go idle), then the groups are freed, their threads joined.
+    """
+    if not _SUB_GROUPS:
+        return
+    for _ in range(5):
+        time.sleep(0.01)
+    _SUB_GROUPS.clear()
     gc.collect()
 
 
@@ -238,6 +256,9 @@ def process_group(ranks: list[int], timeout: Optional[datetime.timedelta], *,
     if key not in _SUB_GROUPS:
         for stale in [k for k in _SUB_GROUPS if k[0] is not world]:  # groups of a destroyed world
             del _SUB_GROUPS[stale]
+        if not _SUB_GROUPS:
+            atexit.unregister(release_sub_groups)
+            atexit.register(release_sub_groups)  # a script that never calls shutdown_distributed
         _SUB_GROUPS[key] = dist.new_group(list(ranks), timeout=timeout, backend=backend)
     return _SUB_GROUPS[key]
 
