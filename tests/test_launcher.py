@@ -435,6 +435,32 @@ def test_children_are_seen():
         child.wait()
 
 
+def test_a_stop_with_the_waitpid_lock_taken_still_ends_and_kills_the_workers(tmp_path):
+    """An interrupt inside Popen.poll can leave its waitpid lock taken; the stop must not wait on it
+    forever (the launcher would hang after Ctrl-C)."""
+    ready = tmp_path / "ready"
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+            f"open({str(ready)!r}, 'w').close(); time.sleep(600)")
+    agent = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = descendants(agent.pid)
+    assert agent._waitpid_lock.acquire(False)                            # as an interrupted poll leaves it
+    try:
+        started = time.monotonic()
+        _stop([agent], kill_after_s=0.5, reap_s=0.5)
+        assert time.monotonic() - started < 30
+    finally:
+        agent._waitpid_lock.release()
+        agent.kill()
+        agent.wait()
+    deadline = time.monotonic() + 10
+    while alive(workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert alive(workers) == []
+
+
 def test_stopping_an_agent_that_ignores_sigterm_leaves_none_of_its_workers_running(tmp_path):
     """An agent deaf to SIGTERM is killed after the wait, and the worker it started goes with it
     (nothing that held the launch's output, or a GPU, outlives the launch)."""

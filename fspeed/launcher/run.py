@@ -228,7 +228,8 @@ def _wait(processes: Mapping[int, subprocess.Popen], grace_s: float, kill_after_
     lost: set[int] = set()
     deadline: Optional[float] = None
     while True:
-        running = {rank: p for rank, p in processes.items() if p.poll() is None}
+        _poll_holding_signals(processes.values())
+        running = {rank: p for rank, p in processes.items() if p.returncode is None}
         for rank, process in processes.items():
             if process.returncode not in (None, 0) and rank not in failure_order and rank not in stopped:
                 failure_order.append(rank)
@@ -246,7 +247,25 @@ def _wait(processes: Mapping[int, subprocess.Popen], grace_s: float, kill_after_
         time.sleep(poll_s)
 
 
-def _stop(processes, kill_after_s: float) -> None:
+def _poll_holding_signals(processes) -> None:
+    """`poll()` each process with SIGINT and SIGTERM held back until it returns (in the main thread).
+    A KeyboardInterrupt raised inside `Popen.poll` can leave its waitpid lock taken (the handler may
+    run right after the lock is acquired), and the stop that follows would then wait on that lock
+    forever; held back, the signal arrives between polls instead."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        for process in processes:
+            process.poll()
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        for process in processes:
+            process.poll()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _stop(processes, kill_after_s: float, reap_s: float = 10.0) -> None:
     """SIGTERM (torchrun forwards it to its workers), then SIGKILL what is still alive after `kill_after_s`.
 
     An agent without child processes has no workers left to stop (it waits in the exit barrier,
@@ -267,8 +286,8 @@ def _stop(processes, kill_after_s: float) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:  # not reaped yet (a kernel delay): its workers go below regardless
+                process.wait(timeout=reap_s)
+            except subprocess.TimeoutExpired:  # not reaped (its waitpid lock taken): its workers go below regardless
                 pass
     for pid in alive(workers):  # an agent killed before it stopped its workers leaves them running
         try:
