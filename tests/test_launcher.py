@@ -565,10 +565,12 @@ def _process_states(pids: list[int]) -> str:
     for pid in pids:
         proc = Path(f"/proc/{pid}")
         try:
-            state = next(line for line in (proc / "status").read_text().splitlines() if line.startswith("State:"))
+            status = (proc / "status").read_text().splitlines()
+            state = " ".join(line for line in status if line.startswith(("State:", "SigPnd:", "ShdPnd:", "SigBlk:",
+                                                                          "SigIgn:", "SigCgt:")))
             wchan = (proc / "wchan").read_text()
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, StopIteration):
+        except OSError:
             continue
         lines.append(f"  {pid} {state} wchan={wchan} {cmdline[:160]}")
     return "\n".join(lines)
@@ -579,7 +581,11 @@ def test_stopping_a_launch_prints_no_agent_traceback(tmp_path, how):
     script = tmp_path / "sleeper.py"
     script.write_text(f"import os, time\nopen(os.path.join({str(tmp_path)!r}, os.environ['RANK']), 'w').close()\n"
                       "time.sleep(600)\n")
-    launcher = subprocess.Popen([sys.executable, "-m", "fspeed.cli.launch", "--num_gpus", "2", str(script)],
+    # as from a shell: SIGINT neither ignored nor blocked (a pytest worker's own state is inherited through exec)
+    as_from_a_shell = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, []); "
+                       "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])")
+    launcher = subprocess.Popen([sys.executable, "-c", as_from_a_shell, sys.executable, "-m", "fspeed.cli.launch",
+                                 "--num_gpus", "2", str(script)],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
