@@ -435,17 +435,33 @@ def test_children_are_seen():
         child.wait()
 
 
-def test_a_stop_with_the_waitpid_lock_taken_still_ends_and_kills_the_workers(tmp_path):
-    """An interrupt inside Popen.poll can leave its waitpid lock taken; the stop must not wait on it
-    forever (the launcher would hang after Ctrl-C)."""
+def _stand_in_agent(tmp_path, ignore_sigterm: bool = False) -> tuple[subprocess.Popen, list[int]]:
+    """A process standing in for a node agent, with one worker below it (sleeping): (it, the worker pids)."""
     ready = tmp_path / "ready"
-    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+    deaf = "signal.signal(signal.SIGTERM, signal.SIG_IGN); " if ignore_sigterm else ""
+    code = (f"import signal, subprocess, sys, time; {deaf}"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
             f"open({str(ready)!r}, 'w').close(); time.sleep(600)")
     agent = subprocess.Popen([sys.executable, "-c", code])
     deadline = time.monotonic() + 60
     while not ready.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     workers = descendants(agent.pid)
+    assert workers, "the stand-in agent started no worker"
+    return agent, workers
+
+
+def _none_alive(pids: list[int], within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive(pids) == []
+
+
+def test_a_stop_with_the_waitpid_lock_taken_still_ends_and_kills_the_workers(tmp_path):
+    """An interrupt inside Popen.poll can leave its waitpid lock taken; the stop must not wait on it
+    forever (the launcher would hang after Ctrl-C)."""
+    agent, workers = _stand_in_agent(tmp_path)
     assert agent._waitpid_lock.acquire(False)                            # as an interrupted poll leaves it
     try:
         started = time.monotonic()
@@ -455,31 +471,16 @@ def test_a_stop_with_the_waitpid_lock_taken_still_ends_and_kills_the_workers(tmp
         agent._waitpid_lock.release()
         agent.kill()
         agent.wait()
-    deadline = time.monotonic() + 10
-    while alive(workers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert alive(workers) == []
+    assert _none_alive(workers)
 
 
 def test_stopping_an_agent_that_ignores_sigterm_leaves_none_of_its_workers_running(tmp_path):
     """An agent deaf to SIGTERM is killed after the wait, and the worker it started goes with it
     (nothing that held the launch's output, or a GPU, outlives the launch)."""
-    ready = tmp_path / "ready"
-    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
-            f"open({str(ready)!r}, 'w').close(); time.sleep(600)")
-    agent = subprocess.Popen([sys.executable, "-c", code])
-    deadline = time.monotonic() + 60
-    while not ready.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    workers = descendants(agent.pid)
-    assert workers, "the stand-in agent started no worker"
+    agent, workers = _stand_in_agent(tmp_path, ignore_sigterm=True)
     _stop([agent], kill_after_s=0.5)
     assert agent.returncode == -signal.SIGKILL
-    deadline = time.monotonic() + 10
-    while alive(workers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert alive(workers) == []
+    assert _none_alive(workers)
 
 
 # ---------------------------------------------------------------------------------------------
