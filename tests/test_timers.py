@@ -91,7 +91,7 @@ def test_breakdown_under_zero_reports_the_parameter_all_gather_wait(world2, stag
             assert metrics["loss"] == reference_loss
             assert metrics["fwd_ms"] > 0 and metrics["bwd_allreduce_ms"] >= 0 and metrics["step_ms"] > 0
             assert metrics["allgather_ms"] >= 0  # (how it compares with fwd_ms is wall-clock, left to the machine)
-        if stage == 3:  # every unit is gathered in forward and again in backward
+        if stage == 3:  # every unit is gathered in forward and again in backward: the first unit's is waited for
             assert all(m["allgather_ms"] > 0 for m, _ in rank_result)
-        else:  # ZeRO-1: from the second step, the forward waits for the last update's gather
-            assert all(m["allgather_ms"] > 0 for m, _ in rank_result[1:])
+        # ZeRO-1: the last update's gather runs between steps; whether the forward still waits for it (and how
+        # long) depends on the machine, so only its presence is checked (allgather_ms >= 0 above)
