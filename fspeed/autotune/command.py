@@ -117,11 +117,12 @@ def _deepspeed_block(base: list[str], tuner: dict[str, Any], space: dict[str, An
     the block where the command line left them, print what each key became, and return the base
     ds_config to write (else None)."""
     from ..config.command_line import load_deepspeed_config  # noqa: PLC0415
+    from ..config.overrides import override_value  # noqa: PLC0415
 
-    paths = [o.split("=", 1)[1] for o in base if o.startswith("deepspeed_config=")]
-    if not paths:
+    path = override_value(base, "deepspeed_config")
+    if path is None:
         return base, None
-    ds = load_deepspeed_config(paths[-1])
+    ds = load_deepspeed_config(path)
     if not autotuning_enabled(ds):
         return base, None
     block_tuner, block_space, summary, ds_base = translate_block(ds)
@@ -129,7 +130,7 @@ def _deepspeed_block(base: list[str], tuner: dict[str, Any], space: dict[str, An
         tuner.setdefault(key, value)
     for key, value in block_space.items():
         space.setdefault(key, value)
-    print(f"fspeed-autotune: the autotuning block of {paths[-1]}:\n  " + "\n  ".join(summary), file=sys.stderr)
+    print(f"fspeed-autotune: the autotuning block of {path}:\n  " + "\n  ".join(summary), file=sys.stderr)
     return base, ds_base
 
 

@@ -136,15 +136,16 @@ def tuner_argv(overrides: list[str], launch: bool) -> list[str] | None:
     tuner chooses the layout within it, so the parallel.* keys do not go to the base."""
     from ..config.command_line import load_deepspeed_config  # noqa: PLC0415
     from ..config.deepspeed import DeepSpeedConfigError  # noqa: PLC0415
+    from ..config.overrides import override_value  # noqa: PLC0415
 
-    paths = [o.split("=", 1)[1] for o in overrides if o.startswith("deepspeed_config=")]
+    path = override_value(overrides, "deepspeed_config")
     try:
-        if not paths or not autotuning_enabled(load_deepspeed_config(paths[-1])):
+        if path is None or not autotuning_enabled(load_deepspeed_config(path)):
             return None
     except DeepSpeedConfigError:
         return None  # fspeed-train's own checks report the file
-    sizes = {k: o.split("=", 1)[1] for o in overrides for k in ("parallel.data", "parallel.tensor", "parallel.pipe")
-             if o.startswith(k + "=")}
+    sizes = {key: value for key in ("parallel.data", "parallel.tensor", "parallel.pipe")
+             if (value := override_value(overrides, key)) is not None}
     world = 1
     if launch:
         try:
@@ -156,7 +157,7 @@ def tuner_argv(overrides: list[str], launch: bool) -> list[str] | None:
             raise ValueError("--launch with an autotuning block tunes for the world it would start: give it as "
                              "positive sizes, e.g. parallel.data=8 (the tuner then chooses the tensor and pipeline "
                              f"sizes within it); got {sizes or 'none'}")
-    rest = [o for o in overrides if not o.split("=", 1)[0] in sizes]
+    rest = [o for o in overrides if o.split("=", 1)[0] not in sizes]
     return ["--nproc", str(world), *rest]
 
 

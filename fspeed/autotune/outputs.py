@@ -42,11 +42,14 @@ def ds_config(candidate: Candidate) -> dict[str, Any]:
 
 def merged_ds_config(base_overrides: Sequence[str], candidate: Candidate) -> dict[str, Any]:
     """`ds_config(candidate)` over the base's deepspeed_config file, if it has one."""
+    from ..config.command_line import load_deepspeed_config  # noqa: PLC0415
+    from ..config.overrides import override_value  # noqa: PLC0415
+
     tuned = ds_config(candidate)
-    paths = [o.split("=", 1)[1] for o in base_overrides if o.startswith("deepspeed_config=")]
-    if not paths:
+    path = override_value(base_overrides, "deepspeed_config")
+    if path is None:
         return tuned
-    merged = json.loads(Path(paths[-1]).read_text())
+    merged = load_deepspeed_config(path)
     merged.pop("autotuning", None)
     zero = dict(merged.get("zero_optimization") or {})
     chosen = tuned.pop("zero_optimization")

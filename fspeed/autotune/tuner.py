@@ -41,12 +41,13 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..config.compose import compose_run_config
+from ..config.overrides import override_value
 from ..remat_budget import CANDIDATES as BUDGET_ORDER
 from .collectives import measure_collectives
 from .cost_model import CommCosts, predict_step
 from .memory_model import default_memory_per_rank, format_bytes, predict_memory, process_baselines, prune
 from .profiling import Profile, build_job, profile_job, run_device
-from .space import Candidate, SearchSpace, Skipped, enumerate_candidates
+from .space import Candidate, SearchSpace, enumerate_candidates
 from .trials import ResultsFile, TrialResult, TrialSettings, candidate_key, rank_threads, run_fingerprint, run_trial
 
 STRATEGIES = ("model", "grid", "random", "fast")
@@ -208,19 +209,13 @@ class Prepared:
         return prepared
 
 
-def _base_value(settings: TuneSettings, key: str) -> Optional[str]:
-    """The value the base overrides give `key` (the last one), or None."""
-    values = [o.split("=", 1)[1] for o in settings.base_overrides if o.startswith(f"{key}=")]
-    return values[-1] if values else None
-
-
 def base_space(settings: TuneSettings) -> SearchSpace:
     """The search space with what the base fixes: its `train.micro_batch_size` fixes that axis (unless
     the space restricts it too: an error), and with a fixed global batch a `train.grad_accum` in the
     base is an error (the accumulation follows from the micro-batch)."""
-    space = settings.space
-    micro, accum = _base_value(settings, "train.micro_batch_size"), _base_value(settings, "train.grad_accum")
-    if accum not in (None, "null") and _base_value(settings, "train.train_batch_size") not in (None, "null"):
+    space, base = settings.space, settings.base_overrides
+    micro, accum = override_value(base, "train.micro_batch_size"), override_value(base, "train.grad_accum")
+    if accum not in (None, "null") and override_value(base, "train.train_batch_size") not in (None, "null"):
         raise ValueError(f"train.grad_accum={accum} in the base: with a fixed global batch the tuner derives the "
                          "accumulation from the micro-batch; drop it, or fix train.micro_batch_size")
     if micro in (None, "null"):

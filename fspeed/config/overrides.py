@@ -115,6 +115,12 @@ def split_superseded(file_overrides: Sequence[str], cli_overrides: Sequence[str]
     return kept, superseded
 
 
+def override_value(overrides: Sequence[str], key: str) -> str | None:
+    """The text the last ``key=...`` among `overrides` gives `key` (as written), or None."""
+    values = [o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")]
+    return values[-1] if values else None
+
+
 def merge_overrides(file_overrides: Sequence[str], cli_overrides: Sequence[str]) -> list[str]:
     """The file's overrides the command line leaves alone, followed by the command line's."""
     kept, _ = split_superseded(file_overrides, cli_overrides)
