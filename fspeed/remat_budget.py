@@ -71,13 +71,20 @@ def bytes_kept_for_backward(run: Callable[[], Any], device: torch.device = torch
     return kept[0], time.perf_counter() - start
 
 
-def measure_activations(model: Model, params: PyTree, micro_batch: Any, *, seed: int = 0) -> tuple[int, float]:
-    """(bytes one micro-batch's forward keeps for backward, seconds of its forward and backward),
-    measured through `make_train_step` on one process, after one warm-up step (module docstring)."""
+def warmed_up_step(model: Model, params: PyTree, micro_batch: Any, *, seed: int = 0) -> tuple[Any, Any]:
+    """(a plain `make_train_step` of `model` (SGD at lr 0), its state after one step on `micro_batch`):
+    what measuring a micro-batch starts from, its first-step allocations (buffers, caches) made."""
     opt = sgd(0.0)
     state = init_train_state(params, opt, seed=seed, model=model if model.init_buffers is not None else None)
     step = make_train_step(model.loss, opt)
-    state, _ = step(state, micro_batch)  # first-step allocations (buffers, caches) are not activations
+    state, _ = step(state, micro_batch)
+    return step, state
+
+
+def measure_activations(model: Model, params: PyTree, micro_batch: Any, *, seed: int = 0) -> tuple[int, float]:
+    """(bytes one micro-batch's forward keeps for backward, seconds of its forward and backward),
+    measured through `make_train_step` on one process, after one warm-up step (module docstring)."""
+    step, state = warmed_up_step(model, params, micro_batch, seed=seed)
     s = step.begin(state)
     return bytes_kept_for_backward(lambda: step.micro(s, state, micro_batch), state.master_params.buffer.device)
 
@@ -122,4 +129,4 @@ def remat_within_budget(model: Model, params: PyTree, micro_batch: Any,
                      f"partition_activations with tensor slicing\n{table}")
 
 
-__all__ = ["BudgetChoice", "bytes_kept_for_backward", "measure_activations", "remat_within_budget"]
+__all__ = ["BudgetChoice", "bytes_kept_for_backward", "measure_activations", "remat_within_budget", "warmed_up_step"]

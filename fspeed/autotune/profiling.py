@@ -34,11 +34,8 @@ from ..models.layers import with_state
 from ..models.model import Model
 from ..pytree import PyTree, tree_leaves, tree_map
 from ..rematerialization import remat as with_remat
-from ..remat_budget import bytes_kept_for_backward
-from ..optim.sgd import sgd
+from ..remat_budget import bytes_kept_for_backward, warmed_up_step
 from ..parallel.memory import state_bytes_per_parameter
-from ..train_init import init_train_state
-from ..train_step import make_train_step
 from .space import ModelFacts
 
 RematKey = tuple[str, int]  # (policy, every)
@@ -231,10 +228,7 @@ def measure_micro_batch(model: Model, params: PyTree, micro_batch: Any, repeats:
     through the real train step on one process, after a warm-up step. On the CPU the peak is
     sampled from malloc's counters, and the times are taken in runs of their own (reading the
     counters takes malloc's lock, which slows the run it watches); on CUDA it is the allocator's."""
-    opt = sgd(0.0)
-    state = init_train_state(params, opt, seed=0, model=model if model.init_buffers is not None else None)
-    step = make_train_step(model.loss, opt)
-    state, _ = step(state, micro_batch)  # first-step allocations are not activations
+    step, state = warmed_up_step(model, params, micro_batch)  # first-step allocations are not activations
 
     def micro() -> Callable[[], Any]:  # a micro-batch on a fresh accumulation, begun outside what is measured
         begun = step.begin(state)
