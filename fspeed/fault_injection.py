@@ -29,10 +29,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .launcher.processes import alive, descendants, proc_table
-
 from .checkpoint import CheckpointError, latest_tag, read_meta
 from .checkpoint.tensor_file import open_tensor_file
+from .launcher.processes import alive, descendants, proc_table
 
 TINY_RUN = ("model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.seq_len=32", "data.max_bytes=40000",
             "train.micro_batch_size=4", "train.eval_every=0", "train.eval_batches=1", "train.log_every=1000",

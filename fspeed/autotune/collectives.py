@@ -4,8 +4,9 @@
     links.seconds("data", "all_reduce", 64 << 20, size=2)
 
 `world` processes on this machine (`python -m fspeed.autotune.collectives`: gloo on the CPU, NCCL
-on each rank's GPU with `device="cuda"`, as the run's ranks will use) run each collective of `cost_model.COLLECTIVES` through fspeed's communication module at two message
-sizes, `repeats` times after a warm-up; the median times give a line `latency + bytes x
+on each rank's GPU with `device="cuda"`, as the run's ranks will use) run each collective of
+`cost_model.COLLECTIVES` through fspeed's communication module at two message sizes, `repeats`
+times after a warm-up; the median times give a line `latency + bytes x
 s_per_byte` per op. One node has one transport, so every mesh axis gets the same links (a
 multi-node mesh would measure each axis' group on its own).
 """

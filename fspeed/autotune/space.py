@@ -237,9 +237,10 @@ class SearchSpace:
 
     `micro_batch`: None = powers of two dividing the global batch per data rank (with no global
     batch: up to 4x the base's micro-batch), within `micro_batch_min`..`micro_batch_max` (DeepSpeed's
-    min/max_train_micro_batch_size_per_gpu; without a global batch the max also sets the limit). `grad_accum` applies only when no global batch is
-    fixed (None: the base's). `tensor`, `pipe`: None = every size dividing the world the model
-    allows. `slow`: also search `overlap_comm` and the bucket sizes (else the base's values).
+    min/max_train_micro_batch_size_per_gpu; without a global batch the max also sets the limit).
+    `grad_accum` applies only when no global batch is fixed (None: the base's). `tensor`, `pipe`:
+    None = every size dividing the world the model allows. `slow`: also search `overlap_comm` and
+    the bucket sizes (else the base's values).
     """
 
     zero_stage: tuple[int, ...] = (0, 1, 2, 3)

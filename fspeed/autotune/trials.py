@@ -12,9 +12,10 @@ median of the measured steps' wall times (consecutive `elapsed_s`), which includ
 batch; throughput is the global batch over it (samples/s, and tokens/s where the run counts
 tokens). Each rank's peak memory is its process's resident high-water mark (`VmHWM` in
 /proc/<pid>/status, read while it runs); on CUDA (`train.device=cuda`) the peak its allocator
-reserved, which fspeed-train records per rank in the run's `device_memory/` folder. A trial that exits non-zero, is killed (out of memory:
-SIGKILL from the kernel, or an allocator's error) or outlives `timeout_s` (a hang) is recorded with
-its reason and every process of its session is killed; the search goes on.
+reserved, which fspeed-train records per rank in the run's `device_memory/` folder. A trial that
+exits non-zero, is killed (out of memory: SIGKILL from the kernel, or an allocator's error) or
+outlives `timeout_s` (a hang) is recorded with its reason and every process of its session is
+killed; the search goes on.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class TrialResult:
     step_s: Optional[float] = None  # median wall seconds of a measured step, data loading included
     samples_per_s: Optional[float] = None
     tokens_per_s: Optional[float] = None
-    peak_bytes: dict[int, int] = field(default_factory=dict)  # rank -> resident high-water mark
+    peak_bytes: dict[int, int] = field(default_factory=dict)  # rank -> resident high-water mark (CUDA: reserved)
     wall_s: float = 0.0
     run_dir: str = ""
 
@@ -303,4 +304,5 @@ class ResultsFile:
 
 
 __all__ = ["FAILED", "OK", "OUT_OF_MEMORY", "ResultsFile", "STATUSES", "TIMEOUT", "TrialResult", "TrialSettings",
-           "candidate_key", "device_peaks", "rank_threads", "read_peak_rss", "run_fingerprint", "run_trial", "step_measurements", "trial_overrides"]
+           "candidate_key", "device_peaks", "rank_threads", "read_peak_rss", "run_fingerprint", "run_trial",
+           "step_measurements", "trial_overrides"]

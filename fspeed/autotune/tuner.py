@@ -14,9 +14,9 @@ Strategies (`TuneSettings.strategy`):
 - `grid`: every candidate that fits, in enumeration order (up to `max_trials`).
 - `random`: a seeded random sample of `max_trials` of them.
 - `fast`: DeepSpeed's fast mode for comparison: the ZeRO stages at the base's other settings (no
-  remat, no tensor or pipeline slicing, the first value of each offload axis), each with its largest fitting micro-batch and
-  the next smaller ones (`fast_micro_batches` in all, 3 by default), stopping after 5 trials
-  without improvement.
+  remat, no tensor or pipeline slicing, the first value of each offload axis), each with its
+  largest fitting micro-batch and the next smaller ones (`fast_micro_batches` in all, 3 by
+  default), stopping after 5 trials without improvement.
 
 Layouts are compared by `metric`: `throughput` (default: samples per second, which at a fixed
 global batch orders them as step time does) or `latency` (seconds per step, whatever the batch).
@@ -336,11 +336,11 @@ def tune(settings: TuneSettings, links: Optional[CommCosts] = None, baseline: Op
     calibration: list[float] = []
     since_best = 0
     best: Optional[Row] = None
+    patience = settings.patience or (5 if settings.strategy == "fast" else None)
     for candidate in _order(settings, prepared):
         row = prepared.rows[candidate]
         if row.status != "not run":  # re-pruned after the memory baseline was calibrated
             continue
-        patience = settings.patience or (5 if settings.strategy == "fast" else None)
         if ran + resumed >= settings.max_trials or _cannot_win(settings, prepared, candidate, calibration, best) \
                 or (patience is not None and since_best >= patience):
             break
@@ -431,5 +431,5 @@ def autotune(model: object = None, data: object = None, *, world: int, global_ba
     return report
 
 
-__all__ = ["METRICS", "Prepared", "Row", "STRATEGIES", "TuneReport", "TuneSettings", "autotune", "base_config", "base_space",
-           "prepare", "tune"]
+__all__ = ["METRICS", "Prepared", "Row", "STRATEGIES", "TuneReport", "TuneSettings", "autotune", "base_config",
+           "base_space", "prepare", "tune"]

@@ -51,7 +51,9 @@ class CSVMonitor:
     def _set_aside_rows_after(self, step: int) -> None:
         with open(self.path, newline="") as f:
             rows = list(csv.DictReader(f))
-        later = [r for r in rows if r.get("step", "").isdigit() and int(r["step"]) > step]
+        kept, later = [], []
+        for row in rows:
+            (later if row.get("step", "").isdigit() and int(row["step"]) > step else kept).append(row)
         if not later:
             return
         redone = self.path.with_name(f"{self.path.stem}.redone{self.path.suffix}")
@@ -61,12 +63,12 @@ class CSVMonitor:
             if new_file:
                 writer.writeheader()
             writer.writerows(later)
-        kept = self.path.with_name(self.path.name + ".tmp")
-        with open(kept, "w", newline="") as f:
+        staged = self.path.with_name(self.path.name + ".tmp")
+        with open(staged, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=self.columns)
             writer.writeheader()
-            writer.writerows(r for r in rows if not (r.get("step", "").isdigit() and int(r["step"]) > step))
-        os.replace(kept, self.path)
+            writer.writerows(kept)
+        os.replace(staged, self.path)
 
     def write(self, row: dict[str, Any]) -> None:
         unknown = set(row) - set(self.columns)
