@@ -118,15 +118,28 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, poll_s: float = 
 
 def stop_session(process: subprocess.Popen, also: Sequence[int] = ()) -> None:
     """Kill whatever is left of a job (cleanup after a trial, whatever it found): the process, its
-    descendants, and `also` (workers seen earlier, which a dead parent no longer leads to)."""
-    for pid in [process.pid, *descendants(process.pid), *alive(list(also))]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    descendants, and `also` (workers seen earlier, which a dead parent no longer leads to). The tree
+    is frozen first (SIGSTOP, again until no new process appears), so that a process starting
+    while it is found (a launcher spawning its agent, an agent its workers) is not left behind."""
+    frozen: list[int] = []
+    found = [process.pid, *alive(list(also))]
+    while found:
+        for pid in found:
+            _signal(pid, signal.SIGSTOP)
+        frozen += found
+        found = [pid for pid in descendants(process.pid) if pid not in frozen]
+    for pid in frozen:
+        _signal(pid, signal.SIGKILL)
     try:
         process.wait(timeout=10)
     except subprocess.TimeoutExpired:
+        pass
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):
         pass
 
 
